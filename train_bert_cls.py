@@ -1,0 +1,451 @@
+"""Chinese news classification with BERT (the cnews example) on Hugging Face Accelerate.
+
+One code path for CPU, one GPU, N GPUs and N machines; the hardware is chosen by the launcher:
+    python train_bert_cls.py --data_dir data/cnews --model_name_or_path hfl/chinese-bert-wwm-ext \
+        --do_train --do_eval --do_test --output_dir outputs/cnews
+    accelerate launch --config_file accelerate_configs/4gpu.yaml train_bert_cls.py --data_dir data/cnews ...
+A tiny CPU run (2 processes of gloo DDP), randomly initialised from a config.json + vocab.txt directory:
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_bert_cls.py --cpu \
+        --data_dir demo_data/bert --model_name_or_path demo_data/bert/model --from_scratch \
+        --config_overrides num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512 \
+        --do_train --do_eval --do_test --num_train_epochs 2 --output_dir outputs/bert_demo
+Batch sizes are GLOBAL: the same command trains the same way on any number of processes.
+"""
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+from datasets import Dataset
+from safetensors.torch import load_model
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                          get_linear_schedule_with_warmup)
+
+from utils.checkpoint import (check_compatible, check_output_dir, clear_previous_run, load_checkpoint, replace_dir_atomically,
+                              resolve_resume, save_checkpoint)
+from utils.errors import UserError, run_cli
+from utils.loss_meter import LossMeter
+from utils.metrics import classification_metrics, save_confusion_matrix
+from utils.preemption import PreemptionGuard
+from utils.run_log import RunLog, format_step_line, provenance
+from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, maybe_data_parallel,
+                           print_run_summary, run_info)
+from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_texts,
+                             write_labels_file)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("data")
+    data.add_argument("--data_dir", type=Path, help="directory with train.txt/val.txt/test.txt (or cnews.*.txt)")
+    data.add_argument("--train_file", type=Path, help=".txt/.tsv (label TAB text), .csv or .json(l) (label, text)")
+    data.add_argument("--validation_file", type=Path)
+    data.add_argument("--test_file", type=Path)
+    data.add_argument("--predict_file", type=Path, help="one text per line, or .jsonl/.csv with a 'text' field")
+    data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
+    data.add_argument("--max_seq_len", type=int, default=512, help="tokens; longer texts are truncated")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model_name_or_path", required=True, help="hub id or local directory")
+    model.add_argument("--from_scratch", action="store_true",
+                       help="random init from the directory's config.json + vocab.txt")
+    model.add_argument("--config_overrides", default=None,
+                       help='with --from_scratch, e.g. "num_hidden_layers=2,hidden_size=128"')
+    model.add_argument("--trust_remote_code", action="store_true", help="allow code from the model repo (off)")
+    modes = parser.add_argument_group("modes")
+    modes.add_argument("--do_train", action="store_true")
+    modes.add_argument("--do_eval", action="store_true", help="evaluate the best model on the validation file")
+    modes.add_argument("--do_test", action="store_true", help="evaluate the best model once on the test file")
+    modes.add_argument("--do_predict", action="store_true", help="write predictions.jsonl for --predict_file")
+    train = parser.add_argument_group("training")
+    train.add_argument("--train_batch_size", type=int, default=32, help="GLOBAL samples per optimizer micro-step")
+    train.add_argument("--eval_batch_size", type=int, default=64, help="GLOBAL samples per evaluation batch")
+    train.add_argument("--learning_rate", type=float, default=3e-5, help="peak AdamW learning rate")
+    train.add_argument("--weight_decay", type=float, default=0.01, help="not applied to bias and LayerNorm")
+    train.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear warmup")
+    train.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument("--num_train_epochs", type=int, default=3)
+    train.add_argument("--max_train_steps", type=int, default=None, help="optimizer steps; overrides epochs")
+    train.add_argument("--seed", type=int, default=42)
+    train.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
+    output = parser.add_argument_group("output")
+    output.add_argument("--output_dir", type=Path, default=Path("outputs/bert_cls"))
+    output.add_argument("--overwrite_output_dir", action="store_true")
+    output.add_argument("--logging_steps", type=int, default=50, help="optimizer steps between log lines")
+    output.add_argument("--eval_steps", type=int, default=None, help="optimizer steps between evals; default per epoch")
+    output.add_argument("--checkpointing_steps", type=int, default=None,
+                        help="optimizer steps between resumable checkpoints; default: end of each epoch")
+    output.add_argument("--save_total_limit", type=int, default=2, help="resumable checkpoints kept")
+    output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
+    add_runtime_args(parser)
+    args = parser.parse_args(argv)
+    if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
+        parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
+    if args.do_predict and not args.predict_file:
+        parser.error("--do_predict needs --predict_file")
+    for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
+        if getattr(args, flag) is None and args.data_dir is not None:
+            setattr(args, flag, find_split_file(args.data_dir, split))
+    return args
+
+
+def load_splits(args, checkpoint_labels):
+    """Read and validate every input file before anything is written; return (labels, {split: examples})."""
+    needed = {"train": args.do_train, "validation": args.do_eval, "test": args.do_test}
+    files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
+    for split, need in needed.items():
+        if need and files[split] is None:
+            raise UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
+                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)")
+    if args.do_train and files["validation"] is not None:
+        needed["validation"] = True  # model selection uses the validation set, never the test set
+    examples = {split: read_examples(files[split]) for split, need in needed.items() if need}
+    if "train" in examples:
+        labels = build_label_list(examples["train"], args.labels_file)
+    elif args.labels_file:
+        labels = build_label_list([], args.labels_file)
+    else:
+        labels = checkpoint_labels
+    if checkpoint_labels and not args.do_train and labels != checkpoint_labels:
+        raise UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} "
+                        f"(trained with {checkpoint_labels})")
+    for split in ("validation", "test"):
+        if split in examples:
+            check_known_labels(examples[split], labels, source=f"the labels of the model ({', '.join(labels)})")
+    return labels, examples
+
+
+def saved_labels(model_name_or_path):
+    """The id order a trained model was saved with (config id2label), or None for a base model."""
+    config_file = Path(model_name_or_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    id2label = json.loads(config_file.read_text(encoding="utf-8")).get("id2label")
+    if not id2label or all(name.startswith("LABEL_") for name in id2label.values()):
+        return None
+    return [id2label[str(i)] for i in range(len(id2label))]
+
+
+def build_model(args, labels):
+    """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config."""
+    path = Path(args.model_name_or_path)
+    has_weights = any((path / name).exists() for name in WEIGHT_FILES)
+    if path.is_dir() and not has_weights and not args.from_scratch:
+        raise UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); "
+                        "pass --from_scratch to train a randomly initialised model from its config.json")
+    label_kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
+                        label2id={label: i for i, label in enumerate(labels)})
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
+                                            **label_kwargs)
+        if args.from_scratch:
+            if args.config_overrides:
+                config.update_from_string(args.config_overrides)
+            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=args.trust_remote_code)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                args.model_name_or_path, config=config, ignore_mismatched_sizes=True,
+                trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{args.model_name_or_path}: cannot load model ({str(err).splitlines()[0]})") from None
+    # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
+    if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
+        raise UserError(f"{args.model_name_or_path}: tokenizer has {len(tokenizer)} tokens but the model expects "
+                        f"{config.vocab_size}; is vocab.txt there and read?")
+    return tokenizer, model
+
+
+def tokenize(tokenizer, texts, labels, max_seq_len):
+    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator."""
+    columns = {"text": texts} if labels is None else {"text": texts, "labels": labels}
+    dataset = Dataset.from_dict(columns)
+    return dataset.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_seq_len),
+                       batched=True, batch_size=1000, remove_columns=["text"])
+
+
+def unk_rate(tokenizer, dataset):
+    ids = [i for row in dataset["input_ids"] for i in row if i not in tokenizer.all_special_ids]
+    unknown = sum(1 for i in ids if i == tokenizer.unk_token_id)
+    return unknown / max(1, len(ids))
+
+
+def build_dataloaders(args, tokenizer, labels, examples, texts_to_predict):
+    """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch."""
+    label2id = {label: i for i, label in enumerate(labels)}
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)  # multiples of 8 suit tensor cores
+    loaders, stats = {}, {}
+    for split, split_examples in examples.items():
+        dataset = tokenize(tokenizer, [e.text for e in split_examples], [label2id[e.label] for e in split_examples],
+                           args.max_seq_len)
+        if split == "train":
+            stats["train_unk_rate"] = unk_rate(tokenizer, dataset)
+        loaders[split] = DataLoader(dataset, shuffle=split == "train", collate_fn=collator,
+                                    batch_size=args.train_batch_size if split == "train" else args.eval_batch_size,
+                                    num_workers=args.num_workers)
+    if texts_to_predict is not None:
+        dataset = tokenize(tokenizer, texts_to_predict, None, args.max_seq_len)
+        loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator)
+    return loaders, stats
+
+
+def optimizer_groups(model, weight_decay):
+    """AdamW parameter groups: no weight decay on biases and LayerNorm weights."""
+    no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+    ]
+
+
+@torch.no_grad()
+def predict_logits(accelerator, model, dataloader, desc):
+    """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
+    model.eval()
+    all_logits, all_labels = [], []
+    for batch in tqdm(dataloader, desc=desc, disable=not accelerator.is_local_main_process, leave=False):
+        labels = batch.pop("labels", None)
+        logits = model(**batch).logits.float()  # (B, C)
+        logits, labels = accelerator.gather_for_metrics((logits, labels))
+        all_logits.append(logits.cpu())
+        all_labels.append(labels.cpu() if labels is not None else None)
+    model.train()
+    labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
+    return torch.cat(all_logits), labels
+
+
+def evaluate(accelerator, model, dataloader, labels, desc):
+    """Accuracy, micro/macro F1, mean loss per sample, report and confusion matrix."""
+    logits, targets = predict_logits(accelerator, model, dataloader, desc)
+    metrics = classification_metrics(targets.numpy(), logits.argmax(-1).numpy(), labels)
+    metrics["loss"] = F.cross_entropy(logits, targets).item()  # mean over samples
+    return metrics
+
+
+def save_best_model(accelerator, model, tokenizer, best_dir):
+    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically."""
+    tmp = best_dir.with_name(best_dir.name + ".tmp")
+    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: all ranks
+    accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process,
+                                                    save_function=accelerator.save, state_dict=state_dict)
+    accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
+    accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
+    accelerator.wait_for_everyone()
+
+
+def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
+    """The training loop; returns train metrics, and whether it stopped early for a preemption."""
+    steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
+    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
+    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate)
+    # Sized from the UNprepared loader; with split_batches the prepared scheduler steps once per optimizer step.
+    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * max_train_steps),
+                                                max_train_steps)
+    eval_loader = loaders.get("validation")
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, loaders["train"], scheduler)
+    eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
+
+    checkpoint_dir = args.output_dir / "checkpoints"
+    resume_path = resolve_resume(args.resume_from_checkpoint, checkpoint_dir)
+    state = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
+    if resume_path is not None:
+        state = load_checkpoint(accelerator, resume_path)
+        check_compatible(state, compat, resume_path)
+        accelerator.print(f"Resumed from {resume_path} at step {state['completed_steps']}")
+    if state["batches_in_epoch"] >= len(train_loader):  # saved at an epoch's end
+        state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    log.open(resume_step=state["completed_steps"] if resume_path else None)
+
+    print_run_summary(accelerator, "Running training", {
+        **run_info(accelerator, args.train_batch_size),
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "samples_per_optimizer_step": args.train_batch_size * args.gradient_accumulation_steps,
+        "train_samples": len(loaders["train"].dataset),
+        "steps_per_epoch": steps_per_epoch, "epochs": num_epochs, "total_steps": max_train_steps,
+        "resume_step": state["completed_steps"],
+    })
+    guard = PreemptionGuard(accelerator)
+    meter = LossMeter(accelerator.device)
+    best_dir = args.output_dir / "best_model"
+    completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
+    progress = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
+    start_time = window_start = time.perf_counter()
+    window_steps = 0
+
+    def snapshot(epoch, batches_in_epoch):
+        return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
+                "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"]}
+
+    def stop_if_diverged():
+        if meter.diverged(accelerator):
+            raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from "
+                            f"it. Last good checkpoint: {resolve_resume('latest', checkpoint_dir)}. "
+                            "Try a lower --learning_rate or bf16 instead of fp16.")
+
+    model.train()
+    for epoch in range(state["epoch"], num_epochs):
+        train_loader.set_epoch(epoch)  # the seedable sampler's order depends on seed + epoch only
+        skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        batches_in_epoch = skip
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss  # mean over this process's share of the batch
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            meter.update(loss, batch["labels"].shape[0])
+            batches_in_epoch += 1
+            samples_seen += args.train_batch_size
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            window_steps += 1
+            progress.update(1)
+            at_end = completed_steps >= max_train_steps or batches_in_epoch == len(train_loader)
+            if completed_steps % args.logging_steps == 0 or at_end:
+                stop_if_diverged()
+                elapsed = time.perf_counter() - window_start
+                values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0],
+                          "ms_per_step": 1000 * elapsed / window_steps,
+                          "samples_per_second": window_steps * args.gradient_accumulation_steps
+                          * args.train_batch_size / elapsed}
+                log.console(format_step_line(epoch + 1, completed_steps, max_train_steps, values))
+                log.log("train", completed_steps, {"epoch": epoch + 1, **values})
+                window_start, window_steps = time.perf_counter(), 0
+            # Evaluate every --eval_steps, else at each epoch's end; always after the last step.
+            eval_now = (completed_steps % args.eval_steps == 0) if args.eval_steps else at_end
+            if eval_loader is not None and (eval_now or completed_steps >= max_train_steps):
+                stop_if_diverged()
+                metrics = evaluate(accelerator, model, eval_loader, labels, "validation")
+                log.log("eval", completed_steps, {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
+                                                                          "micro_f1", "samples")})
+                log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | "
+                                  f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f}")
+                if metrics["macro_f1"] > state["best_macro_f1"]:
+                    state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
+                    save_best_model(accelerator, model, tokenizer, best_dir)
+            ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else at_end
+            preempted = guard.should_stop()
+            if ckpt_now or preempted:
+                stop_if_diverged()
+                path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, snapshot(epoch, batches_in_epoch),
+                                       args.save_total_limit)
+                accelerator.print(f"saved checkpoint {path}")
+            if preempted or completed_steps >= max_train_steps:
+                break
+        if preempted or completed_steps >= max_train_steps:
+            break
+    progress.close()
+    if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
+        save_best_model(accelerator, model, tokenizer, best_dir)
+    runtime = time.perf_counter() - start_time
+    results = {"train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
+               "train_steps": completed_steps, "best_step": state["best_step"],
+               "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
+    return model, results, preempted
+
+
+def report(accelerator, log, prefix, metrics, labels, output_dir):
+    """Flat `{prefix}_*` results, plus the per-class report and the confusion matrix as files."""
+    log.write_json(f"{prefix}_report.json", metrics["report"])
+    accelerator.on_main_process(save_confusion_matrix)(
+        metrics["confusion_matrix"], labels, output_dir / f"{prefix}_confusion_matrix.csv",
+        output_dir / f"{prefix}_confusion_matrix.png", title=f"{prefix} confusion matrix")
+    accelerator.print(f"{prefix}: accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
+                      f"micro_f1 {metrics['micro_f1']:.4f} | loss {metrics['loss']:.4f} | "
+                      f"{metrics['samples']} samples")
+    return {f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")}
+
+
+def write_predictions(accelerator, log, model, loader, texts, labels, output_dir):
+    logits, _ = predict_logits(accelerator, model, loader, "predict")
+    probabilities = torch.softmax(logits, dim=-1)  # (N, C)
+    rows = []
+    for text, probs in zip(texts, probabilities.tolist()):
+        best = max(range(len(labels)), key=probs.__getitem__)
+        rows.append({"text": text, "label": labels[best], "score": probs[best],
+                     "probabilities": dict(zip(labels, probs))})
+    log.write_jsonl("predictions.jsonl", rows)
+    accelerator.print(f"wrote {len(texts)} predictions to {output_dir / 'predictions.jsonl'}")
+
+
+def main(args):
+    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    set_seed(args.seed)
+    check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
+    check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
+    resuming = bool(args.resume_from_checkpoint) and args.do_train
+    if args.do_train:
+        check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
+    labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
+    if labels is None:
+        raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
+    texts_to_predict = read_texts(args.predict_file) if args.do_predict else None
+    tokenizer, model = build_model(args, labels)
+    compat = {"labels": labels, "model": {k: getattr(model.config, k, None) for k in
+                                          ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
+    model = maybe_data_parallel(model, args)
+    loaders, stats = build_dataloaders(args, tokenizer, labels, examples, texts_to_predict)
+    if "train_unk_rate" in stats:
+        accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
+                          f"{stats['train_unk_rate']:.2%}")
+        if stats["train_unk_rate"] > 0.5:
+            raise UserError(f"{args.model_name_or_path}: the tokenizer maps {stats['train_unk_rate']:.0%} of the "
+                            "training text to [UNK]; its vocab.txt does not fit this text")
+
+    log = RunLog(accelerator, args.output_dir)
+    results = {**run_info(accelerator, args.train_batch_size), **stats}
+    if args.do_train:
+        if args.overwrite_output_dir and not resuming:
+            accelerator.on_main_process(clear_previous_run)(args.output_dir)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
+        log.write_json("run_config.json", provenance(args))
+        log.start_tracking("bert_cls", vars(args))
+        model, train_results, preempted = train(args, accelerator, model, tokenizer, loaders, labels, log, compat)
+        results.update(train_results)
+        if preempted:
+            accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
+                              "--resume_from_checkpoint latest")
+            log.write_json("all_results.json", {**results, "preempted": True})
+            log.end()
+            accelerator.wait_for_everyone()
+            return results
+        # Evaluate the selected model, never the last one: reload the best weights on every rank.
+        load_model(accelerator.unwrap_model(model), args.output_dir / "best_model" / "model.safetensors",
+                   device=str(accelerator.device))
+    else:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        model = accelerator.prepare(model)
+    for split, prefix in (("validation", "eval"), ("test", "test")):
+        if getattr(args, f"do_{prefix}") and split in loaders:
+            metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split)
+            results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
+            log.log(prefix, results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
+                                                                                    "micro_f1", "samples")})
+    if args.do_predict:
+        write_predictions(accelerator, log, model, accelerator.prepare(loaders["predict"]), texts_to_predict, labels,
+                          args.output_dir)
+    log.write_json("all_results.json", results)
+    accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
+    log.end()
+    accelerator.wait_for_everyone()  # before the process group goes away (avoids exit-time crashes on gloo)
+    return results
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_args())

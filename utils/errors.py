@@ -1,0 +1,15 @@
+"""User-facing errors: one line naming the file (and line or key), exit code 2, no traceback."""
+import sys
+
+
+class UserError(Exception):
+    """A problem with the user's input or command line, not a bug in this code."""
+
+
+def run_cli(main, args):
+    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2."""
+    try:
+        return main(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,118 @@
+"""What a run writes about itself: metrics.jsonl, all_results.json, run_config.json, TensorBoard.
+
+Every method may be called on every process; only the main process writes, so the training scripts
+need no `if is_main_process` around logging.
+"""
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+class RunLog:
+    def __init__(self, accelerator, output_dir):
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+
+    def open(self, resume_step=None):
+        """Start metrics.jsonl afresh, or, when resuming, keep it up to the checkpoint's step."""
+        if self.accelerator.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if resume_step is None:
+                self.metrics_path.unlink(missing_ok=True)
+            else:
+                self._truncate_after(resume_step)
+
+    def _truncate_after(self, step):
+        """On resume, drop events logged after the checkpoint, so the log neither repeats nor skips steps."""
+        if not self.metrics_path.exists():
+            return
+        kept = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def start_tracking(self, project_name, config):
+        if self.accelerator.log_with:
+            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
+            self.accelerator.init_trackers(project_name, config=flat)
+
+    def log(self, event, step, values):
+        """One JSON line ({"event", "step", **values}) and, with tracking on, the numbers to TensorBoard."""
+        if self.accelerator.is_main_process:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"event": event, "step": step, **values}) + "\n")
+        if self.accelerator.log_with:
+            numbers = {f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
+            self.accelerator.log(numbers, step=step)
+
+    def console(self, line):
+        """A line on the main process that does not break the tqdm bar."""
+        if self.accelerator.is_local_main_process:
+            tqdm.write(line)
+
+    def write_json(self, name, data):
+        if self.accelerator.is_main_process:
+            (self.output_dir / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+    def write_jsonl(self, name, rows):
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / name, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+    def read_events(self, event):
+        """Events of one kind from metrics.jsonl (main process; used for the curves plot)."""
+        if not self.metrics_path.exists():
+            return []
+        events = (json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip())
+        return [e for e in events if e.get("event") == event]
+
+    def end(self):
+        if self.accelerator.log_with:
+            self.accelerator.end_training()
+
+
+def provenance(args):
+    """Resolved arguments, versions and git revision, saved beside the results."""
+    try:
+        revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        revision = None
+    return {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": " ".join(sys.argv),
+        "git_revision": revision,
+        "versions": {
+            "python": platform.python_version(),
+            **{name: _version(name) for name in ("torch", "torchvision", "accelerate", "transformers", "datasets")},
+        },
+    }
+
+
+def _version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def format_step_line(epoch, step, total_steps, values):
+    """`epoch 1 step 120/900 | loss 0.4123 | lr 2.0e-05 | 41.2 ms/step | 1,550 samples/s`."""
+    parts = [f"epoch {epoch} step {step}/{total_steps}"]
+    for key, value in values.items():
+        if key == "lr":
+            parts.append(f"lr {value:.1e}")
+        elif key == "ms_per_step":
+            parts.append(f"{value:.1f} ms/step")
+        elif key.endswith("_per_second"):
+            parts.append(f"{value:,.0f} {key.replace('_per_second', '')}/s")
+        elif isinstance(value, float):
+            parts.append(f"{key} {value:.4f}")
+        else:
+            parts.append(f"{key} {value}")
+    return " | ".join(parts)
