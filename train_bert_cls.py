@@ -215,9 +215,8 @@ def predict_logits(accelerator, model, dataloader, desc):
     for batch in tqdm(dataloader, desc=desc, disable=not accelerator.is_local_main_process, leave=False):
         labels = batch.pop("labels", None)
         logits = model(**batch).logits.float()  # (B, C)
-        logits, labels = accelerator.gather_for_metrics((logits, labels))
-        all_logits.append(logits.cpu())
-        all_labels.append(labels.cpu() if labels is not None else None)
+        all_logits.append(accelerator.gather_for_metrics(logits).cpu())
+        all_labels.append(accelerator.gather_for_metrics(labels).cpu() if labels is not None else None)
     model.train()
     labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
     return torch.cat(all_logits), labels
@@ -235,8 +234,7 @@ def save_best_model(accelerator, model, tokenizer, best_dir):
     """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: all ranks
-    accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process,
-                                                    save_function=accelerator.save, state_dict=state_dict)
+    accelerator.on_main_process(accelerator.unwrap_model(model).save_pretrained)(tmp, state_dict=state_dict)
     accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
     accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
     accelerator.wait_for_everyone()
@@ -426,8 +424,7 @@ def main(args):
             accelerator.wait_for_everyone()
             return results
         # Evaluate the selected model, never the last one: reload the best weights on every rank.
-        load_model(accelerator.unwrap_model(model), args.output_dir / "best_model" / "model.safetensors",
-                   device=str(accelerator.device))
+        load_model(accelerator.unwrap_model(model), args.output_dir / "best_model" / "model.safetensors")
     else:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         model = accelerator.prepare(model)
@@ -435,7 +432,7 @@ def main(args):
         if getattr(args, f"do_{prefix}") and split in loaders:
             metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
-            log.log(prefix, results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
+            log.log(f"best_model_{prefix}", results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
                                                                                     "micro_f1", "samples")})
     if args.do_predict:
         write_predictions(accelerator, log, model, accelerator.prepare(loaders["predict"]), texts_to_predict, labels,

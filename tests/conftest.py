@@ -1,0 +1,73 @@
+"""Shared test helpers: run the real launchers on tiny fixtures made here, offline, one thread per process."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
+
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",  # two processes on two cores: one thread each, or they crawl
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TQDM_DISABLE": "1",
+}
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd, timeout=300, check=True, env=None):
+    """Run a command from the repository root; on an unexpected exit code, show its output."""
+    cmd = [sys.executable if c == "python" else str(c) for c in cmd]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n"
+                             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def launch(script, args, num_processes=1, **kwargs):
+    """`accelerate launch` with N CPU processes (N=2 is real gloo DDP: --multi_gpu + the script's --cpu)."""
+    if num_processes == 1:
+        cmd = [*ACCELERATE, "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no"]
+    else:
+        cmd = [*ACCELERATE, "--multi_gpu", "--num_processes", num_processes, "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port()]
+    return run([*cmd, script, "--cpu", *args], **kwargs)
+
+
+def read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def text_data(tmp_path_factory):
+    """800 train / 99 val / 99 test headlines (odd-sized eval sets) and a small BERT config + vocab."""
+    return write_text_classification_data(tmp_path_factory.mktemp("text"), n_train=800, n_val=99, n_test=99)
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory):
+    return write_digits_imagefolder(tmp_path_factory.mktemp("digits"), size=16)

@@ -1,0 +1,101 @@
+"""train_bert_cls.py end to end through the real launcher, 1 and 2 CPU processes, on a tiny fixture."""
+import json
+
+import pytest
+from conftest import launch, read_json, read_jsonl, run, ENV  # noqa: F401
+
+SCRIPT = "train_bert_cls.py"
+
+
+def bert_args(data, out, *extra, epochs=5):
+    return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch",
+            "--max_seq_len", "64", "--train_batch_size", "16", "--eval_batch_size", "16",
+            "--learning_rate", "2e-3", "--num_train_epochs", str(epochs), "--logging_steps", "10",
+            "--output_dir", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(text_data, tmp_path_factory):
+    """One 1-process and one 2-process training run, shared by the tests below."""
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path_factory.mktemp(f"bert_{n}proc")
+        proc = launch(SCRIPT, bert_args(text_data, out, "--do_train", "--do_eval", "--do_test"), num_processes=n)
+        runs[n] = (out, proc)
+    return runs
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_learns_and_counts_exactly(trained, n):
+    out, _ = trained[n]
+    results = read_json(out / "all_results.json")
+    assert results["num_processes"] == n
+    assert results["distributed_type"] == ("NO" if n == 1 else "MULTI_CPU")
+    assert results["global_batch_size"] == 16 and results["per_device_batch_size"] == 16 // n
+    # 99 samples in batches of 16 on 2 processes: the padded duplicates must not be counted
+    assert results["eval_samples"] == 99 and results["test_samples"] == 99
+    assert results["test_accuracy"] > 0.6, results  # chance is 0.1
+    assert results["test_macro_f1"] > 0.5, results
+    assert results["train_unk_rate"] == 0.0
+    train_losses = [e["loss"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"]
+    assert train_losses[-1] < 0.5 * train_losses[0], train_losses
+    steps = [e["step"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"]
+    assert steps == sorted(set(steps))  # one line per logging step, no repeats
+
+
+def test_selected_model_is_the_best_on_validation(trained):
+    out, _ = trained[1]
+    evals = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
+    best = max(evals, key=lambda e: e["macro_f1"])
+    results = read_json(out / "all_results.json")
+    assert results["best_step"] == best["step"]
+    # the final validation score is that of the reloaded best model, not of the last step
+    assert results["eval_macro_f1"] == pytest.approx(best["macro_f1"], abs=1e-6)
+
+
+def test_outputs_load_anywhere(trained, text_data):
+    out, _ = trained[2]
+    best = out / "best_model"
+    config = json.loads((best / "config.json").read_text())
+    labels = sorted({line.split("\t")[0] for line in (text_data / "train.txt").read_text().splitlines()})
+    assert [config["id2label"][str(i)] for i in range(len(labels))] == labels  # sorted, deterministic
+    assert (out / "labels.txt").read_text().split() == labels
+    from safetensors.torch import load_file
+
+    keys = load_file(best / "model.safetensors").keys()
+    assert not any(k.startswith("module.") for k in keys)
+    code = (
+        "import sys, transformers\n"
+        "clf = transformers.pipeline('text-classification', model=sys.argv[1], device='cpu')\n"
+        "print(clf('球队比赛冠军进球今天')[0]['label'])\n"
+    )
+    proc = run(["python", "-c", code, best])
+    assert proc.stdout.strip().splitlines()[-1] == "体育"
+    for prefix in ("eval", "test"):
+        assert (out / f"{prefix}_confusion_matrix.png").stat().st_size > 1000
+        rows = (out / f"{prefix}_confusion_matrix.csv").read_text(encoding="utf-8").splitlines()
+        assert len(rows) == 1 + len(labels)
+        assert sum(int(x) for row in rows[1:] for x in row.split(",")[1:]) == 99
+        report = read_json(out / f"{prefix}_report.json")
+        assert set(labels) <= set(report)
+    assert read_json(out / "run_config.json")["versions"]["torch"]
+
+
+def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):
+    out, _ = trained[1]
+    texts = ["球队比赛冠军进球今天", "股市银行利率上涨", "电影明星导演票房"]
+    predict_file = tmp_path / "texts.txt"
+    predict_file.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    pred_out = tmp_path / "pred"
+    launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--data_dir", text_data, "--do_test",
+                    "--do_predict", "--predict_file", predict_file, "--eval_batch_size", "16",
+                    "--max_seq_len", "64", "--output_dir", pred_out], num_processes=2)
+    rows = read_jsonl(pred_out / "predictions.jsonl")
+    assert [r["text"] for r in rows] == texts
+    assert [r["label"] for r in rows] == ["体育", "财经", "娱乐"]
+    for row in rows:
+        assert abs(sum(row["probabilities"].values()) - 1) < 1e-4
+        assert row["score"] == max(row["probabilities"].values())
+    # the saved model reproduces the test accuracy the training run reported
+    assert read_json(pred_out / "all_results.json")["test_accuracy"] == pytest.approx(
+        read_json(out / "all_results.json")["test_accuracy"])
