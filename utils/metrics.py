@@ -64,6 +64,3 @@ def save_confusion_matrix(matrix, labels, csv_path, png_path, title="confusion m
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
 
-
-def softmax_np(logits):
-    return torch.softmax(torch.as_tensor(logits, dtype=torch.float32), dim=-1).numpy()
