@@ -1,0 +1,121 @@
+"""Bad input to train_bert_cls.py: one line naming the file (and line), exit code 2, no traceback, nothing overwritten."""
+import shutil
+
+import pytest
+from conftest import ACCELERATE, free_port, launch, run
+
+SCRIPT = "train_bert_cls.py"
+
+
+def small_args(data, out, *extra):
+    return ["--model_name_or_path", data / "model", "--from_scratch", "--max_seq_len", "32",
+            "--train_batch_size", "16", "--eval_batch_size", "16", "--max_train_steps", "2",
+            "--output_dir", out, *extra]
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def data(text_data, tmp_path):
+    """A private copy of the fixture that a test may corrupt."""
+    copy = tmp_path / "data"
+    shutil.copytree(text_data, copy)
+    return copy
+
+
+@pytest.fixture
+def previous_run(tmp_path):
+    """An output directory holding another run's results, which must survive every refused command."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "all_results.json").write_text('{"test_accuracy": 0.97}')
+    return out
+
+
+def test_line_without_tab(data, previous_run):
+    lines = (data / "train.txt").read_text(encoding="utf-8").splitlines()
+    lines[6] = lines[6].replace("\t", " ")
+    (data / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train",
+                *small_args(data, previous_run, "--overwrite_output_dir")], check=False)
+    assert_one_line_error(proc, f"{data / 'train.txt'}:7:", "no TAB")
+    assert (previous_run / "all_results.json").read_text() == '{"test_accuracy": 0.97}'
+
+
+def test_unknown_label_in_validation(data, tmp_path):
+    with open(data / "val.txt", "a", encoding="utf-8") as f:
+        f.write("汽车\t新车上市\n")
+    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *small_args(data, tmp_path / "o")],
+               check=False)
+    assert_one_line_error(proc, f"{data / 'val.txt'}:100:", "'汽车'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_empty_and_undecodable_and_missing_files(data, tmp_path):
+    (data / "test.txt").write_text("")
+    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", "--do_test",
+                *small_args(data, tmp_path / "o")], check=False)
+    assert_one_line_error(proc, str(data / "test.txt"), "empty")
+    (data / "bad.txt").write_bytes("体育\t球队\n".encode("gbk"))
+    proc = run(["python", SCRIPT, "--cpu", "--train_file", data / "bad.txt", "--do_train",
+                *small_args(data, tmp_path / "o")], check=False)
+    assert_one_line_error(proc, f"{data / 'bad.txt'}:1:", "UTF-8")
+    proc = run(["python", SCRIPT, "--cpu", "--train_file", data / "nope.txt", "--do_train",
+                *small_args(data, tmp_path / "o")], check=False)
+    assert_one_line_error(proc, str(data / "nope.txt"), "not found")
+
+
+def test_refuses_to_overwrite_another_run(data, previous_run):
+    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *small_args(data, previous_run)],
+               check=False)
+    assert_one_line_error(proc, str(previous_run), "--overwrite_output_dir")
+    assert (previous_run / "all_results.json").read_text() == '{"test_accuracy": 0.97}'
+
+
+def test_model_directory_without_weights(data, tmp_path):
+    args = [a for a in small_args(data, tmp_path / "o") if a != "--from_scratch"]
+    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *args], check=False)
+    assert_one_line_error(proc, str(data / "model"), "--from_scratch")
+
+
+def test_tokenizer_that_lost_its_vocabulary(data, tmp_path):
+    # The transformers 5 pitfall: a vocabulary of only the special tokens maps all Chinese to [UNK].
+    (data / "model" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *small_args(data, tmp_path / "o")],
+               check=False)
+    assert_one_line_error(proc, str(data / "model"), "vocab")
+
+
+def test_labels_file_that_disagrees_with_the_model(text_data, tmp_path):
+    out = tmp_path / "trained"
+    run(["python", SCRIPT, "--cpu", "--data_dir", text_data, "--do_train", *small_args(text_data, out)])
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(reversed((out / "labels.txt").read_text().split())) + "\n")
+    proc = run(["python", SCRIPT, "--cpu", "--data_dir", text_data, "--do_test", "--labels_file", labels,
+                "--model_name_or_path", out / "best_model", "--output_dir", tmp_path / "t"], check=False)
+    assert_one_line_error(proc, str(labels), "disagree")
+
+
+def test_global_batch_must_divide_over_processes(text_data, tmp_path):
+    proc = launch(SCRIPT, ["--data_dir", text_data, "--do_train",
+                           *small_args(text_data, tmp_path / "o", "--train_batch_size", "15")],
+                  num_processes=2, check=False)
+    assert proc.returncode != 0
+    assert "--train_batch_size 15 is the GLOBAL batch and must divide evenly over 2 processes" in proc.stderr
+    assert 'train_bert_cls.py", line' not in proc.stderr  # the launcher reports the exit; our code has no traceback
+
+
+def test_multi_process_launch_without_cpu_flag_on_a_cpu_machine(text_data, tmp_path):
+    proc = run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", free_port(), SCRIPT,
+                "--data_dir", text_data, "--do_train", *small_args(text_data, tmp_path / "o")], check=False)
+    assert proc.returncode != 0
+    assert "without a GPU but without --cpu" in proc.stderr
+    assert not (tmp_path / "o").exists()
