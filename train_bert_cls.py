@@ -27,15 +27,15 @@ from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           get_linear_schedule_with_warmup)
 
-from utils.checkpoint import (check_compatible, check_output_dir, clear_previous_run, load_checkpoint, replace_dir_atomically,
+from utils.checkpoint import (check_output_dir, clear_previous_run, load_checkpoint, replace_dir_atomically,
                               resolve_resume, save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.loss_meter import LossMeter
 from utils.metrics import classification_metrics, save_confusion_matrix
 from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, format_step_line, provenance
-from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, maybe_data_parallel,
-                           print_run_summary, run_info)
+from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
+                           maybe_data_parallel, print_run_summary, run_info)
 from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_texts,
                              write_labels_file)
 
@@ -188,9 +188,10 @@ def build_dataloaders(args, tokenizer, labels, examples, texts_to_predict):
                            args.max_seq_len)
         if split == "train":
             stats["train_unk_rate"] = unk_rate(tokenizer, dataset)
-        loaders[split] = DataLoader(dataset, shuffle=split == "train", collate_fn=collator,
-                                    batch_size=args.train_batch_size if split == "train" else args.eval_batch_size,
-                                    num_workers=args.num_workers)
+        training = split == "train"
+        loaders[split] = DataLoader(dataset, shuffle=training, collate_fn=collator, num_workers=args.num_workers,
+                                    batch_size=args.train_batch_size if training else args.eval_batch_size,
+                                    generator=loader_generator(args.seed) if training else None)
     if texts_to_predict is not None:
         dataset = tokenize(tokenizer, texts_to_predict, None, args.max_seq_len)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator)
@@ -257,8 +258,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     resume_path = resolve_resume(args.resume_from_checkpoint, checkpoint_dir)
     state = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
     if resume_path is not None:
-        state = load_checkpoint(accelerator, resume_path)
-        check_compatible(state, compat, resume_path)
+        state = load_checkpoint(accelerator, resume_path, compat)
         accelerator.print(f"Resumed from {resume_path} at step {state['completed_steps']}")
     if state["batches_in_epoch"] >= len(train_loader):  # saved at an epoch's end
         state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)

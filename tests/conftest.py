@@ -45,13 +45,7 @@ def run(cmd, timeout=300, check=True, env=None):
 
 def launch(script, args, num_processes=1, **kwargs):
     """`accelerate launch` with N CPU processes (N=2 is real gloo DDP: --multi_gpu + the script's --cpu)."""
-    if num_processes == 1:
-        cmd = [*ACCELERATE, "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no"]
-    else:
-        cmd = [*ACCELERATE, "--multi_gpu", "--num_processes", num_processes, "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port()]
-    return run([*cmd, script, "--cpu", *args], **kwargs)
+    return run(launch_cmd(script, args, num_processes), **kwargs)
 
 
 def read_json(path):
@@ -71,3 +65,60 @@ def text_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def digits_data(tmp_path_factory):
     return write_digits_imagefolder(tmp_path_factory.mktemp("digits"), size=16)
+
+
+def launch_cmd(script, args, num_processes=1):
+    """The command line `launch` runs, for tests that need to signal the running job."""
+    if num_processes == 1:
+        head = [*ACCELERATE, "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no"]
+    else:
+        head = [*ACCELERATE, "--multi_gpu", "--num_processes", num_processes, "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port()]
+    return [str(c) for c in [*head, script, "--cpu", *args]]
+
+
+def start(cmd, log_path):
+    """Start a job in its own process group (so the test can signal launcher and workers together)."""
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, proc, timeout=120):
+    """Poll until predicate() holds; fail if the job exits first."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"job exited with {proc.returncode} before the condition held")
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting")
+
+
+def descendants(pid):
+    """All processes below pid (the launcher's workers may sit in their own sessions)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_job(proc, sig):
+    """Signal the launcher and every worker at once, as Slurm does to a job step (or the OOM killer to all)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -84,9 +84,10 @@ def save_checkpoint(accelerator, checkpoint_dir, step, training_state, total_lim
     return final
 
 
-def load_checkpoint(accelerator, path):
-    """Restore everything save_checkpoint wrote; return its training state."""
+def load_checkpoint(accelerator, path, expected):
+    """Restore everything save_checkpoint wrote, after checking it belongs to this run; return its training state."""
     state = read_training_state(path)
+    check_compatible(state, expected, path)  # before load_state, whose size-mismatch error is a traceback
     accelerator.wait_for_everyone()
     accelerator.load_state(str(path))
     return state

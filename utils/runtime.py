@@ -98,6 +98,12 @@ def maybe_data_parallel(model, args):
     return torch.nn.DataParallel(model)
 
 
+def loader_generator(seed):
+    """A training DataLoader's own generator: creating an iterator then draws its worker base seed from here,
+    not from the global RNG that dropout uses, so a resumed run's dropout masks match the uninterrupted run's."""
+    return torch.Generator().manual_seed(seed)
+
+
 def run_info(accelerator, global_batch_size):
     """How this run was launched, recorded with the results so a launch mistake is visible there."""
     return {

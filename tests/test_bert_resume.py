@@ -1,0 +1,109 @@
+"""Nothing lost: a killed or preempted BERT run resumes into exactly the run that would have happened."""
+import signal
+
+import pytest
+import torch
+from conftest import kill_job, launch, launch_cmd, read_json, read_jsonl, start, wait_for
+from safetensors.torch import load_file
+
+SCRIPT = "train_bert_cls.py"
+STEPS = 120  # 800 samples / 16 = 50 steps per epoch: checkpoints every 10 steps fall mid-epoch
+
+
+def resume_args(data, out, *extra):
+    return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch", "--do_train",
+            "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "16", "--learning_rate", "1e-3",
+            "--max_train_steps", str(STEPS), "--checkpointing_steps", "10", "--logging_steps", "5",
+            "--save_total_limit", "2", "--output_dir", out, *extra]
+
+
+def checkpoint_steps(out):
+    return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+
+
+def assert_same_run(reference, resumed, stopped_at=None):
+    a = load_file(reference / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
+    b = load_file(resumed / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+    def curve(out):
+        return [(e["event"], e["step"], e.get("loss"), e.get("lr"), e.get("accuracy"))
+                for e in read_jsonl(out / "metrics.jsonl")]
+
+    expected, got = curve(reference), curve(resumed)
+    assert [e[:2] for e in got] == [e[:2] for e in expected]  # no repeated or skipped steps
+    if stopped_at is not None:  # stopped between two log lines: the loss of that window is over fewer steps
+        window = next(i for i, e in enumerate(expected) if e[0] == "train" and e[1] > stopped_at)
+        del expected[window], got[window]
+    assert got == expected
+    assert checkpoint_steps(resumed) == [STEPS - 10, STEPS]  # rotation still works after resuming
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(text_data, tmp_path_factory):
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path_factory.mktemp(f"uninterrupted_{n}")
+        launch(SCRIPT, resume_args(text_data, out), num_processes=n)
+        runs[n] = out
+    return runs
+
+
+def complete(out, step):
+    return lambda: (out / "checkpoints" / f"step_{step}" / "training_state.json").exists()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_sigkill_then_resume_latest_is_bitwise_identical(uninterrupted, text_data, tmp_path, n):
+    out = tmp_path / "killed"
+    job = start(launch_cmd(SCRIPT, resume_args(text_data, out), num_processes=n), tmp_path / "killed.log")
+    wait_for(complete(out, 20), job)
+    kill_job(job, signal.SIGKILL)
+    job.wait()
+    latest = checkpoint_steps(out)[-1]
+    assert 20 <= latest < STEPS, latest
+    launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=n)
+    assert_same_run(uninterrupted[n], out)
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, text_data, tmp_path):
+    out = tmp_path / "preempted"
+    job = start(launch_cmd(SCRIPT, resume_args(text_data, out), num_processes=2), tmp_path / "preempted.log")
+    wait_for(complete(out, 20), job)
+    kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
+    job.wait(timeout=60)
+    log = (tmp_path / "preempted.log").read_text()
+    assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    results = read_json(out / "all_results.json")
+    assert results["preempted"] is True
+    assert checkpoint_steps(out)[-1] == results["train_steps"] < STEPS
+    launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=2)
+    assert_same_run(uninterrupted[2], out, stopped_at=results["train_steps"])
+
+
+def test_kill_during_save_leaves_latest_complete(text_data, tmp_path):
+    """Debris of an interrupted save (a .tmp- directory without training_state.json) is never `latest`."""
+    out = tmp_path / "out"
+    launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "20"))
+    debris = out / "checkpoints" / ".tmp-step_30"
+    debris.mkdir()
+    (debris / "model.safetensors").write_bytes(b"truncated")
+    half = out / "checkpoints" / "step_40"  # renamed but state missing: cannot happen, must still be ignored
+    half.mkdir()
+    proc = launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "30", "--resume_from_checkpoint",
+                                      "latest"))
+    assert f"Resumed from {out / 'checkpoints' / 'step_20'} at step 20" in proc.stdout
+    assert checkpoint_steps(out)[-1] == 40 and (out / "checkpoints" / "step_30" / "training_state.json").exists()
+
+
+def test_resume_refuses_another_label_set(text_data, tmp_path):
+    out = tmp_path / "out"
+    launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "10"))
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(sorted((out / "labels.txt").read_text().split()) + ["汽车"]) + "\n")
+    proc = launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "20", "--labels_file", labels,
+                                      "--resume_from_checkpoint", "latest"), check=False)
+    assert proc.returncode != 0
+    assert "error: " in proc.stderr and "training_state.json: checkpoint has labels=" in proc.stderr
