@@ -1,0 +1,420 @@
+"""ImageNet classification (pytorch/examples imagenet/main.py) on Hugging Face Accelerate.
+
+main.py's model-placement branches (DataParallel, DDP with and without --gpu, mp.spawn, CPU) are one code
+path here; the hardware comes from the launcher and accelerate_configs/*.yaml:
+    python train_resnet.py /data/imagenet -a resnet50                      # one GPU, or the CPU
+    accelerate launch --config_file accelerate_configs/4gpu.yaml train_resnet.py /data/imagenet -a resnet50
+    python train_resnet.py /data/imagenet -a resnet50 -e --resume outputs/resnet/model_best.pth
+    python train_resnet.py /data/imagenet -a resnet50 --resume latest     # exact resume, even mid-epoch
+A tiny CPU run (2 processes of gloo DDP) on scikit-learn's handwritten digits written as an ImageFolder:
+    python -c "from utils.demo_data import write_digits_imagefolder as w; w('demo_data/digits', size=16)"
+    accelerate launch --multi_gpu --num_processes 2 train_resnet.py --cpu demo_data/digits --image_size 16 \
+        --val_resize 16 -b 64 --lr 0.1 --warmup_epochs 1 --epochs 4 -j 0 --output_dir outputs/resnet_demo
+-b is the GLOBAL batch (main.py's "total batch size of all GPUs"): the same command trains the same way on any
+number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
+and --gpu are the launcher's business now: pass one to see what replaces it.
+Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), checkpoints/step_N
+(exact resume), metrics.jsonl, all_results.json (eval_results.json with -e), training_curves.png.
+"""
+import argparse
+import difflib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from accelerate.utils import set_seed
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from utils.checkpoint import (check_compatible, check_output_dir, clear_previous_run, load_checkpoint,
+                              read_training_state, resolve_resume, save_checkpoint)
+from utils.errors import UserError, run_cli
+from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
+from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
+from utils.loss_meter import LossMeter
+from utils.metrics import topk_correct
+from utils.plots import plot_training_curves
+from utils.preemption import PreemptionGuard
+from utils.run_log import RunLog, provenance
+from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, maybe_data_parallel,
+                           print_run_summary, run_info)
+
+MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
+AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
+
+
+def parse_args(argv=None):
+    # allow_abbrev=False: otherwise main.py's --dist-backend and our --dist_backend could be taken for each other
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    data = parser.add_argument_group("data")
+    data.add_argument("data", nargs="?", type=Path, help="ImageFolder root holding train/<class>/ and val/<class>/")
+    data.add_argument("-j", "--workers", type=int, default=4, help="DataLoader worker processes per process")
+    data.add_argument("--image_size", type=int, default=224, help="pixels: training crop and validation center crop")
+    data.add_argument("--val_resize", type=int, default=256, help="pixels: shorter side before the center crop")
+    data.add_argument("--dummy", nargs="?", type=int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
+                      help="random images instead of data (main.py's FakeData); default: ImageNet's count")
+    data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
+    model = parser.add_argument_group("model")
+    model.add_argument("-a", "--arch", default="resnet18", help="any torchvision classification model name")
+    model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
+    model.add_argument("--sync_bn", action="store_true", help="BatchNorm statistics over all processes (GPUs)")
+    model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--epochs", type=int, default=90)
+    train.add_argument("--start-epoch", type=int, default=0, help="epochs already done (schedule starts there)")
+    train.add_argument("-b", "--batch-size", type=int, default=256, help="GLOBAL images per step, split over processes")
+    train.add_argument("--lr", "--learning-rate", type=float, default=0.1, help="peak SGD learning rate")
+    train.add_argument("--momentum", type=float, default=0.9)
+    train.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
+    train.add_argument("--lr_scheduler", choices=["step", "cosine"], default="step",
+                       help="step: x0.1 every --lr_step_epochs (main.py); cosine: to 0 at the last step")
+    train.add_argument("--lr_step_epochs", type=int, default=30, help="epochs between x0.1 decays of 'step'")
+    train.add_argument("--warmup_epochs", type=float, default=0.0, help="epochs of linear warmup from 0")
+    train.add_argument("--label_smoothing", type=float, default=0.0, help="training loss only")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
+    train.add_argument("--seed", type=int, default=42, help="model init, shuffling and augmentation")
+    output = parser.add_argument_group("output")
+    output.add_argument("--output_dir", type=Path, default=Path("outputs/resnet"))
+    output.add_argument("--overwrite_output_dir", action="store_true")
+    output.add_argument("-p", "--print-freq", type=int, default=10, help="optimizer steps between log lines")
+    output.add_argument("--checkpointing_steps", type=int, default=None,
+                        help="optimizer steps between resumable checkpoints; default: end of each epoch")
+    output.add_argument("--save_total_limit", type=int, default=2, help="resumable checkpoints kept (0: all)")
+    output.add_argument("--resume", default=None, metavar="PATH",
+                        help="'latest' or checkpoints/step_N (exact resume), or a .pth/.pth.tar file (main.py's, "
+                             "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
+    output.add_argument("-e", "--evaluate", action="store_true", help="evaluate --resume's weights on val/, no training")
+    add_runtime_args(parser)
+    add_replaced_flags(parser)
+    args = parser.parse_args(argv)
+    if args.data is None and args.dummy is None:
+        parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
+    if args.arch not in MODEL_NAMES:
+        close = difflib.get_close_matches(args.arch, MODEL_NAMES, n=3)
+        parser.error(f"--arch {args.arch}: not a torchvision classification model"
+                     + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}"))
+    if args.evaluate and not (args.resume or args.pretrained):
+        parser.error("--evaluate needs weights: --resume PATH or --pretrained")
+    return args
+
+
+def build_dataloaders(accelerator, args):
+    """(train, val) datasets and their unprepared loaders; batch size = GLOBAL batch."""
+    if args.dummy is not None:
+        train_set, val_set = build_dummy_datasets(args.dummy, args.image_size)
+    else:
+        train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed)
+    common = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=accelerator.device.type == "cuda")
+    # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
+    train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **common)
+    if len(train_loader) == 0 and not args.evaluate:
+        raise UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch "
+                        f"(-b {args.batch_size})")
+    return train_set, val_set, train_loader, DataLoader(val_set, **common)
+
+
+def build_model(args, num_classes):
+    """A torchvision model; with --pretrained, its ImageNet weights and, for another class count, a new head."""
+    kwargs = {"aux_logits": False} if args.arch in AUX_HEAD_MODELS else {}
+    if not args.pretrained:
+        return torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
+    try:
+        model = torchvision.models.get_model(args.arch, weights="DEFAULT", **kwargs)
+    except (OSError, RuntimeError) as err:  # URLError offline, a broken file in the cache
+        raise UserError(f"--pretrained: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
+                        f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
+    head_name, head = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+    if head.out_features != num_classes:
+        model.set_submodule(head_name, torch.nn.Linear(head.in_features, num_classes))
+    return model
+
+
+def load_weights(model, state_dict, source):
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as err:  # "Error(s) in loading state_dict for ResNet:\n\tsize mismatch for fc.weight ..."
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
+        raise UserError(f"{source}: weights do not fit this model ({detail})") from None
+
+
+def place_model(model, args):
+    """What main.py did by hand before DDP, done before accelerator.prepare."""
+    if args.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return maybe_data_parallel(model, args)
+
+
+def classification_loss(logits, targets, label_smoothing=0.0):
+    """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none."""
+    losses = F.cross_entropy(logits, targets.clamp(min=0), label_smoothing=label_smoothing, reduction="none")
+    readable = (targets >= 0).float()
+    return (losses * readable).sum() / readable.sum().clamp(min=1)
+
+
+def bad_image_error(dataset, target):
+    path = dataset.bad_image_path(target)
+    return UserError(f"{path}: unreadable image ({describe_bad_image(path)}); "
+                     "replace or remove it, or pass --skip_bad_images")
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, args):
+    """Top-1/top-5 accuracy (%) and mean loss over exactly the validation images, on any number of processes."""
+    model.eval()
+    images = top1 = top5 = skipped = 0
+    loss_sum = 0.0
+    for inputs, targets in tqdm(loader, desc="validation", disable=not accelerator.is_local_main_process, leave=False):
+        if args.channels_last:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        logits = model(inputs).float()  # (B, C)
+        # every rank gets the same full batch, minus the duplicates padded onto the last one
+        logits, targets = accelerator.gather_for_metrics((logits, targets))
+        readable = targets >= 0
+        if not args.skip_bad_images and not readable.all():
+            raise bad_image_error(loader.dataset, targets.min().item())
+        correct = topk_correct(logits[readable], targets[readable], ks=(1, 5))
+        images += int(readable.sum())
+        top1, top5, skipped = top1 + correct[1], top5 + correct[5], skipped + int((~readable).sum())
+        loss_sum += F.cross_entropy(logits[readable], targets[readable], reduction="sum").item()
+    model.train()
+    n = max(images, 1)
+    return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "loss": loss_sum / n, "samples": images,
+            "skipped_images": skipped}
+
+
+def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc1, is_best):
+    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision."""
+    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: all ranks
+    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, acc1=acc1, best_acc1=best_acc1)
+    for name in ("checkpoint.pth", "model_best.pth") if is_best else ("checkpoint.pth",):
+        accelerator.on_main_process(save_exported_checkpoint)(args.output_dir / name, state_dict, **fields)
+
+
+def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
+    """The training loop; returns the model, the last validation metrics, train results, and whether preempted."""
+    train_set, val_set, train_loader, val_loader = data
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    total_steps = args.epochs * steps_per_epoch
+    warmup_steps = round(args.warmup_epochs * steps_per_epoch)
+    start_epoch = legacy.get("epoch", args.start_epoch) if legacy else args.start_epoch  # main.py: epochs done
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if legacy and "optimizer" in legacy:
+        try:
+            optimizer.load_state_dict(legacy["optimizer"])  # brings the momentum buffers
+        except (ValueError, KeyError) as err:
+            raise UserError(f"{args.resume}: optimizer state does not fit this model ({err})") from None
+    for group in optimizer.param_groups:  # the command line, not the checkpoint, sets the hyperparameters
+        group.update(lr=args.lr, initial_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+    def lr_factor(step):  # multiplies --lr after `step` optimizer steps
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if args.lr_scheduler == "step":
+            return 0.1 ** (step // steps_per_epoch // args.lr_step_epochs)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
+
+    # Per optimizer step, sized from the UNprepared loader; with split_batches the prepared one steps once per step.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor, last_epoch=start_epoch * steps_per_epoch - 1)
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, val_loader, scheduler)
+
+    checkpoint_dir = args.output_dir / "checkpoints"
+    # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
+    state = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
+             "best_acc1": -1.0, "best_epoch": None}
+    if resume_dir is not None:
+        check_compatible(read_training_state(resume_dir), compat, resume_dir)  # before load_state fails on shapes
+        state = load_checkpoint(accelerator, resume_dir)
+        accelerator.print(f"Resumed from {resume_dir} at step {state['completed_steps']}")
+    if state["batches_in_epoch"] >= len(train_loader):  # saved at an epoch's end
+        state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    log.open(resume_step=state["completed_steps"] if resume_dir else None)
+    print_run_summary(accelerator, "Running training", {
+        **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(compat["class_to_idx"]),
+        "train_images": len(train_set), "val_images": len(val_set),
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "images_per_optimizer_step": args.batch_size * args.gradient_accumulation_steps,
+        "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "total_steps": total_steps,
+        "start_step": state["completed_steps"]})
+
+    guard = PreemptionGuard(accelerator)
+    meter = LossMeter(accelerator.device)
+    window = torch.zeros(4, dtype=torch.long, device=accelerator.device)  # readable images, top-1, top-5, skipped
+    lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)  # < 0: an unreadable image was seen
+    reported_bad, skipped_total, last_metrics = set(), 0, None
+    completed_steps, images_seen, preempted = state["completed_steps"], 0, False
+    progress = tqdm(total=total_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
+    start_time = window_start = tick = time.perf_counter()
+    window_steps = window_batches = 0
+    data_time = 0.0
+
+    def snapshot(epoch, batches_in_epoch):
+        return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
+                "best_acc1": state["best_acc1"] if state["best_epoch"] else None, "best_epoch": state["best_epoch"]}
+
+    def check_health():  # collectives: every rank calls this at the same points
+        if meter.diverged(accelerator):
+            raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from it. "
+                            f"Last good checkpoint: {resolve_resume('latest', checkpoint_dir)}. Try a lower --lr "
+                            "or bf16 instead of fp16.")
+        lowest = accelerator.gather(lowest_target.view(1)).min().item()
+        if lowest < 0 and not args.skip_bad_images:
+            raise bad_image_error(train_set, lowest)
+        if lowest < 0 and lowest not in reported_bad:
+            reported_bad.add(lowest)
+            accelerator.print(f"warning: skipping unreadable image {train_set.bad_image_path(lowest)}")
+
+    model.train()
+    for epoch in range(state["epoch"], args.epochs):
+        train_loader.set_epoch(epoch)  # the seedable sampler's order depends on seed + epoch only
+        train_set.set_epoch(epoch)  # and so do the random crops and flips
+        skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        batches_in_epoch = skip
+        for inputs, targets in batches:
+            data_time += time.perf_counter() - tick
+            if args.channels_last:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            with accelerator.accumulate(model):
+                logits = model(inputs)  # (B, C), B = this process's share of the batch
+                loss = classification_loss(logits, targets, args.label_smoothing)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            readable = targets >= 0
+            hits = logits.detach().topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])  # (B, 5)
+            window += torch.stack([readable.sum(), hits[:, 0].sum(), hits.any(dim=1).sum(), (~readable).sum()])
+            lowest_target = torch.minimum(lowest_target, targets.min())
+            meter.update(loss, readable.sum())
+            batches_in_epoch += 1
+            window_batches += 1
+            images_seen += args.batch_size
+            tick = time.perf_counter()
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            window_steps += 1
+            progress.update(1)
+            epoch_done = batches_in_epoch == len(train_loader)
+            if completed_steps % args.print_freq == 0 or epoch_done:
+                check_health()
+                readable_images, top1, top5, skipped = accelerator.reduce(window, reduction="sum").tolist()
+                skipped_total += skipped
+                elapsed = time.perf_counter() - window_start
+                values = {"epoch": epoch + 1, "loss": meter.mean(accelerator),
+                          "acc1": 100.0 * top1 / max(1, readable_images), "acc5": 100.0 * top5 / max(1, readable_images),
+                          "lr": scheduler.get_last_lr()[0], "step_time": elapsed / window_steps,
+                          "data_time": data_time / window_steps,
+                          "images_per_second": window_batches * args.batch_size / elapsed, "skipped_images": skipped}
+                log.console(f"Epoch: [{epoch + 1}][{batches_in_epoch:>{len(str(len(train_loader)))}}/"
+                            f"{len(train_loader)}] | Time {values['step_time']:.3f} s | Data {values['data_time']:.3f} s"
+                            f" | Loss {values['loss']:.4f} | Acc@1 {values['acc1']:6.2f} | Acc@5 {values['acc5']:6.2f}"
+                            f" | lr {values['lr']:.2e} | {values['images_per_second']:,.0f} images/s")
+                log.log("train", completed_steps, values)
+                window.zero_()
+                window_start, window_steps, window_batches, data_time = time.perf_counter(), 0, 0, 0.0
+            if epoch_done:  # main.py validates after every epoch
+                last_metrics = evaluate(accelerator, model, val_loader, args)
+                is_best = last_metrics["acc1"] > state["best_acc1"]
+                if is_best:
+                    state.update(best_acc1=last_metrics["acc1"], best_epoch=epoch + 1)
+                log.log("eval", completed_steps, {"epoch": epoch + 1, **last_metrics})
+                log.console(f" * Epoch {epoch + 1} | Acc@1 {last_metrics['acc1']:.3f} | Acc@5 {last_metrics['acc5']:.3f}"
+                            f" | Loss {last_metrics['loss']:.4f} | {last_metrics['samples']} images | "
+                            f"best Acc@1 {state['best_acc1']:.3f} (epoch {state['best_epoch']})")
+                export_weights(accelerator, model, args, compat["class_to_idx"], epoch + 1, last_metrics["acc1"],
+                               state["best_acc1"], is_best)
+                accelerator.on_main_process(lambda: plot_training_curves(
+                    log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
+                    steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}"))()
+            checkpoint_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else epoch_done
+            preempted = guard.should_stop()
+            if checkpoint_now or preempted:
+                check_health()
+                path = save_checkpoint(accelerator, checkpoint_dir, completed_steps,
+                                       snapshot(epoch, batches_in_epoch), args.save_total_limit)
+                accelerator.print(f"saved checkpoint {path}")
+            if preempted:
+                break
+        if preempted:
+            break
+    progress.close()
+    if last_metrics is None and not preempted:  # resumed with no epoch left to train
+        last_metrics = evaluate(accelerator, model, val_loader, args)
+    runtime = time.perf_counter() - start_time
+    results = {"train_runtime": runtime, "train_images_per_second": images_seen / runtime,
+               "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None, "best_epoch": state["best_epoch"],
+               "train_skipped_images": skipped_total}
+    return model, last_metrics, results, preempted
+
+
+def main(args):
+    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    set_seed(args.seed)
+    check_global_batch(accelerator, args.batch_size, "--batch-size")
+    if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
+        raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
+    legacy_file = args.resume is not None and Path(args.resume).is_file()
+    resume_dir = None if legacy_file else resolve_resume(args.resume, args.output_dir / "checkpoints")
+    if args.evaluate and args.resume and not legacy_file and resume_dir is None:
+        raise UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
+    resuming = resume_dir is not None or args.resume == "latest"
+    if not args.evaluate:
+        check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
+    data = build_dataloaders(accelerator, args)
+    class_to_idx = data[0].class_to_idx
+    model = build_model(args, len(class_to_idx))
+    compat = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size}
+    legacy = None
+    if legacy_file:
+        legacy = load_legacy_checkpoint(args.resume)
+        check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
+        load_weights(model, legacy["state_dict"], args.resume)
+        accelerator.print(f"Loaded {args.resume} (epoch {legacy.get('epoch')}, best_acc1 {legacy.get('best_acc1')})")
+    elif args.evaluate and resume_dir is not None:
+        check_compatible(read_training_state(resume_dir), {"arch": args.arch, "class_to_idx": class_to_idx}, resume_dir)
+        load_weights(model, load_file(resume_dir / "model.safetensors"), resume_dir)
+    model = place_model(model, args)
+
+    log = RunLog(accelerator, args.output_dir)
+    results = run_info(accelerator, args.batch_size)
+    if args.evaluate:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        model, val_loader = accelerator.prepare(model, data[3])
+        metrics = evaluate(accelerator, model, val_loader, args)
+        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        log.write_json("eval_results.json", {**results, "weights": str(args.resume or "pretrained")})
+    else:
+        if args.overwrite_output_dir and not resuming:
+            accelerator.on_main_process(clear_previous_run)(args.output_dir)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        log.write_json("run_config.json", provenance(args))
+        log.start_tracking("resnet", vars(args))
+        model, metrics, train_results, preempted = train(args, accelerator, model, data, log, compat, legacy,
+                                                         resume_dir)
+        results.update(train_results)
+        if preempted:
+            accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
+            log.write_json("all_results.json", {**results, "preempted": True})
+            log.end()
+            accelerator.wait_for_everyone()
+            return results
+        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        log.write_json("all_results.json", results)
+    accelerator.print(json.dumps(results, indent=2))
+    log.end()
+    accelerator.wait_for_everyone()  # before the process group goes away (avoids exit-time crashes on gloo)
+    return results
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_args())

@@ -1,0 +1,153 @@
+"""ImageFolder data as pytorch/examples imagenet/main.py reads it, with the failures made explicit.
+
+- Every image decodes to 3-channel uint8 RGB (grayscale, palette, RGBA, CMYK alike), with torchvision's
+  decoder (libjpeg-turbo / libpng, about 30% faster than PIL here) and PIL for the formats it lacks.
+- An unreadable file never raises inside a DataLoader worker (where one rank failing leaves the others
+  hanging in a collective): the sample comes back as a placeholder with target `-1 - index`, which the
+  training loop turns into a one-line error naming the file, or skips and counts (`--skip_bad_images`).
+- Augmentation randomness depends only on (seed, epoch, index), so a resumed run, any number of
+  processes and any number of workers see the same crops and flips.
+- main.py's transforms: RandomResizedCrop + flip for training, Resize + CenterCrop for validation.
+"""
+import os
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torchvision import datasets
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms import v2
+from torchvision.transforms.functional import pil_to_tensor
+
+from .errors import UserError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# What a decoder raises for a broken file (PIL raises SyntaxError for some broken PNGs).
+DECODE_ERRORS = (OSError, RuntimeError, ValueError, SyntaxError, Image.DecompressionBombError)
+DUMMY_CLASSES = 1000
+IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES = 1_281_167, 50_000
+
+
+def decode_rgb(path):
+    """The image at `path` as a (3, H, W) uint8 RGB tensor; raises one of DECODE_ERRORS if unreadable."""
+    try:
+        image = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+    except RuntimeError:  # BMP, TIFF, PPM or a broken file: let PIL decide
+        image = None
+    if image is None or image.dtype != torch.uint8:  # 16-bit PNGs decode to uint16
+        with Image.open(path) as pil_image:
+            image = pil_to_tensor(pil_image.convert("RGB"))
+    return image
+
+
+def describe_bad_image(path):
+    """Why `path` cannot be read, in one line (PIL's wording, which names the problem plainly)."""
+    try:
+        with Image.open(path) as pil_image:
+            pil_image.convert("RGB")
+    except DECODE_ERRORS as err:
+        return f"{type(err).__name__}: {err}".splitlines()[0]
+    return "cannot be decoded"
+
+
+def build_transforms(image_size, val_resize, train):
+    """main.py's transforms, on uint8 tensors: (3, H, W) uint8 -> (3, image_size, image_size) float, normalised."""
+    if train:
+        geometry = [v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()]
+    else:
+        geometry = [v2.Resize(val_resize, antialias=True), v2.CenterCrop(image_size)]
+    return v2.Compose([*geometry, v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+class RGBImageFolder(datasets.ImageFolder):
+    """ImageFolder that decodes to RGB tensors, marks unreadable files, and seeds augmentation per sample."""
+
+    def __init__(self, root, transform, image_size, seed=0):
+        super().__init__(str(root), transform=transform)
+        self.placeholder = torch.zeros(3, image_size, image_size)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __getitem__(self, index):
+        path, target = self.samples[index]
+        try:
+            image = decode_rgb(path)
+        except DECODE_ERRORS:
+            return self.placeholder, -1 - index  # negative: unreadable, and which file it was
+        # Python's hash of a tuple of ints is deterministic (PYTHONHASHSEED only affects str/bytes). Seeding the
+        # CPU generator alone takes 1 us; torch.manual_seed, which also seeds every accelerator, takes 70.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(hash((self.seed, self.epoch, index)))
+            return self.transform(image), target
+
+    def bad_image_path(self, target):
+        """The file a negative target points at."""
+        return self.samples[-1 - target][0]
+
+
+def image_classes(root):
+    """Sorted class folder names of an ImageFolder root; a missing root or an empty class folder is an error."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root}: no such directory; the data argument must be an ImageFolder root holding "
+                        "train/<class>/*.jpg and val/<class>/*.jpg")
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    if not classes:
+        raise UserError(f"{root}: no class folders (expected {root}/<class>/<image files>)")
+    for name in classes:
+        if not any(is_image_file(path) for path in (root / name).rglob("*")):
+            raise UserError(f"{root / name}: empty class folder (no {', '.join(datasets.folder.IMG_EXTENSIONS)} "
+                            "files); remove it or add its images")
+    return classes
+
+
+def is_image_file(path):
+    return path.suffix.lower() in datasets.folder.IMG_EXTENSIONS and path.is_file()
+
+
+def check_same_classes(train_classes, val_classes, train_root, val_root):
+    """Train and val must hold the same classes, or every val label index after the difference is silently wrong."""
+    if train_classes != val_classes:
+        only_train = sorted(set(train_classes) - set(val_classes))
+        only_val = sorted(set(val_classes) - set(train_classes))
+        raise UserError(f"{val_root}: classes differ from {train_root} (only in train: {_few(only_train)}; "
+                        f"only in val: {_few(only_val)}); both must hold the same class folders")
+
+
+def _few(names, limit=5):
+    shown = ", ".join(names[:limit]) or "none"
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def build_datasets(data, image_size, val_resize, seed):
+    """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes."""
+    train_root, val_root = Path(data) / "train", Path(data) / "val"
+    train_classes, val_classes = image_classes(train_root), image_classes(val_root)
+    check_same_classes(train_classes, val_classes, train_root, val_root)
+    train = RGBImageFolder(train_root, build_transforms(image_size, val_resize, train=True), image_size, seed)
+    val = RGBImageFolder(val_root, build_transforms(image_size, val_resize, train=False), image_size, seed)
+    return train, val
+
+
+class FakeImages(datasets.FakeData):
+    """FakeData (each image a function of its index alone) with the class names the training script records."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.class_to_idx = {str(i): i for i in range(self.num_classes)}
+
+    def set_epoch(self, epoch):
+        pass  # nothing random per epoch
+
+
+def build_dummy_datasets(train_images, image_size):
+    """main.py's --dummy: random images (FakeData), 1000 classes; val sized in ImageNet's proportion."""
+    val_images = max(1, train_images * IMAGENET_VAL_IMAGES // IMAGENET_TRAIN_IMAGES)
+    to_tensor = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
+    train = FakeImages(train_images, (3, image_size, image_size), DUMMY_CLASSES, to_tensor)
+    val = FakeImages(val_images, (3, image_size, image_size), DUMMY_CLASSES, to_tensor,
+                     random_offset=train_images)  # different images from the training ones
+    return train, val

@@ -1,0 +1,112 @@
+"""What users bring from the scripts these ones replace: their flags and their checkpoint files.
+
+pytorch/examples imagenet/main.py:
+- its distribution flags are replaced by the launcher; passing one prints what replaces it (MAIN_PY_FLAGS);
+- its `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the
+  `module.` prefix of DataParallel/DDP) load with `weights_only=True`, and the exports written here have
+  the same layout minus the prefix, so main.py, torchvision and this project read each other's files.
+"""
+import argparse
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+MAIN_PY_FLAGS = {
+    "--multiprocessing-distributed": "accelerate launch --multi_gpu --num_processes N (config: distributed_type "
+                                     "MULTI_GPU + num_processes, e.g. accelerate_configs/4gpu.yaml)",
+    "--world-size": "accelerate launch --num_machines M (config: num_machines); --num_processes is the TOTAL "
+                    "number of processes over all machines",
+    "--rank": "accelerate launch --machine_rank R (config: machine_rank, accelerate_configs/multinode_node0.yaml "
+              "and multinode_node1.yaml)",
+    "--dist-url": "accelerate launch --main_process_ip HOST --main_process_port PORT (config: main_process_ip, "
+                  "main_process_port), or --rdzv_backend c10d (accelerate_configs/multinode_c10d.yaml)",
+    "--dist-backend": "nothing: nccl on GPUs, gloo on CPU; override with this script's --dist_backend",
+    "--gpu": "accelerate launch --gpu_ids I --num_processes 1 (or CUDA_VISIBLE_DEVICES=I; "
+             "accelerate_configs/single_gpu.yaml)",
+}
+
+
+class _ReplacedFlag(argparse.Action):
+    """A flag that no longer exists: print what replaces it, and every other one, then exit 2."""
+
+    def __init__(self, option_strings, dest, replacements, **kwargs):
+        self.replacements = replacements
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        width = max(map(len, self.replacements))
+        table = "\n".join(f"  {flag:<{width}}  ->  {text}" for flag, text in self.replacements.items())
+        parser.exit(2, f"error: {option_string} is a pytorch/examples imagenet/main.py flag; the launcher "
+                       f"replaces it:\n  {option_string}  ->  {self.replacements[option_string]}\n"
+                       f"All of main.py's distribution flags and what replaces them:\n{table}\n")
+
+
+def add_replaced_flags(parser, replacements=MAIN_PY_FLAGS):
+    """Accept the old flags only to explain them (the parser needs allow_abbrev=False to tell
+    main.py's --dist-backend from our --dist_backend)."""
+    for flag in replacements:
+        parser.add_argument(flag, action=_ReplacedFlag, replacements=replacements)
+
+
+def strip_module_prefix(state_dict):
+    """Keys as a plain model has them: drop the `module.` that DataParallel/DDP (even nested) put in front."""
+    while state_dict and all(key.startswith("module.") for key in state_dict):
+        state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
+    return state_dict
+
+
+def load_legacy_checkpoint(path):
+    """A main.py-style checkpoint (or a bare state_dict) as a dict with a prefix-free `state_dict`.
+
+    `weights_only=True`: a checkpoint is data, and unpickling arbitrary objects runs arbitrary code.
+    """
+    path = Path(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such checkpoint file") from None
+    except pickle.UnpicklingError as err:
+        lines = str(err).splitlines()
+        reason = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[0])
+        raise UserError(f"{path}: holds more than tensors and plain values, refused by "
+                        f"torch.load(weights_only=True) ({reason})") from None
+    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as err:
+        raise UserError(f"{path}: not a PyTorch checkpoint ({type(err).__name__}: {err})".splitlines()[0]) from None
+    if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
+        checkpoint = {"state_dict": checkpoint}  # a bare state_dict, as torch.save(model.state_dict()) writes
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UserError(f"{path}: no 'state_dict' in this checkpoint (expected main.py's keys state_dict, "
+                        "optimizer, epoch, best_acc1, or a bare state_dict)")
+    checkpoint["state_dict"] = strip_module_prefix(checkpoint["state_dict"])
+    if torch.is_tensor(checkpoint.get("best_acc1")):  # main.py stores a (CUDA) tensor
+        checkpoint["best_acc1"] = checkpoint["best_acc1"].item()
+    return checkpoint
+
+
+def check_legacy_compatible(checkpoint, expected, path):
+    """Fields a checkpoint records (arch, class_to_idx) must match this run's; main.py's lack class_to_idx."""
+    for key, value in expected.items():
+        if checkpoint.get(key) is not None and checkpoint[key] != value:
+            raise UserError(f"{path}: checkpoint's {key}: {_describe(checkpoint[key])}; this run's: {_describe(value)}")
+
+
+def _describe(value):
+    if isinstance(value, dict):  # class_to_idx
+        names = list(value)
+        return f"{len(names)} classes [{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}]"
+    return repr(value)
+
+
+def save_exported_checkpoint(path, state_dict, **fields):
+    """main.py's layout ({state_dict, **fields}) with CPU tensors and no prefix, swapped in atomically."""
+    path = Path(path)
+    state_dict = {key: value.detach().cpu().contiguous() for key, value in strip_module_prefix(state_dict).items()}
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"state_dict": state_dict, **fields}, tmp)
+    os.replace(tmp, path)
+
