@@ -69,7 +69,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
     )
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=args.cpu,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -78,6 +78,10 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
         log_with="tensorboard" if args.with_tracking else None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=os.path.join(output_dir, "runs")),
     )
+    if effective_precision(accelerator) != accelerator.mixed_precision:
+        accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
+                          "(use bf16 for CPU autocast)")
+    return accelerator
 
 
 def check_global_batch(accelerator, global_batch_size, flag):
@@ -104,12 +108,20 @@ def loader_generator(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def effective_precision(accelerator):
+    """What the run really computes in: Accelerate trains fp16 requests on CPU in fp32 (no autocast, no scaler)."""
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        return "no"
+    return accelerator.mixed_precision
+
+
 def run_info(accelerator, global_batch_size):
     """How this run was launched, recorded with the results so a launch mistake is visible there."""
     return {
         "num_processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
-        "mixed_precision": accelerator.mixed_precision,
+        "mixed_precision": effective_precision(accelerator),
+        "mixed_precision_requested": accelerator.mixed_precision,
         "device": str(accelerator.device),
         "global_batch_size": global_batch_size,
         "per_device_batch_size": global_batch_size // accelerator.num_processes,
