@@ -23,17 +23,16 @@ from accelerate.utils import set_seed
 from datasets import Dataset
 from safetensors.torch import load_model
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           get_linear_schedule_with_warmup)
 
 from utils.checkpoint import (check_output_dir, clear_previous_run, load_checkpoint, replace_dir_atomically,
                               resolve_resume, save_checkpoint)
 from utils.errors import UserError, run_cli
-from utils.loss_meter import LossMeter
+from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import classification_metrics, save_confusion_matrix
 from utils.preemption import PreemptionGuard
-from utils.run_log import RunLog, format_step_line, provenance
+from utils.run_log import RunLog, format_step_line, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
 from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_texts,
@@ -213,7 +212,7 @@ def predict_logits(accelerator, model, dataloader, desc):
     """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
     model.eval()
     all_logits, all_labels = [], []
-    for batch in tqdm(dataloader, desc=desc, disable=not accelerator.is_local_main_process, leave=False):
+    for batch in progress(accelerator, dataloader, desc=desc, leave=False):
         labels = batch.pop("labels", None)
         logits = model(**batch).logits.float()  # (B, C)
         all_logits.append(accelerator.gather_for_metrics(logits).cpu())
@@ -276,7 +275,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     meter = LossMeter(accelerator.device)
     best_dir = args.output_dir / "best_model"
     completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
-    progress = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
+    bar = progress(accelerator, total=max_train_steps, initial=completed_steps)
     start_time = window_start = time.perf_counter()
     window_steps = 0
 
@@ -284,8 +283,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
                 "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"]}
 
-    def stop_if_diverged():
-        if meter.diverged(accelerator):
+    def stop_if_diverged(check_weights=False):
+        if meter.diverged(accelerator) or (check_weights and not parameters_finite(accelerator, model)):
             raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from "
                             f"it. Last good checkpoint: {resolve_resume('latest', checkpoint_dir)}. "
                             "Try a lower --learning_rate or bf16 instead of fp16.")
@@ -312,7 +311,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
                 continue
             completed_steps += 1
             window_steps += 1
-            progress.update(1)
+            bar.update(1)
             at_end = completed_steps >= max_train_steps or batches_in_epoch == len(train_loader)
             if completed_steps % args.logging_steps == 0 or at_end:
                 stop_if_diverged()
@@ -339,7 +338,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
             ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else at_end
             preempted = guard.should_stop()
             if ckpt_now or preempted:
-                stop_if_diverged()
+                stop_if_diverged(check_weights=True)
                 path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, snapshot(epoch, batches_in_epoch),
                                        args.save_total_limit)
                 accelerator.print(f"saved checkpoint {path}")
@@ -347,7 +346,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
                 break
         if preempted or completed_steps >= max_train_steps:
             break
-    progress.close()
+    bar.close()
     if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir)
     runtime = time.perf_counter() - start_time

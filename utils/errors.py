@@ -1,6 +1,8 @@
 """User-facing errors: one line naming the file (and line or key), exit code 2, no traceback."""
 import sys
 
+from tqdm.auto import tqdm
+
 
 class UserError(Exception):
     """A problem with the user's input or command line, not a bug in this code."""
@@ -11,5 +13,5 @@ def run_cli(main, args):
     try:
         return main(args)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        tqdm.write(f"error: {err}", file=sys.stderr)  # on its own line even under a progress bar
         sys.exit(2)

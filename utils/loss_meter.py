@@ -31,3 +31,9 @@ class LossMeter:
     def diverged(self, accelerator):
         """True on every rank if any rank has seen a NaN/inf loss; a collective."""
         return accelerator.reduce(self.nonfinite.clone(), reduction="sum").item() > 0
+
+
+def parameters_finite(accelerator, model):
+    """True on every rank if every weight is finite; checked before a checkpoint is written. A collective."""
+    bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
+    return accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), reduction="sum").item() == 0

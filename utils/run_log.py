@@ -116,3 +116,8 @@ def format_step_line(epoch, step, total_steps, values):
         else:
             parts.append(f"{key} {value}")
     return " | ".join(parts)
+
+
+def progress(accelerator, iterable=None, **kwargs):
+    """tqdm on the local main process only, and only on a terminal: log files get the step lines instead."""
+    return tqdm(iterable, disable=True if not accelerator.is_local_main_process else None, **kwargs)

@@ -1,0 +1,86 @@
+"""Faults around a run: a dead rank, a diverging loss, a taken port, legacy DataParallel."""
+import signal
+import socket
+import time
+
+from conftest import (ACCELERATE, descendants, launch, launch_cmd, read_json, run, start, wait_for)
+from safetensors.torch import load_file
+
+import torch
+
+SCRIPT = "train_bert_cls.py"
+
+
+def bert_args(data, out, *extra):
+    return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch", "--do_train",
+            "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "16", "--output_dir", out, *extra]
+
+
+def test_a_killed_rank_ends_the_whole_job_quickly(text_data, tmp_path):
+    out = tmp_path / "out"
+    job = start(launch_cmd(SCRIPT, bert_args(text_data, out, "--max_train_steps", "5000", "--checkpointing_steps",
+                                             "10", "--ddp_timeout", "30"), num_processes=2), tmp_path / "job.log")
+    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
+    workers = [pid for pid in descendants(job.pid) if f"--output_dir {out}" in
+               open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
+    assert len(workers) == 2, workers
+    killed_at = time.time()
+    signal_pid = max(workers)
+    import os
+
+    os.kill(signal_pid, signal.SIGKILL)
+    job.wait(timeout=120)
+    assert job.returncode != 0
+    assert time.time() - killed_at < 60  # not the default 10-minute collective timeout
+    log = (tmp_path / "job.log").read_text()
+    assert "exitcode  : -9" in log and "SIGKILL" in log, log[-3000:]  # the failing rank is named
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_nan_loss_stops_with_a_clear_message_and_a_good_checkpoint(text_data, tmp_path):
+    out = tmp_path / "out"
+    # Warmup makes step 1's learning rate 0 (a good checkpoint), then 1e9 blows the weights up.
+    proc = run(["python", SCRIPT, "--cpu", *bert_args(text_data, out, "--learning_rate", "1e9", "--max_grad_norm",
+                                                    "0", "--warmup_ratio", "0.5", "--max_train_steps", "20",
+                                                    "--checkpointing_steps", "1", "--logging_steps", "1")],
+               check=False)
+    assert proc.returncode == 2
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert error and "NaN/inf" in error[0] and "Last good checkpoint" in error[0], proc.stderr[-2000:]
+    latest = sorted((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
+    assert str(latest) in error[0]
+    assert all(torch.isfinite(w).all() for w in load_file(latest / "model.safetensors").values())
+
+
+def test_a_taken_port(text_data, tmp_path):
+    """One machine: accelerate moves to a free port and says so. Several machines: a clear error on rank 0."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", port, SCRIPT, "--cpu",
+                    *bert_args(text_data, tmp_path / "one", "--max_train_steps", "2")])
+        assert f"Port `{port}` is already in use" in proc.stderr
+        assert read_json(tmp_path / "one" / "all_results.json")["num_processes"] == 2
+        proc = run([*ACCELERATE, "--multi_gpu", "--num_machines", "2", "--machine_rank", "0", "--num_processes", "2",
+                    "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--same_network", SCRIPT, "--cpu",
+                    *bert_args(text_data, tmp_path / "two", "--max_train_steps", "2")], check=False, timeout=60)
+    assert proc.returncode != 0
+    assert f"port `{port}`, but another process is utilizing it" in proc.stderr
+    assert not (tmp_path / "two").exists()
+
+
+def test_legacy_data_parallel_trains_and_exports_plain_keys(text_data, tmp_path):
+    out = tmp_path / "out"
+    proc = launch(SCRIPT, bert_args(text_data, out, "--data_parallel", "--max_train_steps", "4"))
+    assert "DDP is several times faster" in proc.stderr
+    assert not any(k.startswith("module.") for k in load_file(out / "best_model" / "model.safetensors"))
+    assert read_json(out / "all_results.json")["train_steps"] == 4
+
+
+def test_data_parallel_with_a_multi_process_launch_is_an_error(text_data, tmp_path):
+    proc = launch(SCRIPT, bert_args(text_data, tmp_path / "out", "--data_parallel", "--max_train_steps", "2"),
+                  num_processes=2, check=False)
+    assert proc.returncode != 0
+    assert "--data_parallel (single-process nn.DataParallel) cannot be combined" in proc.stderr
