@@ -41,8 +41,8 @@ from utils.metrics import topk_correct
 from utils.plots import plot_training_curves
 from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, provenance
-from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, maybe_data_parallel,
-                           print_run_summary, run_info)
+from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
+                           maybe_data_parallel, print_run_summary, run_info)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
@@ -112,7 +112,8 @@ def build_dataloaders(accelerator, args):
         train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed)
     common = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=accelerator.device.type == "cuda")
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
-    train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **common)
+    train_loader = DataLoader(train_set, shuffle=True, drop_last=True, generator=loader_generator(args.seed),
+                              **common)
     if len(train_loader) == 0 and not args.evaluate:
         raise UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch "
                         f"(-b {args.batch_size})")
@@ -231,8 +232,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     state = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
              "best_acc1": -1.0, "best_epoch": None}
     if resume_dir is not None:
-        check_compatible(read_training_state(resume_dir), compat, resume_dir)  # before load_state fails on shapes
-        state = load_checkpoint(accelerator, resume_dir)
+        state = load_checkpoint(accelerator, resume_dir, compat)
         accelerator.print(f"Resumed from {resume_dir} at step {state['completed_steps']}")
     if state["batches_in_epoch"] >= len(train_loader):  # saved at an epoch's end
         state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
@@ -258,7 +258,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
 
     def snapshot(epoch, batches_in_epoch):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                "best_acc1": state["best_acc1"] if state["best_epoch"] else None, "best_epoch": state["best_epoch"]}
+                "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"]}
 
     def check_health():  # collectives: every rank calls this at the same points
         if meter.diverged(accelerator):
@@ -352,8 +352,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
         last_metrics = evaluate(accelerator, model, val_loader, args)
     runtime = time.perf_counter() - start_time
     results = {"train_runtime": runtime, "train_images_per_second": images_seen / runtime,
-               "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None, "best_epoch": state["best_epoch"],
-               "train_skipped_images": skipped_total}
+               "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
+               "best_epoch": state["best_epoch"], "train_skipped_images": skipped_total}
     return model, last_metrics, results, preempted
 
 

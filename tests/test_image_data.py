@@ -1,0 +1,117 @@
+"""utils/image_data.py: every image mode loads as RGB, unreadable files are marked (not raised), class checks."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from utils.errors import UserError
+from utils.image_data import (RGBImageFolder, build_datasets, build_dummy_datasets, build_transforms, decode_rgb,
+                              describe_bad_image, image_classes)
+
+
+def picture(width=40, height=30):
+    """A smooth colour image with some texture, as uint8 (H, W, 3)."""
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], axis=-1)
+    return (rgb + np.random.default_rng(0).normal(0, 10, rgb.shape)).clip(0, 255).astype(np.uint8)
+
+
+def pil_rgb(path):
+    """What main.py's pil_loader gives: PIL's own conversion to RGB, as a (3, H, W) tensor."""
+    with Image.open(path) as image:
+        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("name, mode", [
+    ("gray.png", "L"), ("gray.jpg", "L"), ("palette.png", "P"), ("cmyk.jpg", "CMYK"), ("rgba.png", "RGBA"),
+    ("gray_alpha.png", "LA"), ("rgb.jpg", "RGB"), ("rgb.bmp", "RGB"), ("gray16.png", "I;16"),
+])
+def test_every_mode_loads_as_rgb(tmp_path, name, mode):
+    path = tmp_path / name
+    Image.fromarray(picture()).convert(mode).save(path)
+    image = decode_rgb(path)
+    assert image.shape == (3, 30, 40) and image.dtype == torch.uint8
+    assert torch.equal(image, pil_rgb(path))  # the same pixels as PIL's conversion, whichever decoder ran
+    if mode in ("L", "LA", "I;16"):
+        assert torch.equal(image[0], image[1]) and torch.equal(image[1], image[2])
+
+
+def write_folder(root, classes=("cat", "dog"), per_class=3):
+    for name in classes:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(picture()).convert("P" if i == 1 else "RGB").save(root / name / f"{i}.png")
+    return root
+
+
+def test_unreadable_image_is_marked_with_its_index(tmp_path):
+    root = write_folder(tmp_path / "train")
+    bad = root / "dog" / "1.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a png")
+    dataset = RGBImageFolder(root, build_transforms(16, 16, train=False), image_size=16)
+    index = [path for path, _ in dataset.samples].index(str(bad))
+    image, target = dataset[index]
+    assert target < 0 and dataset.bad_image_path(target) == str(bad)
+    assert image.shape == (3, 16, 16)  # same shape as a real sample, so batches collate
+    reason = describe_bad_image(bad)
+    assert "\n" not in reason and reason
+    assert all(dataset[i][1] >= 0 for i in range(len(dataset)) if i != index)
+
+
+def test_augmentation_depends_on_seed_epoch_and_index_only(tmp_path):
+    dataset = RGBImageFolder(write_folder(tmp_path / "train"), build_transforms(16, 20, train=True), 16, seed=3)
+    first = dataset[2][0]
+    torch.manual_seed(123)  # the global RNG does not matter
+    assert torch.equal(dataset[2][0], first)
+    dataset.set_epoch(1)
+    assert not torch.equal(dataset[2][0], first)  # a new crop in the next epoch
+    before = torch.get_rng_state()
+    dataset[0]
+    assert torch.equal(torch.get_rng_state(), before)  # and loading leaves the global RNG alone
+
+
+def test_transforms_shapes():
+    image = torch.from_numpy(picture(50, 30)).permute(2, 0, 1)
+    assert build_transforms(24, 28, train=True)(image).shape == (3, 24, 24)
+    val = build_transforms(24, 28, train=False)(image)
+    assert val.shape == (3, 24, 24) and val.dtype == torch.float32
+
+
+def test_empty_class_folder(tmp_path):
+    root = write_folder(tmp_path / "train")
+    (root / "empty").mkdir()
+    (root / "empty" / "notes.txt").write_text("no images here")
+    with pytest.raises(UserError, match=r"train/empty: empty class folder"):
+        image_classes(root)
+
+
+def test_missing_split_and_no_classes(tmp_path):
+    with pytest.raises(UserError, match=r"train: no such directory.*train/<class>"):
+        image_classes(tmp_path / "train")
+    (tmp_path / "val").mkdir()
+    with pytest.raises(UserError, match=r"val: no class folders"):
+        image_classes(tmp_path / "val")
+
+
+def test_train_val_class_mismatch(tmp_path):
+    write_folder(tmp_path / "train", classes=("cat", "dog", "fox"))
+    write_folder(tmp_path / "val", classes=("cat", "dog", "owl"))
+    with pytest.raises(UserError, match=r"only in train: fox; only in val: owl"):
+        build_datasets(tmp_path, 16, 16, seed=0)
+
+
+def test_datasets_share_class_indices(tmp_path):
+    write_folder(tmp_path / "train", classes=("b", "a"))
+    write_folder(tmp_path / "val", classes=("a", "b"), per_class=1)
+    train, val = build_datasets(tmp_path, 16, 16, seed=0)
+    assert train.class_to_idx == val.class_to_idx == {"a": 0, "b": 1}
+    assert len(train) == 6 and len(val) == 2
+
+
+def test_dummy_data_is_imagenet_shaped():
+    train, val = build_dummy_datasets(1000, 8)
+    assert len(train) == 1000 and len(val) == 1000 * 50_000 // 1_281_167
+    assert len(train.class_to_idx) == 1000
+    image, target = train[5]
+    assert image.shape == (3, 8, 8) and 0 <= target < 1000
+    assert torch.equal(train[5][0], image)  # a function of the index

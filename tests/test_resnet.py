@@ -1,0 +1,270 @@
+"""train_resnet.py end to end through the real launcher on 1 and 2 CPU processes, on real handwritten digits."""
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from conftest import launch, launch_cmd, kill_job, read_json, read_jsonl, run, start, wait_for
+from PIL import Image
+
+import train_resnet
+from utils.demo_data import write_digits_imagefolder
+
+SCRIPT = "train_resnet.py"
+EPOCHS = 3
+# Learns the 16x16 digits in seconds: main.py's RandomResizedCrop (down to 8% of the area) makes them hard,
+# and without momentum the first epochs are far more stable at this tiny scale (measured: ~60% vs ~40% top-1).
+FAST = ["--arch", "resnet18", "--image_size", "16", "--val_resize", "16", "-b", "64", "--lr", "0.02",
+        "--momentum", "0", "-j", "0", "-p", "5"]
+STEPS = EPOCHS * (1348 // 64)  # 1,348 training images, drop_last: 21 steps per epoch; checkpoints every 10 steps
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
+
+
+def train_args(data, out, *extra, epochs=EPOCHS):
+    return [data, *FAST, "--epochs", str(epochs), "--checkpointing_steps", "10", "--save_total_limit", "0",
+            "--output_dir", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(digits_data, tmp_path_factory):
+    """One uninterrupted 1-process and one 2-process run, shared by the tests below."""
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path_factory.mktemp(f"resnet_{n}proc")
+        launch(SCRIPT, train_args(digits_data, out), num_processes=n)
+        runs[n] = out
+    return runs
+
+
+def val_images(data):
+    return sorted((Path(data) / "val").rglob("*.png"))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_learns_and_counts_exactly(trained, digits_data, n):
+    out = trained[n]
+    results = read_json(out / "all_results.json")
+    assert results["num_processes"] == n and results["global_batch_size"] == 64
+    assert results["distributed_type"] == ("NO" if n == 1 else "MULTI_CPU")
+    assert results["eval_samples"] == len(val_images(digits_data)) == 449  # odd: padding must not be counted
+    assert results["eval_acc1"] > 40, results  # chance is 10%
+    assert results["eval_acc1"] <= results["eval_acc5"] <= 100
+    assert results["best_acc1"] >= results["eval_acc1"] and results["train_steps"] == STEPS
+    assert results["train_images_per_second"] > 0 and results["train_skipped_images"] == 0
+    events = read_jsonl(out / "metrics.jsonl")
+    train = [e for e in events if e["event"] == "train"]
+    assert [e["step"] for e in train] == sorted({e["step"] for e in train})  # no repeats
+    assert train[-1]["loss"] < 0.8 * train[0]["loss"], [e["loss"] for e in train]
+    assert [e["epoch"] for e in events if e["event"] == "eval"] == [1, 2, 3]
+    assert (out / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_exports_load_into_plain_torchvision(trained, digits_data):
+    out = trained[2]
+    results = read_json(out / "all_results.json")
+    best = torch.load(out / "model_best.pth", weights_only=True)
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(best["state_dict"])  # strict: no `module.` prefix, nothing missing
+    assert best["arch"] == "resnet18" and best["class_to_idx"] == {str(d): d for d in range(10)}
+    assert best["best_acc1"] == best["acc1"] == results["best_acc1"] and best["epoch"] == results["best_epoch"]
+    last = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert last["epoch"] == EPOCHS and last["acc1"] == results["eval_acc1"]
+
+    # Recompute top-1/top-5 with nothing from this project: PIL, torchvision transforms, argsort.
+    to_tensor = torchvision.transforms.Compose([
+        torchvision.transforms.Resize(16), torchvision.transforms.CenterCrop(16), torchvision.transforms.ToTensor(),
+        torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    paths = val_images(digits_data)
+    images = torch.stack([to_tensor(Image.open(p).convert("RGB")) for p in paths])
+    targets = torch.tensor([best["class_to_idx"][p.parent.name] for p in paths])
+    with torch.no_grad():
+        ranking = model.eval()(images).argsort(dim=1, descending=True)  # (N, 10)
+    rank_of_target = (ranking == targets[:, None]).float().argmax(dim=1)  # 0 = top-1
+    assert 100 * (rank_of_target == 0).float().mean().item() == pytest.approx(best["acc1"], abs=1e-4)
+    assert 100 * (rank_of_target < 5).float().mean().item() == pytest.approx(
+        [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"][best["epoch"] - 1]["acc5"], abs=1e-4)
+
+
+def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path):
+    out = trained[1]
+    launch(SCRIPT, [digits_data, *FAST, "-e", "--resume", out / "model_best.pth", "--output_dir", tmp_path],
+           num_processes=2)
+    evaluated = read_json(tmp_path / "eval_results.json")
+    assert evaluated["eval_samples"] == 449 and evaluated["num_processes"] == 2
+    assert evaluated["eval_acc1"] == pytest.approx(read_json(out / "all_results.json")["best_acc1"], abs=1e-9)
+
+
+def same_run(reference, resumed, stopped_at=None):
+    """Bitwise-identical weights at the end, and the same curve (timings aside) with no step logged twice."""
+    a = torch.load(reference / "checkpoint.pth", weights_only=True)["state_dict"]
+    b = torch.load(resumed / "checkpoint.pth", weights_only=True)["state_dict"]
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+    def curve(out):
+        return [(e["event"], e["step"], e.get("loss"), e.get("acc1"), e.get("acc5"), e.get("lr"))
+                for e in read_jsonl(out / "metrics.jsonl")]
+
+    expected, got = curve(reference), curve(resumed)
+    assert [e[:2] for e in got] == [e[:2] for e in expected]  # no repeated or skipped steps
+    if stopped_at is not None:  # stopped between two log lines: the loss of that window is over fewer steps
+        window = next(i for i, e in enumerate(expected) if e[0] == "train" and e[1] > stopped_at)
+        del expected[window], got[window]
+    assert got == expected
+
+
+def test_resume_mid_epoch_is_exact(trained, tmp_path, digits_data):
+    out = tmp_path / "resumed"
+    shutil.copytree(trained[1], out)
+    for later in ("checkpoint.pth", "model_best.pth", "all_results.json", "training_curves.png"):
+        (out / later).unlink()
+    shutil.rmtree(out / "checkpoints" / "step_60")
+    # step 50 = epoch 3, batch 8 of 21
+    proc = launch(SCRIPT, train_args(digits_data, out, "--resume", out / "checkpoints" / "step_50"))
+    assert "at step 50" in proc.stdout
+    same_run(trained[1], out)
+    assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[1] / "all_results.json")["best_acc1"]
+
+
+def test_sigterm_checkpoints_then_resume_latest_is_exact(trained, digits_data, tmp_path):
+    out = tmp_path / "preempted"
+    job = start(launch_cmd(SCRIPT, train_args(digits_data, out), num_processes=2), tmp_path / "job.log")
+    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
+    kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
+    job.wait(timeout=60)
+    log = (tmp_path / "job.log").read_text()
+    assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    results = read_json(out / "all_results.json")
+    assert results["preempted"] is True and 10 <= results["train_steps"] < STEPS
+    assert (out / "checkpoints" / f"step_{results['train_steps']}").is_dir()
+    launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"), num_processes=2)
+    same_run(trained[2], out, stopped_at=results["train_steps"])
+
+
+def main_py_checkpoint(path, best):
+    """What imagenet/main.py saves from a DDP model: `module.` keys, optimizer state, epoch, a tensor best_acc1."""
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(best["state_dict"])
+    optimizer = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9, weight_decay=1e-4)
+    model(torch.randn(4, 3, 16, 16)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
+    torch.save({"epoch": EPOCHS, "arch": "resnet18", "best_acc1": torch.tensor(best["best_acc1"]),
+                "state_dict": {f"module.{k}": v for k, v in best["state_dict"].items()},
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, path)
+    return path
+
+
+def test_resumes_a_main_py_checkpoint(trained, digits_data, tmp_path):
+    best = torch.load(trained[1] / "model_best.pth", weights_only=True)
+    checkpoint = main_py_checkpoint(tmp_path / "checkpoint.pth.tar", best)
+    out = tmp_path / "out"
+    proc = launch(SCRIPT, [digits_data, *FAST, "--epochs", str(EPOCHS + 1), "--resume", checkpoint,
+                           "--output_dir", out])
+    assert f"Loaded {checkpoint} (epoch {EPOCHS}" in proc.stdout
+    events = read_jsonl(out / "metrics.jsonl")
+    assert {e["epoch"] for e in events} == {EPOCHS + 1}  # main.py's epoch = epochs done: only the 4th is trained
+    assert events[0]["step"] == 65  # the schedule goes on from main.py's epoch: step 63 of 84
+    results = read_json(out / "all_results.json")
+    assert results["eval_acc1"] > 40  # went on from the trained weights
+    assert events[0]["loss"] < 2.0  # a fresh model starts at ln(10) = 2.3
+
+
+def test_dummy_data_and_modern_options(tmp_path):
+    out = tmp_path / "out"
+    # 128 random images in 1000 classes; two micro-batches per step; 1 process, so --sync_bn is a no-op
+    launch(SCRIPT, ["--dummy", "128", "--image_size", "16", "--val_resize", "16", "-b", "32", "-j", "0",
+                    "--epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine",
+                    "--warmup_epochs", "0.5", "--label_smoothing", "0.1", "--channels_last", "--sync_bn",
+                    "--data_parallel", "--with_tracking", "--output_dir", out])
+    results = read_json(out / "all_results.json")
+    assert results["train_steps"] == 2 and results["eval_samples"] == 128 * 50_000 // 1_281_167
+    exported = torch.load(out / "model_best.pth", weights_only=True)
+    torchvision.models.resnet18().load_state_dict(exported["state_dict"])  # 1000 classes, as in main.py
+    assert any((out / "runs").rglob("events.out.tfevents.*"))
+
+
+def test_parse_keeps_our_flags_apart_from_main_py_ones():
+    args = train_resnet.parse_args(["--dummy", "--dist_backend", "gloo", "--wd", "5e-5", "-b", "32"])
+    assert args.dist_backend == "gloo" and args.weight_decay == 5e-5 and args.batch_size == 32
+    assert args.dummy == 1_281_167 and args.data is None
+
+
+def test_main_py_distribution_flag_prints_the_mapping():
+    proc = run(["python", SCRIPT, "/data/imagenet", "--dist-url", "tcp://10.1.1.20:23456", "--rank", "0"],
+               check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "--dist-url  ->  accelerate launch --main_process_ip HOST --main_process_port PORT" in proc.stderr
+    for flag in ("--world-size", "--rank", "--dist-backend", "--multiprocessing-distributed", "--gpu"):
+        assert f"  {flag} " in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_classification_loss_ignores_unreadable_images():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [5.0, -5.0]])
+    targets = torch.tensor([0, 0, -3])  # the third image was unreadable
+    expected = torch.nn.functional.cross_entropy(logits[:2], targets[:2])
+    assert train_resnet.classification_loss(logits, targets).item() == pytest.approx(expected.item())
+    assert train_resnet.classification_loss(logits[2:], targets[2:]).item() == 0.0  # not NaN
+
+
+# ---- bad input: one line naming the problem, exit 2, no traceback ----
+
+@pytest.fixture
+def small_digits(tmp_path):
+    """120 train / 40 val images of all 10 digits: the private, corruptible copy a bad-input test needs."""
+    return write_digits_imagefolder(tmp_path / "digits", size=16, limit=160)
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def small_run(data, out, *extra):
+    return ["python", SCRIPT, "--cpu", data, "--image_size", "16", "--val_resize", "16", "-b", "40", "-j", "0",
+            "--epochs", "1", "--output_dir", out, *extra]
+
+
+def corrupt(path):
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    return path
+
+
+def test_corrupt_image_is_a_one_line_error(small_digits, tmp_path):
+    bad = corrupt(sorted((small_digits / "train" / "3").iterdir())[0])
+    proc = run(small_run(small_digits, tmp_path / "out"), check=False)
+    assert_one_line_error(proc, str(bad), "unreadable image", "--skip_bad_images")
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_skip_bad_images_counts_them(small_digits, tmp_path):
+    corrupt(sorted((small_digits / "train" / "3").iterdir())[0])
+    corrupt(sorted((small_digits / "val" / "5").iterdir())[0])
+    proc = run(small_run(small_digits, tmp_path / "out", "--skip_bad_images"))
+    assert "warning: skipping unreadable image" in proc.stdout
+    results = read_json(tmp_path / "out" / "all_results.json")
+    assert results["train_skipped_images"] == 1  # 120 images in 3 full batches: each seen once
+    assert results["eval_skipped_images"] == 1 and results["eval_samples"] == 39
+
+
+def test_empty_class_folder_and_class_mismatch(small_digits, tmp_path):
+    for image in (small_digits / "train" / "7").iterdir():
+        image.unlink()
+    proc = run(small_run(small_digits, tmp_path / "out"), check=False)
+    assert_one_line_error(proc, str(small_digits / "train" / "7"), "empty class folder")
+    shutil.rmtree(small_digits / "train" / "7")
+    proc = run(small_run(small_digits, tmp_path / "out"), check=False)
+    assert_one_line_error(proc, "only in train: none; only in val: 7")
+
+
+def test_pretrained_offline_is_a_clear_error(small_digits, tmp_path):
+    proc = run(small_run(small_digits, tmp_path / "out", "--pretrained"), check=False,
+               env={"TORCH_HOME": str(tmp_path / "empty_cache")})
+    assert_one_line_error(proc, "--pretrained: cannot get torchvision's resnet18 weights", "needs the network")
