@@ -29,18 +29,17 @@ import torchvision
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from utils.checkpoint import (check_compatible, check_output_dir, clear_previous_run, load_checkpoint,
                               read_training_state, resolve_resume, save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
 from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
-from utils.loss_meter import LossMeter
+from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import topk_correct
 from utils.plots import plot_training_curves
 from utils.preemption import PreemptionGuard
-from utils.run_log import RunLog, provenance
+from utils.run_log import RunLog, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
 
@@ -172,7 +171,7 @@ def evaluate(accelerator, model, loader, args):
     model.eval()
     images = top1 = top5 = skipped = 0
     loss_sum = 0.0
-    for inputs, targets in tqdm(loader, desc="validation", disable=not accelerator.is_local_main_process, leave=False):
+    for inputs, targets in progress(accelerator, loader, desc="validation", leave=False):
         if args.channels_last:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         logits = model(inputs).float()  # (B, C)
@@ -251,7 +250,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)  # < 0: an unreadable image was seen
     reported_bad, skipped_total, last_metrics = set(), 0, None
     completed_steps, images_seen, preempted = state["completed_steps"], 0, False
-    progress = tqdm(total=total_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
+    bar = progress(accelerator, total=total_steps, initial=completed_steps)
     start_time = window_start = tick = time.perf_counter()
     window_steps = window_batches = 0
     data_time = 0.0
@@ -260,8 +259,9 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
                 "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"]}
 
-    def check_health():  # collectives: every rank calls this at the same points
-        if meter.diverged(accelerator):
+    def check_health(check_weights=False):  # collectives: every rank calls this at the same points
+        # the loss lags the weights by a step: check those too before anything is written from them
+        if meter.diverged(accelerator) or (check_weights and not parameters_finite(accelerator, model)):
             raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from it. "
                             f"Last good checkpoint: {resolve_resume('latest', checkpoint_dir)}. Try a lower --lr "
                             "or bf16 instead of fp16.")
@@ -303,7 +303,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 continue
             completed_steps += 1
             window_steps += 1
-            progress.update(1)
+            bar.update(1)
             epoch_done = batches_in_epoch == len(train_loader)
             if completed_steps % args.print_freq == 0 or epoch_done:
                 check_health()
@@ -316,13 +316,14 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                           "data_time": data_time / window_steps,
                           "images_per_second": window_batches * args.batch_size / elapsed, "skipped_images": skipped}
                 log.console(f"Epoch: [{epoch + 1}][{batches_in_epoch:>{len(str(len(train_loader)))}}/"
-                            f"{len(train_loader)}] | Time {values['step_time']:.3f} s | Data {values['data_time']:.3f} s"
+                            f"{len(train_loader)}] | Time {values['step_time']:.3f} s/step | Data {values['data_time']:.3f} s/step"
                             f" | Loss {values['loss']:.4f} | Acc@1 {values['acc1']:6.2f} | Acc@5 {values['acc5']:6.2f}"
                             f" | lr {values['lr']:.2e} | {values['images_per_second']:,.0f} images/s")
                 log.log("train", completed_steps, values)
                 window.zero_()
                 window_start, window_steps, window_batches, data_time = time.perf_counter(), 0, 0, 0.0
             if epoch_done:  # main.py validates after every epoch
+                check_health(check_weights=True)
                 last_metrics = evaluate(accelerator, model, val_loader, args)
                 is_best = last_metrics["acc1"] > state["best_acc1"]
                 if is_best:
@@ -339,15 +340,17 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             checkpoint_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else epoch_done
             preempted = guard.should_stop()
             if checkpoint_now or preempted:
-                check_health()
+                check_health(check_weights=True)
                 path = save_checkpoint(accelerator, checkpoint_dir, completed_steps,
                                        snapshot(epoch, batches_in_epoch), args.save_total_limit)
                 accelerator.print(f"saved checkpoint {path}")
+            if epoch_done:  # validation, exports and saving are not training time
+                window_start = tick = time.perf_counter()
             if preempted:
                 break
         if preempted:
             break
-    progress.close()
+    bar.close()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = evaluate(accelerator, model, val_loader, args)
     runtime = time.perf_counter() - start_time

@@ -1,16 +1,20 @@
 """train_resnet.py end to end through the real launcher on 1 and 2 CPU processes, on real handwritten digits."""
 import shutil
 import signal
+import urllib.error
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
+from accelerate.state import AcceleratorState
 from conftest import launch, launch_cmd, kill_job, read_json, read_jsonl, run, start, wait_for
 from PIL import Image
 
 import train_resnet
 from utils.demo_data import write_digits_imagefolder
+from utils.errors import UserError
+from utils.legacy import check_legacy_compatible, load_legacy_checkpoint, strip_module_prefix
 
 SCRIPT = "train_resnet.py"
 EPOCHS = 3
@@ -94,6 +98,11 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path):
     evaluated = read_json(tmp_path / "eval_results.json")
     assert evaluated["eval_samples"] == 449 and evaluated["num_processes"] == 2
     assert evaluated["eval_acc1"] == pytest.approx(read_json(out / "all_results.json")["best_acc1"], abs=1e-9)
+    # our own checkpoints evaluate too: `latest` is step_60 of the run, written beside its all_results.json
+    main_here(["--cpu", digits_data, *FAST, "-e", "--resume", "latest", "--output_dir", out])
+    evaluated = read_json(out / "eval_results.json")
+    assert evaluated["eval_samples"] == 449 and evaluated["eval_acc1"] > 40
+    assert read_json(out / "all_results.json")["train_steps"] == STEPS  # the training results are left alone
 
 
 def same_run(reference, resumed, stopped_at=None):
@@ -115,32 +124,28 @@ def same_run(reference, resumed, stopped_at=None):
     assert got == expected
 
 
-def test_resume_mid_epoch_is_exact(trained, tmp_path, digits_data):
-    out = tmp_path / "resumed"
-    shutil.copytree(trained[1], out)
+def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, digits_data, tmp_path):
+    """2 processes: --resume from a mid-epoch checkpoint of the reference run, SIGTERM, --resume latest."""
+    out = tmp_path / "preempted"
+    shutil.copytree(trained[2], out)
     for later in ("checkpoint.pth", "model_best.pth", "all_results.json", "training_curves.png"):
         (out / later).unlink()
-    shutil.rmtree(out / "checkpoints" / "step_60")
-    # step 50 = epoch 3, batch 8 of 21
-    proc = launch(SCRIPT, train_args(digits_data, out, "--resume", out / "checkpoints" / "step_50"))
-    assert "at step 50" in proc.stdout
-    same_run(trained[1], out)
-    assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[1] / "all_results.json")["best_acc1"]
-
-
-def test_sigterm_checkpoints_then_resume_latest_is_exact(trained, digits_data, tmp_path):
-    out = tmp_path / "preempted"
-    job = start(launch_cmd(SCRIPT, train_args(digits_data, out), num_processes=2), tmp_path / "job.log")
-    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
+    for step in (50, 60):
+        shutil.rmtree(out / "checkpoints" / f"step_{step}")
+    # step 40 = epoch 2, batch 19 of 21: the rest of epoch 2 and its validation come from the resumed run
+    job = start(launch_cmd(SCRIPT, train_args(digits_data, out, "--resume", out / "checkpoints" / "step_40"),
+                           num_processes=2), tmp_path / "job.log")
+    wait_for(lambda: (out / "checkpoints" / "step_50" / "training_state.json").exists(), job)
     kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
     job.wait(timeout=60)
     log = (tmp_path / "job.log").read_text()
-    assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    assert "at step 40" in log and "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
     results = read_json(out / "all_results.json")
-    assert results["preempted"] is True and 10 <= results["train_steps"] < STEPS
+    assert results["preempted"] is True and 50 <= results["train_steps"] < STEPS
     assert (out / "checkpoints" / f"step_{results['train_steps']}").is_dir()
     launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"), num_processes=2)
     same_run(trained[2], out, stopped_at=results["train_steps"])
+    assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[2] / "all_results.json")["best_acc1"]
 
 
 def main_py_checkpoint(path, best):
@@ -161,8 +166,8 @@ def test_resumes_a_main_py_checkpoint(trained, digits_data, tmp_path):
     best = torch.load(trained[1] / "model_best.pth", weights_only=True)
     checkpoint = main_py_checkpoint(tmp_path / "checkpoint.pth.tar", best)
     out = tmp_path / "out"
-    proc = launch(SCRIPT, [digits_data, *FAST, "--epochs", str(EPOCHS + 1), "--resume", checkpoint,
-                           "--output_dir", out])
+    proc = run(["python", SCRIPT, "--cpu", digits_data, *FAST, "--epochs", str(EPOCHS + 1), "--resume",
+                checkpoint, "--output_dir", out])
     assert f"Loaded {checkpoint} (epoch {EPOCHS}" in proc.stdout
     events = read_jsonl(out / "metrics.jsonl")
     assert {e["epoch"] for e in events} == {EPOCHS + 1}  # main.py's epoch = epochs done: only the 4th is trained
@@ -172,13 +177,35 @@ def test_resumes_a_main_py_checkpoint(trained, digits_data, tmp_path):
     assert events[0]["loss"] < 2.0  # a fresh model starts at ln(10) = 2.3
 
 
+def test_legacy_checkpoint_files(tmp_path):
+    weights = {"module.conv.weight": torch.ones(2), "module.fc.bias": torch.zeros(1)}
+    assert strip_module_prefix({f"module.{k}": v for k, v in weights.items()}) == {
+        "conv.weight": weights["module.conv.weight"], "fc.bias": weights["module.fc.bias"]}  # DP inside DDP
+    assert strip_module_prefix({"module.a": 1, "b": 2}) == {"module.a": 1, "b": 2}  # not all prefixed: a real name
+    torch.save(weights, tmp_path / "bare.pth")  # torch.save(model.state_dict()) from any script
+    assert load_legacy_checkpoint(tmp_path / "bare.pth")["state_dict"].keys() == {"conv.weight", "fc.bias"}
+    torch.save({"state_dict": weights, "best_acc1": torch.tensor(76.1), "args": urllib.error.URLError("x")},
+               tmp_path / "pickled.pth.tar")
+    with pytest.raises(UserError, match=r"pickled.pth.tar: holds a pickled \S*URLError, which torch.load\("
+                                        r"weights_only=True\) refuses"):
+        load_legacy_checkpoint(tmp_path / "pickled.pth.tar")
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match=r"junk.pth: not a PyTorch checkpoint"):
+        load_legacy_checkpoint(tmp_path / "junk.pth")
+    with pytest.raises(UserError, match=r"x.pth: checkpoint's class_to_idx: 10 classes \[0, 1, 2, 3, ...\]; "
+                                        r"this run's: 2 classes \[cat, dog\]"):
+        check_legacy_compatible({"class_to_idx": {str(d): d for d in range(10)}, "arch": "resnet18"},
+                                {"arch": "resnet18", "class_to_idx": {"cat": 0, "dog": 1}}, "x.pth")
+    check_legacy_compatible({"arch": "resnet18"}, {"arch": "resnet18", "class_to_idx": {"cat": 0}}, "main.py.tar")
+
+
 def test_dummy_data_and_modern_options(tmp_path):
     out = tmp_path / "out"
     # 128 random images in 1000 classes; two micro-batches per step; 1 process, so --sync_bn is a no-op
-    launch(SCRIPT, ["--dummy", "128", "--image_size", "16", "--val_resize", "16", "-b", "32", "-j", "0",
-                    "--epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine",
-                    "--warmup_epochs", "0.5", "--label_smoothing", "0.1", "--channels_last", "--sync_bn",
-                    "--data_parallel", "--with_tracking", "--output_dir", out])
+    run(["python", SCRIPT, "--cpu", "--dummy", "128", "--image_size", "16", "--val_resize", "16", "-b", "32",
+         "-j", "0", "--epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine",
+         "--warmup_epochs", "0.5", "--label_smoothing", "0.1", "--channels_last", "--sync_bn", "--data_parallel",
+         "--with_tracking", "--output_dir", out])
     results = read_json(out / "all_results.json")
     assert results["train_steps"] == 2 and results["eval_samples"] == 128 * 50_000 // 1_281_167
     exported = torch.load(out / "model_best.pth", weights_only=True)
@@ -192,14 +219,14 @@ def test_parse_keeps_our_flags_apart_from_main_py_ones():
     assert args.dummy == 1_281_167 and args.data is None
 
 
-def test_main_py_distribution_flag_prints_the_mapping():
-    proc = run(["python", SCRIPT, "/data/imagenet", "--dist-url", "tcp://10.1.1.20:23456", "--rank", "0"],
-               check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert "--dist-url  ->  accelerate launch --main_process_ip HOST --main_process_port PORT" in proc.stderr
+def test_main_py_distribution_flag_prints_the_mapping(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_resnet.parse_args(["/data/imagenet", "--dist-url", "tcp://10.1.1.20:23456", "--rank", "0"])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "--dist-url  ->  accelerate launch --main_process_ip HOST --main_process_port PORT" in stderr
     for flag in ("--world-size", "--rank", "--dist-backend", "--multiprocessing-distributed", "--gpu"):
-        assert f"  {flag} " in proc.stderr
-    assert "Traceback" not in proc.stderr
+        assert f"  {flag} " in stderr
 
 
 def test_classification_loss_ignores_unreadable_images():
@@ -227,9 +254,19 @@ def assert_one_line_error(proc, *fragments):
         assert fragment in errors[0], errors[0]
 
 
-def small_run(data, out, *extra):
-    return ["python", SCRIPT, "--cpu", data, "--image_size", "16", "--val_resize", "16", "-b", "40", "-j", "0",
-            "--epochs", "1", "--output_dir", out, *extra]
+def small_args(data, out, *extra):
+    return ["--cpu", data, "--image_size", "16", "--val_resize", "16", "-b", "40", "-j", "0", "--epochs", "1",
+            "--output_dir", out, *extra]
+
+
+def main_here(argv):
+    """The script's main() in this process (no start-up cost), for one process; restores what it changes."""
+    sigterm = signal.getsignal(signal.SIGTERM)  # PreemptionGuard installs its own handler
+    try:
+        return train_resnet.main(train_resnet.parse_args([str(a) for a in argv]))
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def corrupt(path):
@@ -239,32 +276,57 @@ def corrupt(path):
 
 def test_corrupt_image_is_a_one_line_error(small_digits, tmp_path):
     bad = corrupt(sorted((small_digits / "train" / "3").iterdir())[0])
-    proc = run(small_run(small_digits, tmp_path / "out"), check=False)
+    proc = run(["python", SCRIPT, *small_args(small_digits, tmp_path / "out")], check=False)
     assert_one_line_error(proc, str(bad), "unreadable image", "--skip_bad_images")
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
-def test_skip_bad_images_counts_them(small_digits, tmp_path):
+def test_skip_bad_images_counts_them(small_digits, tmp_path, capsys):
     corrupt(sorted((small_digits / "train" / "3").iterdir())[0])
     corrupt(sorted((small_digits / "val" / "5").iterdir())[0])
-    proc = run(small_run(small_digits, tmp_path / "out", "--skip_bad_images"))
-    assert "warning: skipping unreadable image" in proc.stdout
-    results = read_json(tmp_path / "out" / "all_results.json")
+    results = main_here(small_args(small_digits, tmp_path / "out", "--skip_bad_images"))
+    assert "warning: skipping unreadable image" in capsys.readouterr().out
     assert results["train_skipped_images"] == 1  # 120 images in 3 full batches: each seen once
     assert results["eval_skipped_images"] == 1 and results["eval_samples"] == 39
 
 
-def test_empty_class_folder_and_class_mismatch(small_digits, tmp_path):
-    for image in (small_digits / "train" / "7").iterdir():
-        image.unlink()
-    proc = run(small_run(small_digits, tmp_path / "out"), check=False)
-    assert_one_line_error(proc, str(small_digits / "train" / "7"), "empty class folder")
+def test_class_mismatch(small_digits, tmp_path):  # an empty class folder: tests/test_image_data.py
     shutil.rmtree(small_digits / "train" / "7")
-    proc = run(small_run(small_digits, tmp_path / "out"), check=False)
-    assert_one_line_error(proc, "only in train: none; only in val: 7")
+    with pytest.raises(UserError, match=rf"{small_digits / 'val'}: classes differ .*only in train: none; "
+                                        r"only in val: 7"):
+        main_here(small_args(small_digits, tmp_path / "out"))
 
 
-def test_pretrained_offline_is_a_clear_error(small_digits, tmp_path):
-    proc = run(small_run(small_digits, tmp_path / "out", "--pretrained"), check=False,
-               env={"TORCH_HOME": str(tmp_path / "empty_cache")})
-    assert_one_line_error(proc, "--pretrained: cannot get torchvision's resnet18 weights", "needs the network")
+def test_pretrained_offline_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "empty_cache"))  # nothing cached
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    args = train_resnet.parse_args(["--dummy", "--pretrained"])
+    with pytest.raises(UserError, match=r"--pretrained: cannot get torchvision's resnet18 weights .*needs the network"):
+        train_resnet.build_model(args, 10)
+
+
+def offline(url, *args, **kwargs):
+    raise urllib.error.URLError("[Errno -2] Name or service not known")
+
+
+def test_nan_loss_stops_before_anything_is_written(small_digits, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="loss became NaN/inf by step .*stopped before saving anything"):
+        main_here(small_args(small_digits, out, "--lr", "1e30", "-p", "1"))
+    assert not (out / "checkpoints").exists() and not (out / "model_best.pth").exists()
+
+
+def test_resume_refuses_another_arch(trained, small_digits, tmp_path):
+    step_dir = trained[1] / "checkpoints" / "step_60"
+    with pytest.raises(UserError, match=f"{step_dir / 'training_state.json'}: checkpoint has arch='resnet18', "
+                                        "this run has 'resnet34'"):
+        main_here(small_args(small_digits, tmp_path / "a", "-a", "resnet34", "--resume", step_dir))
+
+
+def test_refuses_to_overwrite_another_run(small_digits, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model_best.pth").write_bytes(b"someone's best model")
+    with pytest.raises(UserError, match=r"holds another run \(model_best.pth\); pass --overwrite_output_dir"):
+        main_here(small_args(small_digits, out))
+    assert (out / "model_best.pth").read_bytes() == b"someone's best model"

@@ -9,6 +9,7 @@ pytorch/examples imagenet/main.py:
 import argparse
 import os
 import pickle
+import re
 import struct
 from pathlib import Path
 
@@ -71,10 +72,12 @@ def load_legacy_checkpoint(path):
     except FileNotFoundError:
         raise UserError(f"{path}: no such checkpoint file") from None
     except pickle.UnpicklingError as err:
-        lines = str(err).splitlines()
-        reason = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[0])
-        raise UserError(f"{path}: holds more than tensors and plain values, refused by "
-                        f"torch.load(weights_only=True) ({reason})") from None
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if refused is None:  # random bytes fail the same way
+            reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+            raise UserError(f"{path}: not a PyTorch checkpoint (unpickling failed: {reason})") from None
+        raise UserError(f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; "
+                        "only tensors and plain values are loaded from checkpoints") from None
     except (OSError, RuntimeError, EOFError, ValueError, struct.error) as err:
         raise UserError(f"{path}: not a PyTorch checkpoint ({type(err).__name__}: {err})".splitlines()[0]) from None
     if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
