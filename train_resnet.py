@@ -9,7 +9,8 @@ path here; the hardware comes from the launcher and accelerate_configs/*.yaml:
 A tiny CPU run (2 processes of gloo DDP) on scikit-learn's handwritten digits written as an ImageFolder:
     python -c "from utils.demo_data import write_digits_imagefolder as w; w('demo_data/digits', size=16)"
     accelerate launch --multi_gpu --num_processes 2 train_resnet.py --cpu demo_data/digits --image_size 16 \
-        --val_resize 16 -b 64 --lr 0.1 --warmup_epochs 1 --epochs 4 -j 0 --output_dir outputs/resnet_demo
+        --val_resize 16 -b 64 --lr 0.02 --momentum 0 --epochs 3 -j 0 --output_dir outputs/resnet_demo
+    (about 25 s on 2 cores, ~60% top-1; chance is 10%)
 -b is the GLOBAL batch (main.py's "total batch size of all GPUs"): the same command trains the same way on any
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
@@ -88,7 +89,8 @@ def parse_args(argv=None):
     output.add_argument("--resume", default=None, metavar="PATH",
                         help="'latest' or checkpoints/step_N (exact resume), or a .pth/.pth.tar file (main.py's, "
                              "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
-    output.add_argument("-e", "--evaluate", action="store_true", help="evaluate --resume's weights on val/, no training")
+    output.add_argument("-e", "--evaluate", action="store_true",
+                        help="evaluate --resume's (or --pretrained) weights on val/, no training")
     add_runtime_args(parser)
     add_replaced_flags(parser)
     args = parser.parse_args(argv)
@@ -188,6 +190,13 @@ def evaluate(accelerator, model, loader, args):
     n = max(images, 1)
     return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "loss": loss_sum / n, "samples": images,
             "skipped_images": skipped}
+
+
+def train_line(epoch, batch, num_batches, v):
+    """main.py's progress line, with units and throughput; v: the window's values."""
+    return (f"Epoch: [{epoch}][{batch:>{len(str(num_batches))}}/{num_batches}] | Time {v['step_time']:.3f} s/step | "
+            f"Data {v['data_time']:.3f} s/step | Loss {v['loss']:.4f} | Acc@1 {v['acc1']:6.2f} | "
+            f"Acc@5 {v['acc5']:6.2f} | lr {v['lr']:.2e} | {v['images_per_second']:,.0f} images/s")
 
 
 def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc1, is_best):
@@ -309,16 +318,12 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 check_health()
                 readable_images, top1, top5, skipped = accelerator.reduce(window, reduction="sum").tolist()
                 skipped_total += skipped
-                elapsed = time.perf_counter() - window_start
-                values = {"epoch": epoch + 1, "loss": meter.mean(accelerator),
-                          "acc1": 100.0 * top1 / max(1, readable_images), "acc5": 100.0 * top5 / max(1, readable_images),
-                          "lr": scheduler.get_last_lr()[0], "step_time": elapsed / window_steps,
-                          "data_time": data_time / window_steps,
+                elapsed, n = time.perf_counter() - window_start, max(1, readable_images)
+                values = {"epoch": epoch + 1, "loss": meter.mean(accelerator), "acc1": 100.0 * top1 / n,
+                          "acc5": 100.0 * top5 / n, "lr": scheduler.get_last_lr()[0],
+                          "step_time": elapsed / window_steps, "data_time": data_time / window_steps,
                           "images_per_second": window_batches * args.batch_size / elapsed, "skipped_images": skipped}
-                log.console(f"Epoch: [{epoch + 1}][{batches_in_epoch:>{len(str(len(train_loader)))}}/"
-                            f"{len(train_loader)}] | Time {values['step_time']:.3f} s/step | Data {values['data_time']:.3f} s/step"
-                            f" | Loss {values['loss']:.4f} | Acc@1 {values['acc1']:6.2f} | Acc@5 {values['acc5']:6.2f}"
-                            f" | lr {values['lr']:.2e} | {values['images_per_second']:,.0f} images/s")
+                log.console(train_line(epoch + 1, batches_in_epoch, len(train_loader), values))
                 log.log("train", completed_steps, values)
                 window.zero_()
                 window_start, window_steps, window_batches, data_time = time.perf_counter(), 0, 0, 0.0
@@ -329,15 +334,16 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 if is_best:
                     state.update(best_acc1=last_metrics["acc1"], best_epoch=epoch + 1)
                 log.log("eval", completed_steps, {"epoch": epoch + 1, **last_metrics})
-                log.console(f" * Epoch {epoch + 1} | Acc@1 {last_metrics['acc1']:.3f} | Acc@5 {last_metrics['acc5']:.3f}"
-                            f" | Loss {last_metrics['loss']:.4f} | {last_metrics['samples']} images | "
-                            f"best Acc@1 {state['best_acc1']:.3f} (epoch {state['best_epoch']})")
+                log.console(f" * Epoch {epoch + 1} | Acc@1 {last_metrics['acc1']:.3f} | "
+                            f"Acc@5 {last_metrics['acc5']:.3f} | Loss {last_metrics['loss']:.4f} | "
+                            f"{last_metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "
+                            f"(epoch {state['best_epoch']})")
                 export_weights(accelerator, model, args, compat["class_to_idx"], epoch + 1, last_metrics["acc1"],
                                state["best_acc1"], is_best)
                 accelerator.on_main_process(lambda: plot_training_curves(
                     log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
                     steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}"))()
-            checkpoint_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else epoch_done
+            checkpoint_now = completed_steps % args.checkpointing_steps == 0 if args.checkpointing_steps else epoch_done
             preempted = guard.should_stop()
             if checkpoint_now or preempted:
                 check_health(check_weights=True)
@@ -366,6 +372,8 @@ def main(args):
     check_global_batch(accelerator, args.batch_size, "--batch-size")
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
+    if args.resume not in (None, "latest") and not Path(args.resume).exists():
+        raise UserError(f"--resume {args.resume}: no such file or directory")
     legacy_file = args.resume is not None and Path(args.resume).is_file()
     resume_dir = None if legacy_file else resolve_resume(args.resume, args.output_dir / "checkpoints")
     if args.evaluate and args.resume and not legacy_file and resume_dir is None:

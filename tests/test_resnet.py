@@ -316,11 +316,13 @@ def test_nan_loss_stops_before_anything_is_written(small_digits, tmp_path):
     assert not (out / "checkpoints").exists() and not (out / "model_best.pth").exists()
 
 
-def test_resume_refuses_another_arch(trained, small_digits, tmp_path):
+def test_resume_refuses_another_arch_and_a_missing_file(trained, small_digits, tmp_path):
     step_dir = trained[1] / "checkpoints" / "step_60"
     with pytest.raises(UserError, match=f"{step_dir / 'training_state.json'}: checkpoint has arch='resnet18', "
                                         "this run has 'resnet34'"):
         main_here(small_args(small_digits, tmp_path / "a", "-a", "resnet34", "--resume", step_dir))
+    with pytest.raises(UserError, match=r"--resume \S*model_bets.pth: no such file or directory"):
+        main_here(small_args(small_digits, tmp_path / "b", "--resume", trained[1] / "model_bets.pth"))
 
 
 def test_refuses_to_overwrite_another_run(small_digits, tmp_path):
