@@ -29,6 +29,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
 from utils.checkpoint import (check_output_dir, clear_previous_run, load_checkpoint, replace_dir_atomically,
                               resolve_resume, save_checkpoint)
 from utils.errors import UserError, run_cli
+from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import classification_metrics, save_confusion_matrix
 from utils.preemption import PreemptionGuard
@@ -57,6 +58,8 @@ def parse_args(argv=None):
                        help="random init from the directory's config.json + vocab.txt")
     model.add_argument("--config_overrides", default=None,
                        help='with --from_scratch, e.g. "num_hidden_layers=2,hidden_size=128"')
+    model.add_argument("--init_from_legacy", type=Path, default=None,
+                       help="weights from the reference repo's best.pt (bert.* + linear.*, `module.` or not)")
     model.add_argument("--trust_remote_code", action="store_true", help="allow code from the model repo (off)")
     modes = parser.add_argument_group("modes")
     modes.add_argument("--do_train", action="store_true")
@@ -137,7 +140,8 @@ def build_model(args, labels):
     """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config."""
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
-    if path.is_dir() and not has_weights and not args.from_scratch:
+    from_config = args.from_scratch or args.init_from_legacy  # legacy weights replace every pretrained one
+    if path.is_dir() and not has_weights and not from_config:
         raise UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); "
                         "pass --from_scratch to train a randomly initialised model from its config.json")
     label_kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
@@ -146,7 +150,7 @@ def build_model(args, labels):
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
                                             **label_kwargs)
-        if args.from_scratch:
+        if from_config:
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=args.trust_remote_code)
@@ -156,6 +160,8 @@ def build_model(args, labels):
                 trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(f"{args.model_name_or_path}: cannot load model ({str(err).splitlines()[0]})") from None
+    if args.init_from_legacy:
+        load_legacy_bert(args.init_from_legacy, model)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
     if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
         raise UserError(f"{args.model_name_or_path}: tokenizer has {len(tokenizer)} tokens but the model expects "

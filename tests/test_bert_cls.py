@@ -99,3 +99,31 @@ def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):
     # the saved model reproduces the test accuracy the training run reported
     assert read_json(pred_out / "all_results.json")["test_accuracy"] == pytest.approx(
         read_json(out / "all_results.json")["test_accuracy"])
+
+
+def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
+    """The reference's best.pt (DataParallel `module.` keys, bert.* + linear.* head) gives the same test accuracy."""
+    import torch
+    from safetensors.torch import load_file
+
+    out, _ = trained[1]
+    weights = load_file(out / "best_model" / "model.safetensors")
+    legacy = {"module." + k.replace("classifier.", "linear."): v for k, v in weights.items()}
+    torch.save({"state_dict": legacy, "epoch": 3, "best_acc": 0.9}, tmp_path / "best.pt")
+    test_out = tmp_path / "legacy_test"
+    launch(SCRIPT, ["--model_name_or_path", text_data / "model", "--init_from_legacy", tmp_path / "best.pt",
+                    "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test", "--max_seq_len", "64",
+                    "--eval_batch_size", "16", "--output_dir", test_out])
+    assert read_json(test_out / "all_results.json")["test_accuracy"] == pytest.approx(
+        read_json(out / "all_results.json")["test_accuracy"])
+    # a head for another number of classes, and a file that would unpickle arbitrary objects, are refused
+    torch.save({"state_dict": {**legacy, "module.linear.weight": torch.zeros(3, 64),
+                               "module.linear.bias": torch.zeros(3)}}, tmp_path / "three.pt")
+    import argparse
+
+    torch.save({"state_dict": legacy, "args": argparse.Namespace(lr=1)}, tmp_path / "pickled.pt")
+    for name, message in (("three.pt", "its head predicts 3 classes, this run has 10 labels"), ("pickled.pt", "weights_only")):
+        proc = run(["python", SCRIPT, "--cpu", "--model_name_or_path", text_data / "model", "--init_from_legacy",
+                    tmp_path / name, "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test",
+                    "--output_dir", tmp_path / "refused"], check=False)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

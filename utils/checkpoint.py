@@ -41,7 +41,8 @@ def resolve_resume(resume, checkpoint_dir):
         return found[-1] if found else None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
-        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}); use --resume_from_checkpoint latest")
+        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}); resume from `latest` or a "
+                        "checkpoints/step_N directory")
     return path
 
 

@@ -113,3 +113,40 @@ def save_exported_checkpoint(path, state_dict, **fields):
     torch.save({"state_dict": state_dict, **fields}, tmp)
     os.replace(tmp, path)
 
+
+
+# The reference BERT cnews repository saved `best.pt` as {"state_dict": model.state_dict(), ...} for a module
+# holding `self.bert = BertModel(...)` and a `self.linear` head, `module.`-prefixed when trained under
+# DataParallel. Its label order came from a Python set: pass the order it used with --labels_file.
+LEGACY_BERT_HEADS = ("linear.", "fc.", "classifier.")
+
+
+def load_legacy_bert(path, model):
+    """Load the reference repo's best.pt into a Hugging Face *ForSequenceClassification model, or say why not."""
+    state_dict = load_legacy_checkpoint(path)["state_dict"]
+    renamed = {}
+    for key, value in state_dict.items():
+        head = next((h for h in LEGACY_BERT_HEADS if key.startswith(h)), None)
+        key = "classifier." + key[len(head):] if head else key
+        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if not key.startswith(("bert.", "classifier.")):
+            key = "bert." + key  # a bare BertModel state_dict
+        if not key.endswith("position_ids"):  # a buffer, rebuilt by the model
+            renamed[key] = value
+    expected = {k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
+    unknown = sorted(set(renamed) - set(expected))
+    missing = sorted(set(expected) - set(renamed))
+    if unknown or missing:
+        raise UserError(f"{path}: does not fit {type(model).__name__}: "
+                        + (f"unknown key(s) {', '.join(unknown[:3])}" if unknown else "")
+                        + ("; " if unknown and missing else "")
+                        + (f"missing key(s) {', '.join(missing[:3])}" if missing else ""))
+    for key, value in renamed.items():
+        if value.shape != expected[key].shape and key.startswith("classifier."):
+            raise UserError(f"{path}: its head predicts {value.shape[0]} classes, this run has "
+                            f"{expected[key].shape[0]} labels (check --labels_file)")
+        if value.shape != expected[key].shape:
+            raise UserError(f"{path}: {key} has shape {tuple(value.shape)}, this model {tuple(expected[key].shape)} "
+                            "(check --model_name_or_path / --config_overrides)")
+    model.load_state_dict(renamed, strict=False)
+    return model
