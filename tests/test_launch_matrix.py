@@ -1,7 +1,10 @@
 """Every way of launching gives the same run: 1 process, accelerate + cpu_ddp.yaml, torchrun, two "machines".
 
 The equivalence check is the proof that gradients are really averaged across processes: the same
-command with the same GLOBAL batch ends with the same weights on 1 and on 2 processes.
+command with the same GLOBAL batch ends with the same weights on 1 and on 2 processes (BERT).
+ResNet's BatchNorm normalises each process's share of the batch, and torch's SyncBatchNorm does not run
+on CPU; so on CPU the proof is that 2 processes x 32 images equal 1 process x 32 images x 2 accumulation
+steps (same BatchNorm batches, same averaged gradient). With GPUs, `--sync_bn` makes 1 and N processes equal.
 """
 import subprocess
 
@@ -92,3 +95,61 @@ def test_bert_bf16_on_cpu_runs_and_fp16_is_reported_honestly(text_data, tmp_path
         assert results["mixed_precision"] == ("bf16" if precision == "bf16" else "no")
         weights = final_weights(out)
         assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+RESNET_STEPS = 1348 // 64  # one epoch of the digits fixture (1,348 training images, drop_last)
+
+
+def resnet_args(data, out, *extra):
+    return ["train_resnet.py", "--cpu", data, "--arch", "resnet18", "--image_size", "16", "--val_resize", "16",
+            "-b", "64", "--lr", "0.05", "--momentum", "0.9", "-j", "0", "-p", "5", "--epochs", "1",
+            "--output_dir", out, *extra]
+
+
+def resnet_parameters(out):
+    """Trainable weights of the exported model (BatchNorm running statistics are per process by design)."""
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(torch.load(out / "checkpoint.pth", weights_only=True)["state_dict"])
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def resnet_runs(digits_data, tmp_path_factory):
+    outs = {}
+    for name, start in LAUNCHES.items():
+        out = tmp_path_factory.mktemp("resnet_" + name.replace(" ", "_").replace(".", "_"))
+        args = resnet_args(digits_data, out)
+        if name == "1 process":  # 32 images per micro-batch, as each of 2 processes sees them
+            args = resnet_args(digits_data, out, "-b", "32", "--gradient_accumulation_steps", "2")
+        start(args)
+        outs[name] = out
+    return outs
+
+
+@pytest.mark.parametrize("name", list(LAUNCHES))
+def test_resnet_records_how_it_ran(resnet_runs, name, digits_data):
+    results = read_json(resnet_runs[name] / "all_results.json")
+    processes = 1 if name == "1 process" else 2
+    assert results["num_processes"] == processes
+    assert results["distributed_type"] == ("NO" if processes == 1 else "MULTI_CPU")
+    assert results["global_batch_size"] == (32 if processes == 1 else 64)  # 1 process: 32 x 2 accumulation steps
+    val_images = sum(1 for _ in (digits_data / "val").rglob("*.png"))
+    assert results["eval_samples"] == val_images  # 449: odd, counted exactly on 2 processes
+
+
+@pytest.mark.parametrize("name", [n for n in LAUNCHES if n != "1 process"])
+def test_resnet_gradients_are_averaged_across_processes(resnet_runs, name):
+    single, multi = resnet_parameters(resnet_runs["1 process"]), resnet_parameters(resnet_runs[name])
+    worst = max((single[k] - multi[k]).abs().max().item() for k in single)
+    assert worst < 1e-4, f"max abs weight difference {worst:.2e} after {RESNET_STEPS} steps"
+    untrained = resnet_parameters_untrained()
+    assert max((single[k] - untrained[k]).abs().max().item() for k in single) > 1e-2  # the weights did move
+
+
+def resnet_parameters_untrained():
+    import torchvision
+
+    torch.manual_seed(42)  # the scripts' default --seed: the same initial weights
+    return {name: p.detach() for name, p in torchvision.models.resnet18(num_classes=10).named_parameters()}
