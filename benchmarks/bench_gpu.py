@@ -1,0 +1,180 @@
+"""GPU throughput: ResNet-50 (bf16 autocast, channels_last) images/s and BERT-base (seq 128, bf16) samples/s
+with model FLOPs utilisation, torch.compile off vs on, interleaved round by round in one process.
+
+Synthetic inputs on the device, so this measures the model step alone (the input pipelines have their own
+benchmarks). MFU = 6 x parameters x tokens/s / peak FLOP/s: the usual training estimate (2 FLOPs per parameter
+per token forward, 4 backward), counting the embedding parameters and leaving out attention's T^2 term, as the
+brief for this benchmark asks; pass the accelerator's dense bf16 peak with --peak_tflops (without it MFU is not
+reported: this script does not guess hardware numbers).
+
+    python benchmarks/bench_gpu.py --peak_tflops <dense bf16 TFLOP/s of the GPU>
+    python benchmarks/bench_gpu.py --quick --device cpu      # checks that it runs, on any machine (numbers meaningless)
+"""
+import copy
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torchvision  # noqa: E402
+from transformers import AutoConfig, BertConfig, BertForSequenceClassification  # noqa: E402
+
+SEED = 42
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Workload:
+    """One model + optimizer, eager or compiled, stepping on fixed synthetic batches."""
+
+    def __init__(self, name, model, optimizer_factory, make_batch, loss_fn, device, compiled, units_per_step):
+        self.name, self.device, self.units_per_step = name, device, units_per_step
+        self.model = model.to(device)
+        self.optimizer = optimizer_factory(self.model.parameters())
+        self.forward = torch.compile(self.model) if compiled else self.model
+        self.batch, self.loss_fn = make_batch(), loss_fn
+        self.compile_seconds = None
+
+    def step(self):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.loss_fn(self.forward, self.batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def warm_up(self, steps):
+        """First steps: compilation (if any) and allocator warm-up; their time is reported, not counted."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        synchronize(self.device)
+        self.compile_seconds = time.perf_counter() - start
+
+    def timed(self, steps):
+        def run():
+            synchronize(self.device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.step()
+            synchronize(self.device)
+            return time.perf_counter() - start, steps * self.units_per_step, {}
+        return run
+
+
+def resnet50_workloads(args, device, modes):
+    torch.manual_seed(SEED)
+    base = torchvision.models.resnet50().to(memory_format=torch.channels_last)
+    size, batch = args.resnet_image_size, args.resnet_batch
+
+    def make_batch():
+        images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+        return images, torch.randint(0, 1000, (batch,), device=device)
+
+    def loss_fn(forward, data):
+        return F.cross_entropy(forward(data[0]), data[1])
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+    return {f"resnet50 bf16 channels_last, compile {mode}": Workload(
+        f"resnet50 compile {mode}", copy.deepcopy(base), sgd, make_batch, loss_fn, device, mode == "on", batch)
+        for mode in modes}
+
+
+def bert_workloads(args, device, modes):
+    config_dir = args.data_root / "bert-base-chinese"
+    config = AutoConfig.from_pretrained(config_dir, num_labels=10) if config_dir.is_dir() else BertConfig(num_labels=10)
+    if args.quick and device.type == "cpu":
+        config.update({"num_hidden_layers": 2})  # a syntax check, not a measurement
+    torch.manual_seed(SEED)
+    base = BertForSequenceClassification(config)
+    batch, seq = args.bert_batch, args.bert_seq_len
+
+    def make_batch():
+        return {"input_ids": torch.randint(1000, config.vocab_size, (batch, seq), device=device),
+                "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device),
+                "labels": torch.randint(0, 10, (batch,), device=device)}
+
+    def loss_fn(forward, data):
+        return forward(**data).loss
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=3e-5, fused=device.type in ("cuda", "cpu"))
+
+    parameters = sum(p.numel() for p in base.parameters())
+    workloads = {f"bert-base seq{seq} bf16, compile {mode}": Workload(
+        f"bert compile {mode}", copy.deepcopy(base), adamw, make_batch, loss_fn, device, mode == "on", batch)
+        for mode in modes}
+    return workloads, parameters, config.num_hidden_layers
+
+
+def main():
+    parser = common.base_parser(__doc__)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a syntax check")
+    parser.add_argument("--torch_compile", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device, for MFU")
+    parser.add_argument("--resnet_batch", type=int, default=256)
+    parser.add_argument("--resnet_image_size", type=int, default=224)
+    parser.add_argument("--bert_batch", type=int, default=64)
+    parser.add_argument("--bert_seq_len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm per round (default 20, quick 1)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or pass --device cpu --quick to check the script")
+    if device.type == "cpu":
+        common.set_threads(args.threads)
+    if args.quick:
+        args.resnet_batch, args.resnet_image_size = min(args.resnet_batch, 2), min(args.resnet_image_size, 64)
+        args.bert_batch, args.bert_seq_len = min(args.bert_batch, 2), min(args.bert_seq_len, 32)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    started = common.provenance()
+    rounds = args.rounds or (1 if args.quick else 5)
+    steps = args.steps or (1 if args.quick else 20)
+    modes = ["off", "on"] if args.torch_compile == "both" else [args.torch_compile]
+
+    resnet = resnet50_workloads(args, device, modes)
+    bert, bert_parameters, bert_layers = bert_workloads(args, device, modes)
+    workloads = {**resnet, **bert}
+    for name, workload in workloads.items():
+        workload.warm_up(2 if args.quick else 5)
+        print(f"  warm-up {name}: {workload.compile_seconds:.1f} s")
+    samples = common.run_rounds({name: w.timed(steps) for name, w in workloads.items()}, rounds)
+
+    rows, summary = [], {}
+    tokens_per_sample = args.bert_seq_len
+    for group, baseline in ((resnet, next(iter(resnet))), (bert, next(iter(bert)))):
+        stats = common.summarize({name: samples[name] for name in group}, baseline)
+        for name, s in stats.items():
+            mfu = None
+            if name in bert and args.peak_tflops:
+                mfu = 6 * bert_parameters * s["median_rate"] * tokens_per_sample / (args.peak_tflops * 1e12)
+            s.update(mfu=mfu, warm_up_seconds=workloads[name].compile_seconds)
+            summary[name] = s
+            rows.append([name, s["median_rate"], s["ratio_to_baseline"], f"{mfu:.1%}" if mfu is not None else "",
+                         workloads[name].compile_seconds])
+    table = common.format_table(["arm", "images or samples/s (median)", "vs compile off", "MFU",
+                                 "warm-up s (incl. compile)"], rows)
+    print(table)
+    if args.peak_tflops is None:
+        print("MFU not computed: pass --peak_tflops (the device's dense bf16 peak)")
+    common.write_results("bench_gpu", {
+        "benchmark": "bench_gpu", "provenance": started, "device": str(device),
+        "setup": {"resnet_batch": args.resnet_batch, "resnet_image_size": args.resnet_image_size,
+                  "bert_batch": args.bert_batch, "bert_seq_len": args.bert_seq_len, "bert_layers": bert_layers,
+                  "bert_parameters": bert_parameters, "peak_tflops": args.peak_tflops, "steps": steps,
+                  "rounds": rounds, "quick": args.quick},
+        "arms": summary, "rounds_raw": samples, "table": table}, args.output)
+
+
+if __name__ == "__main__":
+    main()
