@@ -333,7 +333,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 is_best = last_metrics["acc1"] > state["best_acc1"]
                 if is_best:
                     state.update(best_acc1=last_metrics["acc1"], best_epoch=epoch + 1)
-                log.log("eval", completed_steps, {"epoch": epoch + 1, **last_metrics})
+                log.log("eval", completed_steps, {"epoch": epoch + 1, **last_metrics,
+                                                  "train_seconds": time.perf_counter() - start_time})
                 log.console(f" * Epoch {epoch + 1} | Acc@1 {last_metrics['acc1']:.3f} | "
                             f"Acc@5 {last_metrics['acc5']:.3f} | Loss {last_metrics['loss']:.4f} | "
                             f"{last_metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "

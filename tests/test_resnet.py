@@ -148,6 +148,17 @@ def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, digi
     assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[2] / "all_results.json")["best_acc1"]
 
 
+def test_sigkill_then_resume_latest_is_exact_on_one_process(trained, digits_data, tmp_path):
+    out = tmp_path / "killed"
+    job = start(launch_cmd(SCRIPT, train_args(digits_data, out)), tmp_path / "job.log")
+    wait_for(lambda: (out / "checkpoints" / "step_20" / "training_state.json").exists(), job)
+    kill_job(job, signal.SIGKILL)
+    job.wait()
+    assert not (out / "checkpoints" / f"step_{STEPS}").exists()
+    launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"))
+    same_run(trained[1], out)
+
+
 def main_py_checkpoint(path, best):
     """What imagenet/main.py saves from a DDP model: `module.` keys, optimizer state, epoch, a tensor best_acc1."""
     model = torchvision.models.resnet18(num_classes=10)
