@@ -57,6 +57,8 @@ def parse_args(argv=None):
     data.add_argument("-j", "--workers", type=int, default=4, help="DataLoader worker processes per process")
     data.add_argument("--image_size", type=int, default=224, help="pixels: training crop and validation center crop")
     data.add_argument("--val_resize", type=int, default=256, help="pixels: shorter side before the center crop")
+    data.add_argument("--crop_scale", type=float, default=0.08,
+                      help="smallest fraction of the image area a training crop covers (timm's --scale)")
     data.add_argument("--dummy", nargs="?", type=int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
                       help="random images instead of data (main.py's FakeData); default: ImageNet's count")
     data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
@@ -110,7 +112,7 @@ def build_dataloaders(accelerator, args):
     if args.dummy is not None:
         train_set, val_set = build_dummy_datasets(args.dummy, args.image_size)
     else:
-        train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed)
+        train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed, args.crop_scale)
     common = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=accelerator.device.type == "cuda")
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, generator=loader_generator(args.seed),

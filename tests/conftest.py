@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -122,3 +123,25 @@ def kill_job(proc, sig):
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def assert_same_weights(a, b):
+    """Two state dicts, bitwise."""
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def assert_same_curve(reference, resumed, keys, stopped_at=None):
+    """metrics.jsonl of a resumed run: the same events at the same steps (none repeated or skipped) with the same
+    values of `keys` (timings aside). A run stopped between two log lines logs that window over fewer steps."""
+
+    def curve(out):
+        return [(e["event"], e["step"], *(e.get(k) for k in keys)) for e in read_jsonl(out / "metrics.jsonl")]
+
+    expected, got = curve(reference), curve(resumed)
+    assert [e[:2] for e in got] == [e[:2] for e in expected]
+    if stopped_at is not None:
+        window = next(i for i, e in enumerate(expected) if e[0] == "train" and e[1] > stopped_at)
+        del expected[window], got[window]
+    assert got == expected

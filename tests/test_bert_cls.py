@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from conftest import launch, read_json, read_jsonl, run, ENV  # noqa: F401
+from conftest import launch, read_json, read_jsonl, run
 
 SCRIPT = "train_bert_cls.py"
 
@@ -20,7 +20,9 @@ def trained(text_data, tmp_path_factory):
     runs = {}
     for n in (1, 2):
         out = tmp_path_factory.mktemp(f"bert_{n}proc")
-        proc = launch(SCRIPT, bert_args(text_data, out, "--do_train", "--do_eval", "--do_test"), num_processes=n)
+        tracking = ["--with_tracking"] if n == 2 else []
+        proc = launch(SCRIPT, bert_args(text_data, out, "--do_train", "--do_eval", "--do_test", *tracking),
+                      num_processes=n)
         runs[n] = (out, proc)
     return runs
 
@@ -79,6 +81,7 @@ def test_outputs_load_anywhere(trained, text_data):
         report = read_json(out / f"{prefix}_report.json")
         assert set(labels) <= set(report)
     assert read_json(out / "run_config.json")["versions"]["torch"]
+    assert list((out / "runs").rglob("events.out.tfevents.*"))  # --with_tracking: TensorBoard logs
 
 
 def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):

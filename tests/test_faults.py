@@ -1,12 +1,12 @@
 """Faults around a run: a dead rank, a diverging loss, a taken port, legacy DataParallel."""
+import os
 import signal
 import socket
 import time
 
-from conftest import (ACCELERATE, descendants, launch, launch_cmd, read_json, run, start, wait_for)
-from safetensors.torch import load_file
-
 import torch
+from conftest import ACCELERATE, descendants, launch, launch_cmd, read_json, run, start, wait_for
+from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
 
@@ -25,10 +25,7 @@ def test_a_killed_rank_ends_the_whole_job_quickly(text_data, tmp_path):
                open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
     assert len(workers) == 2, workers
     killed_at = time.time()
-    signal_pid = max(workers)
-    import os
-
-    os.kill(signal_pid, signal.SIGKILL)
+    os.kill(max(workers), signal.SIGKILL)
     job.wait(timeout=120)
     assert job.returncode != 0
     assert time.time() - killed_at < 60  # not the default 10-minute collective timeout
@@ -84,3 +81,11 @@ def test_data_parallel_with_a_multi_process_launch_is_an_error(text_data, tmp_pa
                   num_processes=2, check=False)
     assert proc.returncode != 0
     assert "--data_parallel (single-process nn.DataParallel) cannot be combined" in proc.stderr
+
+
+def test_gloo_backend_can_be_forced(text_data, tmp_path):
+    """--dist_backend gloo: what machines without NCCL (and Windows) use."""
+    out = tmp_path / "out"
+    launch(SCRIPT, bert_args(text_data, out, "--dist_backend", "gloo", "--max_train_steps", "2"), num_processes=2)
+    results = read_json(out / "all_results.json")
+    assert results["num_processes"] == 2 and results["distributed_type"] == "MULTI_CPU"

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import launch, launch_cmd, kill_job, read_json, read_jsonl, run, start, wait_for
+from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json, read_jsonl,
+                      run, start, wait_for)
 from PIL import Image
 
 import train_resnet
@@ -107,21 +108,9 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path):
 
 def same_run(reference, resumed, stopped_at=None):
     """Bitwise-identical weights at the end, and the same curve (timings aside) with no step logged twice."""
-    a = torch.load(reference / "checkpoint.pth", weights_only=True)["state_dict"]
-    b = torch.load(resumed / "checkpoint.pth", weights_only=True)["state_dict"]
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-
-    def curve(out):
-        return [(e["event"], e["step"], e.get("loss"), e.get("acc1"), e.get("acc5"), e.get("lr"))
-                for e in read_jsonl(out / "metrics.jsonl")]
-
-    expected, got = curve(reference), curve(resumed)
-    assert [e[:2] for e in got] == [e[:2] for e in expected]  # no repeated or skipped steps
-    if stopped_at is not None:  # stopped between two log lines: the loss of that window is over fewer steps
-        window = next(i for i, e in enumerate(expected) if e[0] == "train" and e[1] > stopped_at)
-        del expected[window], got[window]
-    assert got == expected
+    assert_same_weights(torch.load(reference / "checkpoint.pth", weights_only=True)["state_dict"],
+                        torch.load(resumed / "checkpoint.pth", weights_only=True)["state_dict"])
+    assert_same_curve(reference, resumed, ("loss", "acc1", "acc5", "lr"), stopped_at)
 
 
 def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, digits_data, tmp_path):

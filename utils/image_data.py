@@ -51,10 +51,14 @@ def describe_bad_image(path):
     return "cannot be decoded"
 
 
-def build_transforms(image_size, val_resize, train):
-    """main.py's transforms, on uint8 tensors: (3, H, W) uint8 -> (3, image_size, image_size) float, normalised."""
+def build_transforms(image_size, val_resize, train, crop_scale=0.08):
+    """main.py's transforms, on uint8 tensors: (3, H, W) uint8 -> (3, image_size, image_size) float, normalised.
+
+    crop_scale: the smallest fraction of the image area a training crop covers (main.py: 0.08).
+    """
     if train:
-        geometry = [v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()]
+        geometry = [v2.RandomResizedCrop(image_size, scale=(crop_scale, 1.0), antialias=True),
+                    v2.RandomHorizontalFlip()]
     else:
         geometry = [v2.Resize(val_resize, antialias=True), v2.CenterCrop(image_size)]
     return v2.Compose([*geometry, v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
@@ -122,12 +126,13 @@ def _few(names, limit=5):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def build_datasets(data, image_size, val_resize, seed):
+def build_datasets(data, image_size, val_resize, seed, crop_scale=0.08):
     """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     train_classes, val_classes = image_classes(train_root), image_classes(val_root)
     check_same_classes(train_classes, val_classes, train_root, val_root)
-    train = RGBImageFolder(train_root, build_transforms(image_size, val_resize, train=True), image_size, seed)
+    train = RGBImageFolder(train_root, build_transforms(image_size, val_resize, train=True, crop_scale=crop_scale),
+                           image_size, seed)
     val = RGBImageFolder(val_root, build_transforms(image_size, val_resize, train=False), image_size, seed)
     return train, val
 

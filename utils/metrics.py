@@ -6,7 +6,6 @@ number of processes (no duplicates padded onto the last batch).
 import csv
 
 import numpy as np
-import torch
 
 # scikit-learn and matplotlib are imported where used: together they add about a second to every process start.
 
