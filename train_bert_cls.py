@@ -429,7 +429,6 @@ def main(args):
                               "--resume_from_checkpoint latest")
             log.write_json("all_results.json", {**results, "preempted": True})
             log.end()
-            accelerator.wait_for_everyone()
             return results
         # Evaluate the selected model, never the last one: reload the best weights on every rank.
         load_model(accelerator.unwrap_model(model), args.output_dir / "best_model" / "model.safetensors")
@@ -448,7 +447,6 @@ def main(args):
     log.write_json("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()
-    accelerator.wait_for_everyone()  # before the process group goes away (avoids exit-time crashes on gloo)
     return results
 
 

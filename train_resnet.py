@@ -420,13 +420,11 @@ def main(args):
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
             log.write_json("all_results.json", {**results, "preempted": True})
             log.end()
-            accelerator.wait_for_everyone()
             return results
         results.update({f"eval_{k}": v for k, v in metrics.items()})
         log.write_json("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2))
     log.end()
-    accelerator.wait_for_everyone()  # before the process group goes away (avoids exit-time crashes on gloo)
     return results
 
 
