@@ -31,8 +31,8 @@ from accelerate.utils import set_seed
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from utils.checkpoint import (check_compatible, check_output_dir, clear_previous_run, load_checkpoint,
-                              read_training_state, resolve_resume, save_checkpoint)
+from utils.checkpoint import (check_compatible, check_output_dir, clear_previous_run, read_training_state,
+                              resolve_resume, restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
 from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
@@ -239,13 +239,9 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
 
     checkpoint_dir = args.output_dir / "checkpoints"
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
-    state = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
+    fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
              "best_acc1": -1.0, "best_epoch": None}
-    if resume_dir is not None:
-        state = load_checkpoint(accelerator, resume_dir, compat)
-        accelerator.print(f"Resumed from {resume_dir} at step {state['completed_steps']}")
-    if state["batches_in_epoch"] >= len(train_loader):  # saved at an epoch's end
-        state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    state = restore_training_state(accelerator, resume_dir, compat, fresh, len(train_loader))
     log.open(resume_step=state["completed_steps"] if resume_dir else None)
     print_run_summary(accelerator, "Running training", {
         **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(compat["class_to_idx"]),

@@ -94,6 +94,20 @@ def load_checkpoint(accelerator, path, expected):
     return state
 
 
+def restore_training_state(accelerator, path, expected, fresh_state, batches_per_epoch):
+    """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects.
+
+    A checkpoint written at an epoch's end continues at the start of the next epoch.
+    """
+    state = dict(fresh_state)
+    if path is not None:
+        state = load_checkpoint(accelerator, path, expected)
+        accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
+    if state["batches_in_epoch"] >= batches_per_epoch:
+        state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    return state
+
+
 def replace_dir_atomically(tmp, final):
     """Swap a freshly written directory into place; a kill at any moment leaves one complete copy."""
     tmp, final = Path(tmp), Path(final)
