@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           get_linear_schedule_with_warmup)
 
-from utils.checkpoint import (check_output_dir, clear_previous_run, load_checkpoint, replace_dir_atomically,
-                              resolve_resume, save_checkpoint)
+from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_atomically, resolve_resume,
+                              restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
@@ -73,6 +73,8 @@ def parse_args(argv=None):
     train.add_argument("--weight_decay", type=float, default=0.01, help="not applied to bias and LayerNorm")
     train.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear warmup")
     train.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
+    train.add_argument("--label_smoothing", type=float, default=0.0,
+                       help="training loss only (like Trainer's label_smoothing_factor); eval loss stays plain")
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
     train.add_argument("--num_train_epochs", type=int, default=3)
     train.add_argument("--max_train_steps", type=int, default=None, help="optimizer steps; overrides epochs")
@@ -93,6 +95,8 @@ def parse_args(argv=None):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
     if args.do_predict and not args.predict_file:
         parser.error("--do_predict needs --predict_file")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        parser.error(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
     for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
         if getattr(args, flag) is None and args.data_dir is not None:
             setattr(args, flag, find_split_file(args.data_dir, split))
@@ -263,12 +267,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
 
     checkpoint_dir = args.output_dir / "checkpoints"
     resume_path = resolve_resume(args.resume_from_checkpoint, checkpoint_dir)
-    state = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
-    if resume_path is not None:
-        state = load_checkpoint(accelerator, resume_path, compat)
-        accelerator.print(f"Resumed from {resume_path} at step {state['completed_steps']}")
-    if state["batches_in_epoch"] >= len(train_loader):  # saved at an epoch's end
-        state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
+    state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader))
     log.open(resume_step=state["completed_steps"] if resume_path else None)
 
     print_run_summary(accelerator, "Running training", {
@@ -305,7 +305,9 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         batches_in_epoch = skip
         for batch in batches:
             with accelerator.accumulate(model):
-                loss = model(**batch).loss  # mean over this process's share of the batch
+                logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+                # mean over this process's share of the batch
+                loss = F.cross_entropy(logits.float(), batch["labels"], label_smoothing=args.label_smoothing)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -1,5 +1,6 @@
 """train_bert_cls.py end to end through the real launcher, 1 and 2 CPU processes, on a tiny fixture."""
 import json
+import math
 
 import pytest
 from conftest import launch, read_json, read_jsonl, run
@@ -130,3 +131,24 @@ def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
                     tmp_path / name, "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test",
                     "--output_dir", tmp_path / "refused"], check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_label_smoothing_reaches_the_training_loss(trained, text_data, tmp_path):
+    """Cross-entropy against the smoothed targets can never fall below their entropy; the plain run falls below it."""
+    epsilon = 0.5
+    launch(SCRIPT, bert_args(text_data, tmp_path / "ls", "--do_train", "--label_smoothing", str(epsilon)))
+    k = len((tmp_path / "ls" / "labels.txt").read_text().split())
+    on, off = epsilon / k, 1 - epsilon + epsilon / k
+    floor = -(off * math.log(off) + (k - 1) * on * math.log(on))
+    smoothed = [e["loss"] for e in read_jsonl(tmp_path / "ls" / "metrics.jsonl") if e["event"] == "train"]
+    plain = [e["loss"] for e in read_jsonl(trained[1][0] / "metrics.jsonl") if e["event"] == "train"]
+    assert min(smoothed) >= floor - 1e-4, (floor, smoothed)
+    assert plain[-1] < floor, (floor, plain)  # the same data and steps without smoothing go below the floor
+    assert smoothed[-1] < smoothed[0]  # and it still learns
+
+
+def test_label_smoothing_out_of_range_is_refused(text_data, tmp_path):
+    proc = run(["python", SCRIPT, "--cpu", *bert_args(text_data, tmp_path / "o", "--do_train"),
+                "--label_smoothing", "1.0"], check=False)
+    assert proc.returncode == 2 and "--label_smoothing 1.0: must be in [0, 1)" in proc.stderr
+    assert not (tmp_path / "o").exists()
