@@ -4,6 +4,10 @@ Launch with 2 processes (the script refuses anything else):
     accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 benchmarks/bench_ddp_scaling.py --cpu
     accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 benchmarks/bench_ddp_scaling.py --cpu --quick
 (or `torchrun --standalone --nproc_per_node 2 benchmarks/bench_ddp_scaling.py --cpu`).
+At the README's real-data BERT settings (its model, bf16, fused AdamW at global batch 64):
+    accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 benchmarks/bench_ddp_scaling.py --cpu \
+        --config_overrides num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024 \
+        --mixed_precision bf16 --arms "1p g64,own full,g64 DDP defaults,g64 fused"
 
 Model and data: the small BERT (2 layers, 128 wide, vocab 21,128: 3.2 M parameters, 2.7 M of them in the word
 embedding, whose gradient is dense) on THUCNews headlines, AdamW, clipping at 1.0, the Accelerator of
@@ -143,7 +147,8 @@ class Runner:
             t0 = time.perf_counter()
             sync_context = model.no_sync() if self.spec.no_sync else contextlib.nullcontext()
             with sync_context, acc.accumulate(model):
-                loss = model(**batch).loss
+                with acc.autocast():  # --mixed_precision bf16: the same autocast on 1 and 2 processes
+                    loss = model(**batch).loss
                 acc.backward(loss)
                 t1 = time.perf_counter()
                 if acc.sync_gradients:
@@ -197,8 +202,9 @@ def check_gradients(spec, accelerator, base_model, batches, reference, iteration
         return 0.0
     model = copy.deepcopy(base_model)
     accelerator.ddp_handler = DistributedDataParallelKwargs(**spec.ddp)
+    native_amp, accelerator.native_amp = accelerator.native_amp, False  # fp32 here: no autocast wrapped into forward
     model = accelerator.prepare_model(model)
-    accelerator.ddp_handler = None
+    accelerator.ddp_handler, accelerator.native_amp = None, native_amp
     accelerator.gradient_accumulation_steps, accelerator.step = spec.accum, 0
     half = spec.global_batch // 2
     try:
@@ -250,25 +256,31 @@ def main():
                              "completion callbacks of several buckets and can reach the ranks in different orders; "
                              "the job then aborts with gloo's 'Received data size doesn't match expected size'")
     parser.add_argument("--arms", default=None, help="comma-separated substrings: run only the arms they match")
+    parser.add_argument("--config_overrides", default=SMALL_BERT,
+                        help="the model, as train_bert_cls.py's --config_overrides (default: the 2-layer 128-wide probe)")
+    parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no",
+                        help="autocast of the timed steps (bf16 runs on CPUs with AVX512-BF16/AMX); the gradient "
+                             "checks stay in fp32, where exactness is defined")
     args = parser.parse_args()
     common.set_threads(args.threads)
     rounds = args.rounds or (1 if args.quick else 4)
     samples_per_round = args.samples_per_round or (128 if args.quick else 512)
     runtime = script_runtime_args()
-    runtime.cpu = args.cpu
+    runtime.cpu, runtime.mixed_precision = args.cpu, args.mixed_precision
     with tempfile.TemporaryDirectory() as tmp:
         accelerator = build_accelerator(runtime, Path(tmp), 1)
     if accelerator.num_processes != 2:
         raise SystemExit("run with 2 processes: accelerate launch --multi_gpu --num_processes 2 "
                          "benchmarks/bench_ddp_scaling.py --cpu")
-    rank, main_process = accelerator.process_index, accelerator.is_main_process
+    main_process = accelerator.is_main_process
     started = common.provenance()
     say = accelerator.print
 
     examples = read_examples(args.data_root / "thucnews_titles" / "train.txt")[:args.train_samples]
     labels = build_label_list(examples, None)
     label2id = {label: i for i, label in enumerate(labels)}
-    model_args = common.bert_script_args(args.data_root, args.data_root / "thucnews_titles" / "train.txt", SMALL_BERT)
+    model_args = common.bert_script_args(args.data_root, args.data_root / "thucnews_titles" / "train.txt",
+                                         args.config_overrides)
     torch.manual_seed(SEED)
     tokenizer, base_model = build_model(model_args, labels)  # the same weights on both ranks (same seed)
     dataset = tokenize(tokenizer, [e.text for e in examples], [label2id[e.label] for e in examples], 512)
@@ -279,7 +291,7 @@ def main():
     batches = {g: global_batches(dataset, collator, g, max(8, samples_per_round // g * 4), SEED + g)
                for g in sorted({a.global_batch for a in arms})}
     parameters = sum(p.numel() for p in base_model.parameters())
-    say(f"small BERT: {parameters:,} parameters ({4 * parameters / 2**20:.1f} MiB of fp32 gradient per step)")
+    say(f"BERT {args.config_overrides}, {args.mixed_precision=}: {parameters:,} parameters ({4 * parameters / 2**20:.1f} MiB of fp32 gradient per step)")
 
     # 1) Exactness, dropout off, before any timing.
     exact_model = copy.deepcopy(base_model)
@@ -383,7 +395,7 @@ def main():
             say(f"best efficiency {best:.3f} ({best_name}; goal >= 0.85: {'met' if best >= 0.85 else 'NOT met'})")
         common.write_results("bench_ddp_scaling", {
             "benchmark": "bench_ddp_scaling", "provenance": started,
-            "setup": {"model": SMALL_BERT, "parameters": parameters, "threads_per_process": args.threads,
+            "setup": {"model": args.config_overrides, "mixed_precision": args.mixed_precision, "parameters": parameters, "threads_per_process": args.threads,
                       "rounds": rounds, "samples_per_round": samples_per_round, "backend": dist.get_backend()},
             "fused_adamw_relative_difference": fused_difference, "arms": summary, "errors": errors, "rounds_raw": raw, "table": table,
             "best_efficiency": best, "best_arm": best_name}, args.output)

@@ -1,0 +1,160 @@
+"""CPU training precision: fp32 vs bf16 autocast (and channels_last for ResNet), interleaved, same model and data.
+
+What `--mixed_precision bf16` does on a CPU run: Accelerate wraps the forward pass in
+torch.autocast("cpu", dtype=torch.bfloat16); weights, gradients and the optimizer stay fp32. On CPUs with
+AVX512-BF16 or AMX (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later) oneDNN runs the matmuls and
+convolutions in bf16; elsewhere bf16 can be slower than fp32. This benchmark says which case a machine is.
+
+Arms (plain torch steps: bench_overhead.py shows the scripts' Accelerate step costs the same as a plain loop):
+  BERT   the README's real-data model (--bert_config) on THUCNews headlines, AdamW (fused), batch --bert_batch:
+         fp32 vs bf16 autocast
+  ResNet resnet18, --image_size px, batch --resnet_batch, SGD momentum, synthetic images:
+         fp32 NCHW vs fp32 channels_last vs bf16 NCHW vs bf16 channels_last
+
+    python benchmarks/bench_cpu_precision.py --threads 2     # ~3 min
+    python benchmarks/bench_cpu_precision.py --quick
+"""
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (puts the repo root on sys.path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torchvision  # noqa: E402
+from transformers import DataCollatorWithPadding  # noqa: E402
+
+from train_bert_cls import build_model, optimizer_groups, tokenize  # noqa: E402
+from utils.text_data import build_label_list, read_examples  # noqa: E402
+
+README_BERT = "num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024"
+SEED = 42
+
+
+def cpu_bf16_flags():
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return sorted(f for f in flags if f in {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})
+
+
+def timed(step, steps, batch_size):
+    def run():
+        with common.Timer() as timer:
+            for _ in range(steps):
+                step()
+        return timer.wall, steps * batch_size, {"cpu_seconds": timer.cpu}
+    return run
+
+
+def bert_arms(args):
+    examples = read_examples(args.data_root / "thucnews_titles" / "train.txt")[:args.samples]
+    labels = build_label_list(examples, None)
+    label2id = {label: i for i, label in enumerate(labels)}
+    torch.manual_seed(SEED)
+    script_args = common.bert_script_args(args.data_root, args.data_root / "thucnews_titles" / "train.txt",
+                                          args.bert_config)
+    tokenizer, model = build_model(script_args, labels)
+    dataset = tokenize(tokenizer, [e.text for e in examples], [label2id[e.label] for e in examples], 64)
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
+    batches = [dict(collator([dataset[k] for k in order[i:i + args.bert_batch]]))
+               for i in range(0, len(order) - args.bert_batch + 1, args.bert_batch)]
+
+    def arm(bf16):
+        m = copy.deepcopy(model).train()
+        optimizer = torch.optim.AdamW(optimizer_groups(m, 0.01), lr=5e-4, fused=True)
+        cursor = iter(range(10**9))
+
+        def step():
+            batch = batches[next(cursor) % len(batches)]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = m(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return step
+
+    return {"bert fp32": arm(False), "bert bf16 autocast": arm(True)}
+
+
+def resnet_arms(args):
+    torch.manual_seed(SEED)
+    model = torchvision.models.resnet18(num_classes=10)
+    generator = torch.Generator().manual_seed(SEED)
+    images = torch.randn(4, args.resnet_batch, 3, args.image_size, args.image_size, generator=generator)
+    targets = torch.randint(0, 10, (4, args.resnet_batch), generator=generator)
+
+    def arm(bf16, channels_last):
+        m = copy.deepcopy(model).train()
+        if channels_last:
+            m = m.to(memory_format=torch.channels_last)
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        cursor = iter(range(10**9))
+
+        def step():
+            i = next(cursor) % len(images)
+            inputs = images[i].contiguous(memory_format=torch.channels_last) if channels_last else images[i]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(m(inputs), targets[i])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return step
+
+    return {"resnet18 fp32": arm(False, False), "resnet18 fp32 channels_last": arm(False, True),
+            "resnet18 bf16 autocast": arm(True, False), "resnet18 bf16 autocast channels_last": arm(True, True)}
+
+
+def compare(name, steps_by_arm, rounds, steps, batch_size, warmup=2):
+    print(f"\n== {name}")
+    for step in steps_by_arm.values():
+        for _ in range(warmup):
+            step()
+    runs = {arm: timed(step, steps, batch_size) for arm, step in steps_by_arm.items()}
+    samples = common.run_rounds(runs, rounds)
+    baseline = next(iter(steps_by_arm))
+    summary = common.summarize(samples, baseline)
+    rows = [[arm, summary[arm]["median_rate"], summary[arm]["ratio_to_baseline"],
+             f"{summary[arm]['ratio_min']:.2f}-{summary[arm]['ratio_max']:.2f}", common.cpu_share(samples[arm])]
+            for arm in steps_by_arm]
+    table = common.format_table(["arm", "samples/s (median)", f"vs {baseline} (median of rounds)",
+                                 "per-round range", "CPU share (threads busy)"], rows)
+    print(table)
+    return {"arms": summary, "rounds_raw": samples, "table": table}
+
+
+def main():
+    parser = common.base_parser(__doc__)
+    parser.add_argument("--bert_config", default=README_BERT, help="train_bert_cls.py --config_overrides")
+    parser.add_argument("--bert_batch", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=4096, help="headlines tokenised for the BERT arms")
+    parser.add_argument("--resnet_batch", type=int, default=128)
+    parser.add_argument("--image_size", type=int, default=80)
+    args = parser.parse_args()
+    common.set_threads(args.threads)
+    rounds = args.rounds or (1 if args.quick else 6)
+    if args.quick:
+        args.samples, args.bert_batch, args.resnet_batch, args.image_size = 256, 32, 16, 32
+    flags = cpu_bf16_flags()
+    print(f"CPU flags: {' '.join(flags) or 'none of avx512f/avx512_bf16/amx_bf16'}; {args.threads} thread(s)")
+    results = {"benchmark": "bench_cpu_precision", "provenance": common.provenance(), "cpu_flags": flags,
+               "setup": {"bert_config": args.bert_config, "bert_batch": args.bert_batch,
+                         "resnet_batch": args.resnet_batch, "image_size": args.image_size}}
+    results["bert"] = compare(f"BERT ({args.bert_config}) on THUCNews headlines, batch {args.bert_batch}, AdamW",
+                              bert_arms(args), rounds, 1 if args.quick else 4, args.bert_batch)
+    results["resnet18"] = compare(f"ResNet-18, {args.image_size}x{args.image_size} synthetic, batch {args.resnet_batch}, SGD",
+                                  resnet_arms(args), rounds, 1 if args.quick else 3, args.resnet_batch)
+    common.write_results("bench_cpu_precision", results, args.output)
+
+
+if __name__ == "__main__":
+    main()
