@@ -45,15 +45,6 @@ def cpu_bf16_flags():
     return sorted(f for f in flags if f in {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})
 
 
-def timed(step, steps, batch_size):
-    def run():
-        with common.Timer() as timer:
-            for _ in range(steps):
-                step()
-        return timer.wall, steps * batch_size, {"cpu_seconds": timer.cpu}
-    return run
-
-
 def bert_arms(args):
     examples = read_examples(args.data_root / "thucnews_titles" / "train.txt")[:args.samples]
     labels = build_label_list(examples, None)
@@ -119,7 +110,7 @@ def compare(name, steps_by_arm, rounds, steps, batch_size, warmup=2):
     for step in steps_by_arm.values():
         for _ in range(warmup):
             step()
-    runs = {arm: timed(step, steps, batch_size) for arm, step in steps_by_arm.items()}
+    runs = {arm: common.timed(step, steps, batch_size) for arm, step in steps_by_arm.items()}
     samples = common.run_rounds(runs, rounds)
     baseline = next(iter(steps_by_arm))
     summary = common.summarize(samples, baseline)

@@ -63,15 +63,6 @@ class Cycle:
                 self.iterator, self.epoch = None, self.epoch + 1
 
 
-def timed(step, steps, batch_size):
-    def run():
-        with common.Timer() as timer:
-            for _ in range(steps):
-                step()
-        return timer.wall, steps * batch_size, {"cpu_seconds": timer.cpu}
-    return run
-
-
 def bert_arms(accelerator, args, steps):
     examples = read_examples(args.data_root / "thucnews_titles" / "train.txt")[:args.samples]
     labels = build_label_list(examples, None)
@@ -182,7 +173,7 @@ def compare(name, arms, rounds, warmup, batch_size):
     for step, _ in arms.values():
         for _ in range(warmup):
             step()
-    runs = {arm: timed(step, steps, batch_size) for arm, (step, steps) in arms.items()}
+    runs = {arm: common.timed(step, steps, batch_size) for arm, (step, steps) in arms.items()}
     samples = common.run_rounds(runs, rounds)
     accelerate_arm, plain_arm = list(arms)
     summary = common.summarize(samples, plain_arm)

@@ -72,12 +72,7 @@ def model_arm(image_size, steps):
 
     step()  # warm-up
 
-    def run():
-        with common.Timer() as timer:
-            for _ in range(steps):
-                step()
-        return timer.wall, steps * BATCH_SIZE, {"cpu_seconds": timer.cpu}
-    return run
+    return common.timed(step, steps, BATCH_SIZE)
 
 
 def decoder_arm(blobs, decode):

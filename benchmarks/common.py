@@ -136,6 +136,16 @@ def run_rounds(arms, rounds, log=print):
     return samples
 
 
+def timed(step, steps, units_per_step):
+    """An arm for run_rounds: `steps` calls of step(), timed in wall and process-CPU seconds."""
+    def run():
+        with Timer() as timer:
+            for _ in range(steps):
+                step()
+        return timer.wall, steps * units_per_step, {"cpu_seconds": timer.cpu}
+    return run
+
+
 def median_rate(rounds):
     return statistics.median(r["rate"] for r in rounds)
 
