@@ -15,6 +15,7 @@ Arms (plain torch steps: bench_overhead.py shows the scripts' Accelerate step co
     python benchmarks/bench_cpu_precision.py --quick
 """
 import copy
+import itertools
 import sys
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def bert_arms(args):
     def arm(bf16):
         m = copy.deepcopy(model).train()
         optimizer = torch.optim.AdamW(optimizer_groups(m, 0.01), lr=5e-4, fused=True)
-        cursor = iter(range(10**9))
+        cursor = itertools.count()
 
         def step():
             batch = batches[next(cursor) % len(batches)]
@@ -89,7 +90,7 @@ def resnet_arms(args):
         if channels_last:
             m = m.to(memory_format=torch.channels_last)
         optimizer = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        cursor = iter(range(10**9))
+        cursor = itertools.count()
 
         def step():
             i = next(cursor) % len(images)

@@ -108,6 +108,19 @@ def baseline_of(a, arms):
     return None
 
 
+def ddp_wrap(accelerator, model, ddp_kwargs):
+    """accelerator.prepare_model with these DistributedDataParallelKwargs, as if given to Accelerator(kwargs_handlers=
+    ...): prepare reads ddp_handler. Without the autocast prepare would wrap into forward under --mixed_precision:
+    the timed steps apply accelerator.autocast() themselves, on 1 and 2 processes alike, and the gradient checks
+    stay fp32."""
+    accelerator.ddp_handler = DistributedDataParallelKwargs(**ddp_kwargs)
+    native_amp, accelerator.native_amp = accelerator.native_amp, False
+    try:
+        return accelerator.prepare_model(model)
+    finally:
+        accelerator.ddp_handler, accelerator.native_amp = None, native_amp
+
+
 class Runner:
     """One arm's model copy, optimizer and batch cursor on this rank."""
 
@@ -123,10 +136,7 @@ class Runner:
         # per-parameter Python loop. Same update up to float rounding.
         optimizer = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=3e-5, fused=spec.fused or None)
         if spec.ddp is not None:
-            # The same as Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(...)]): prepare reads ddp_handler.
-            accelerator.ddp_handler = DistributedDataParallelKwargs(**spec.ddp)
-            model = accelerator.prepare_model(model)
-            accelerator.ddp_handler = None
+            model = ddp_wrap(accelerator, model, spec.ddp)
         self.model, self.optimizer = model, accelerator.prepare_optimizer(optimizer)
         self.model.train()
         self.phase = {"forward_backward": 0.0, "clip": 0.0, "optimizer": 0.0}
@@ -200,11 +210,7 @@ def check_gradients(spec, accelerator, base_model, batches, reference, iteration
     rank = accelerator.process_index
     if spec.procs == 1 or spec.ddp is None:
         return 0.0
-    model = copy.deepcopy(base_model)
-    accelerator.ddp_handler = DistributedDataParallelKwargs(**spec.ddp)
-    native_amp, accelerator.native_amp = accelerator.native_amp, False  # fp32 here: no autocast wrapped into forward
-    model = accelerator.prepare_model(model)
-    accelerator.ddp_handler, accelerator.native_amp = None, native_amp
+    model = ddp_wrap(accelerator, copy.deepcopy(base_model), spec.ddp)  # fp32: no autocast here
     accelerator.gradient_accumulation_steps, accelerator.step = spec.accum, 0
     half = spec.global_batch // 2
     try:
