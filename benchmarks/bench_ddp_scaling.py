@@ -4,10 +4,10 @@ Launch with 2 processes (the script refuses anything else):
     accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 benchmarks/bench_ddp_scaling.py --cpu
     accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 benchmarks/bench_ddp_scaling.py --cpu --quick
 (or `torchrun --standalone --nproc_per_node 2 benchmarks/bench_ddp_scaling.py --cpu`).
-At the README's real-data BERT settings (its model, bf16, fused AdamW at global batch 64):
+At the README's real-data BERT settings (its model, bf16, fused AdamW at global batch 256; g64 for comparison):
     accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 benchmarks/bench_ddp_scaling.py --cpu \
-        --config_overrides num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024 \
-        --mixed_precision bf16 --arms "1p g64,own full,g64 DDP defaults,g64 fused"
+        --config_overrides num_hidden_layers=6,hidden_size=256,num_attention_heads=4,intermediate_size=1024 \
+        --mixed_precision bf16 --arms "1p g64,own full,g64 DDP defaults,g64 fused,no all-reduce,g256" --rounds 6
 
 Model and data: the small BERT (2 layers, 128 wide, vocab 21,128: 3.2 M parameters, 2.7 M of them in the word
 embedding, whose gradient is dense) on THUCNews headlines, AdamW, clipping at 1.0, the Accelerator of
@@ -82,6 +82,8 @@ def build_arms(quick, powersgd):
         arm("2p g64 bucket_cap_mb 100", 2, 64, ddp={"bucket_cap_mb": 100}),
         arm("1p g64 fused AdamW", 1, 64, fused=True),
         arm("2p g64 fused AdamW", 2, 64, ddp={}, fused=True),
+        arm("2p g64 fused AdamW, no all-reduce (no_sync; WRONG results, diagnostic)", 2, 64, ddp={}, fused=True,
+            no_sync=True, check=False),
         arm("1p g64 x accum 4", 1, 64, accum=4),
         arm("2p g64 x accum 4 (no_sync on 3 of 4)", 2, 64, accum=4, ddp={}),
         arm("1p g128", 1, 128),
@@ -363,7 +365,7 @@ def main():
         ms = {k: 1000 * v / opt_steps for k, v in ph.items()} if ph else {}
         idle_cpu = (statistics.median(x["cpu_share"][1] for x in raw[a.name]) if a.procs == 1 else None)
         err = exactness.get(a.name, 0.0 if a.procs == 1 else None)
-        if a.fused and a.procs == 2:  # the same gradient as the arm without fused; only the optimizer differs
+        if a.fused and a.procs == 2 and not a.no_sync:  # the same gradient as the arm without fused; only the optimizer differs
             err = next((exactness.get(b.name) for b in arms if b.procs == 2 and b.ddp == {} and not b.fused
                         and (b.global_batch, b.accum) == (a.global_batch, a.accum)), None)
         if a.procs == 1:
