@@ -30,7 +30,7 @@ from transformers import DataCollatorWithPadding  # noqa: E402
 from train_bert_cls import build_model, optimizer_groups, tokenize  # noqa: E402
 from utils.text_data import build_label_list, read_examples  # noqa: E402
 
-README_BERT = "num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024"
+README_BERT = "num_hidden_layers=6,hidden_size=256,num_attention_heads=4,intermediate_size=1024"
 SEED = 42
 
 
@@ -127,7 +127,7 @@ def compare(name, steps_by_arm, rounds, steps, batch_size, warmup=2):
 def main():
     parser = common.base_parser(__doc__)
     parser.add_argument("--bert_config", default=README_BERT, help="train_bert_cls.py --config_overrides")
-    parser.add_argument("--bert_batch", type=int, default=64)
+    parser.add_argument("--bert_batch", type=int, default=256)
     parser.add_argument("--samples", type=int, default=4096, help="headlines tokenised for the BERT arms")
     parser.add_argument("--resnet_batch", type=int, default=128)
     parser.add_argument("--image_size", type=int, default=80)
