@@ -365,7 +365,7 @@ def main():
         ms = {k: 1000 * v / opt_steps for k, v in ph.items()} if ph else {}
         idle_cpu = (statistics.median(x["cpu_share"][1] for x in raw[a.name]) if a.procs == 1 else None)
         err = exactness.get(a.name, 0.0 if a.procs == 1 else None)
-        if a.fused and a.procs == 2 and not a.no_sync:  # the same gradient as the arm without fused; only the optimizer differs
+        if a.fused and a.procs == 2 and a.check:  # the same gradient as the checked arm without fused; only the optimizer differs
             err = next((exactness.get(b.name) for b in arms if b.procs == 2 and b.ddp == {} and not b.fused
                         and (b.global_batch, b.accum) == (a.global_batch, a.accum)), None)
         if a.procs == 1:
