@@ -35,15 +35,8 @@ SEED = 42
 
 
 def cpu_bf16_flags():
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return sorted(f for f in flags if f in {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})
+    flags = set((common.cpuinfo_field("flags") or "").split())
+    return sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})
 
 
 def bert_arms(args):

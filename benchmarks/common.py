@@ -61,14 +61,19 @@ def set_threads(threads):
         pass
 
 
-def cpu_model():
+def cpuinfo_field(name):
+    """The first `name : value` of /proc/cpuinfo (Linux), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_model():
+    return cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def load_average():
