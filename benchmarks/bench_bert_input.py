@@ -1,23 +1,19 @@
 """BERT input pipeline: this project's data path vs the reference one, training samples/s on 1 thread.
 
-Arms (same small randomly initialised BERT, same global batch 32, same AdamW + clipping step, same shuffled order):
-  reference        raw texts; collate_fn tokenises the batch on EVERY step with padding="max_length", max_length=512
-                   (the original cnews scripts' encode_plus per sample; transformers 5 has no encode_plus)
-  project          train_bert_cls.build_dataloaders: tokenised once (datasets.map, fast tokenizer),
-                   DataCollatorWithPadding pads each batch to its longest sample, rounded up to a multiple of 8
-  project+grouped  the same dataset and collator, batches from LengthGroupedBatchSampler below
-                   (shuffle, cut into mega-batches of 50 batches, sort each by length, shuffle the batches)
-The reference and project arms train on exactly the same batches (the project loader's shuffled epoch), so they
-differ only in tokenising and padding. Length grouping changes which samples share a batch (not the epoch's
-samples or the model), so a run with it is not bitwise comparable to one without. The timed batches of each arm
-are evenly spaced quantiles of its epoch's batch lengths (stratified_schedule), so that a few rounds represent a
-whole epoch; the token counts of a whole epoch are exact.
+Arms (same small randomly initialised BERT, same global batch 32, same AdamW + clipping step, same batches):
+  reference  raw texts; collate_fn tokenises the batch on EVERY step with padding="max_length", max_length=512
+             (the original cnews scripts' encode_plus per sample; transformers 5 has no encode_plus)
+  project    train_bert_cls.build_dataloaders: tokenised once (datasets.map, fast tokenizer),
+             DataCollatorWithPadding pads each batch to its longest sample, rounded up to a multiple of 8
+Both train on the project loader's shuffled epoch, so they differ only in tokenising and padding. The timed
+batches are evenly spaced quantiles of the epoch's batch lengths (stratified_schedule), so that a few rounds
+represent a whole epoch; the token counts of a whole epoch are exact. (The length-grouped arm was measured once
+and removed: RESULTS.md section 1.)
 
-    python benchmarks/bench_bert_input.py            # THUCNews headlines and cnews articles, ~3 min
+    python benchmarks/bench_bert_input.py            # THUCNews headlines and cnews articles, ~2 min
     python benchmarks/bench_bert_input.py --quick    # seconds
 """
 import copy
-import math
 import sys
 import time
 from pathlib import Path
@@ -26,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, Sampler  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
 from utils.text_data import build_label_list, read_examples  # noqa: E402
@@ -37,43 +33,6 @@ BATCH_SIZE = 32
 SEED = 42
 REFERENCE = "reference (tokenise per step, pad 512)"
 PROJECT = "project (tokenise once, dynamic pad)"
-GROUPED = "project + length-grouped batches"
-
-
-class LengthGroupedBatchSampler(Sampler):
-    """Batches of similar length, in random order: padding shrinks, every sample still comes once per epoch.
-
-    The recipe of transformers' LengthGroupedSampler (mega-batches of 50 batches). Deterministic per
-    (seed, epoch); call set_epoch like a DistributedSampler.
-    """
-
-    def __init__(self, lengths, batch_size, megabatch_batches=50, seed=0, drop_last=False):
-        self.lengths = torch.as_tensor(lengths)
-        self.batch_size, self.megabatch = batch_size, megabatch_batches * batch_size
-        self.seed, self.epoch, self.drop_last = seed, 0, drop_last
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def _batches(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.lengths), generator=generator)
-        batches = []
-        for start in range(0, len(order), self.megabatch):
-            mega = order[start:start + self.megabatch]
-            mega = mega[torch.argsort(self.lengths[mega], descending=True, stable=True)]
-            batches += [mega[i:i + self.batch_size].tolist() for i in range(0, len(mega), self.batch_size)]
-        if self.drop_last and len(batches[-1]) < self.batch_size:
-            batches.pop()
-        # Shuffle the batch order so that long and short batches alternate through the epoch.
-        return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-
-    def __iter__(self):
-        return iter(self._batches())
-
-    def __len__(self):
-        n = len(self.lengths)
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
 
 def stratified_schedule(batches, lengths, rounds, per_round):
@@ -106,23 +65,11 @@ class Arm:
     def __init__(self, loader, model, steps_per_round):
         self.loader, self.model, self.steps_per_round = loader, model, steps_per_round
         self.optimizer = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=3e-5)
-        self.epoch, self.iterator = 0, None
+        self.batches = common.Cycle(loader)
         self.real_tokens = self.padded_tokens = 0
 
-    def next_batch(self):
-        while True:
-            if self.iterator is None:
-                sampler = getattr(self.loader, "batch_sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(self.epoch)
-                self.iterator = iter(self.loader)
-            try:
-                return next(self.iterator)
-            except StopIteration:
-                self.iterator, self.epoch = None, self.epoch + 1
-
     def train_step(self, count_tokens=True):
-        batch = self.next_batch()
+        batch = next(self.batches)
         if count_tokens:
             self.real_tokens += int(batch["attention_mask"].sum())
             self.padded_tokens += batch["input_ids"].numel()
@@ -140,17 +87,10 @@ class Arm:
         return timer.wall, samples, {"cpu_seconds": timer.cpu}
 
 
-def epoch_padding(loader, epoch=0):
-    """(real tokens, computed tokens, batches) over one full epoch of a loader, without the model."""
-    sampler = getattr(loader, "batch_sampler", None)
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    real = padded = batches = 0
-    for batch in loader:
-        real += int(batch["attention_mask"].sum())
-        padded += batch["input_ids"].numel()
-        batches += 1
-    return real, padded, batches
+def epoch_padding(loader):
+    """(real tokens, computed tokens) over one full epoch of a loader, without the model."""
+    batches = list(loader)
+    return sum(int(b["attention_mask"].sum()) for b in batches), sum(b["input_ids"].numel() for b in batches)
 
 
 def run_dataset(name, path, args, rounds, steps):
@@ -174,21 +114,14 @@ def run_dataset(name, path, args, rounds, steps):
     label2id = {label: i for i, label in enumerate(labels)}
     raw = [(e.text, label2id[e.label]) for e in examples]
     collate = project_loader.collate_fn
-    # The epoch's batches as the project's loader draws them (same seed as utils.runtime.loader_generator), and as
-    # length grouping draws them; the timed batches are an even sample of each epoch's batch lengths.
-    project_epoch = [list(b) for b in project_loader.batch_sampler]
-    grouped_sampler = LengthGroupedBatchSampler(lengths, BATCH_SIZE, 50, seed=SEED)
-    grouped_epoch = list(grouped_sampler)
-    schedules = {name: stratified_schedule(batches, lengths, rounds, steps[key])
-                 for name, key, batches in ((REFERENCE, "reference", project_epoch), (PROJECT, "project", project_epoch),
-                                            (GROUPED, "grouped", grouped_epoch))}
+    # The epoch's batches as the project's loader draws them (same seed as utils.runtime.loader_generator); the
+    # timed batches are an even sample of the epoch's batch lengths.
+    epoch_batches = [list(b) for b in project_loader.batch_sampler]
     arms = {
-        REFERENCE: Arm(DataLoader(raw, batch_sampler=schedules[REFERENCE], collate_fn=reference_collate(tokenizer)),
-                       copy.deepcopy(model), steps["reference"]),
-        PROJECT: Arm(DataLoader(dataset, batch_sampler=schedules[PROJECT], collate_fn=collate),
-                     copy.deepcopy(model), steps["project"]),
-        GROUPED: Arm(DataLoader(dataset, batch_sampler=schedules[GROUPED], collate_fn=collate),
-                     copy.deepcopy(model), steps["grouped"]),
+        REFERENCE: Arm(DataLoader(raw, batch_sampler=stratified_schedule(epoch_batches, lengths, rounds, steps[0]),
+                                  collate_fn=reference_collate(tokenizer)), copy.deepcopy(model), steps[0]),
+        PROJECT: Arm(DataLoader(dataset, batch_sampler=stratified_schedule(epoch_batches, lengths, rounds, steps[1]),
+                                collate_fn=collate), copy.deepcopy(model), steps[1]),
     }
     for arm in arms.values():  # warm-up step, untimed and not counted
         arm.train_step(count_tokens=False)
@@ -197,8 +130,7 @@ def run_dataset(name, path, args, rounds, steps):
 
     # Padding over a full epoch (no model: cheap). The reference always computes N x 512 tokens.
     epoch = {REFERENCE: (sum(lengths), len(lengths) * MAX_SEQ_LEN),
-             PROJECT: epoch_padding(DataLoader(dataset, batch_sampler=project_epoch, collate_fn=collate))[:2],
-             GROUPED: epoch_padding(DataLoader(dataset, batch_sampler=grouped_epoch, collate_fn=collate))[:2]}
+             PROJECT: epoch_padding(DataLoader(dataset, batch_sampler=epoch_batches, collate_fn=collate))}
     assert all(r == sum(lengths) for r, _ in epoch.values()), "every arm must see every token once per epoch"
 
     rows = []
@@ -234,25 +166,24 @@ def run_dataset(name, path, args, rounds, steps):
     return {"dataset": str(path), **info, "arms": summary, "rounds_raw": samples, "table": table}
 
 
-def main():
+def main(argv=None):
     parser = common.base_parser(__doc__)
     parser.add_argument("--quick_samples", type=int, default=600, help="--quick: samples read per dataset")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    common.require_data(args.data_root, "thucnews_titles/train.txt", "cnews_sample/cnews_1000.txt", "bert-base-chinese")
     common.set_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 5)
     results = {"benchmark": "bench_bert_input", "provenance": common.provenance(),
                "setup": {"model": SMALL_BERT + " (random init, bert-base-chinese config, vocab 21,128)",
                          "batch_size": BATCH_SIZE, "max_seq_len": MAX_SEQ_LEN, "optimizer": "AdamW lr 3e-5, clip 1.0",
                          "threads": args.threads, "workers": 0}}
-    # Steps per round: each arm gets a few seconds per round (reference steps cost ~1.4 s, headline steps ~0.06 s).
-    results["headlines"] = run_dataset(
-        "THUCNews headlines", args.data_root / "thucnews_titles" / "train.txt", args, rounds,
-        {"reference": 1, "project": 4, "grouped": 4} if args.quick else {"reference": 3, "project": 40, "grouped": 40})
-    results["cnews"] = run_dataset(
-        "cnews articles", args.data_root / "cnews_sample" / "cnews_1000.txt", args, rounds,
-        {"reference": 1, "project": 1, "grouped": 1} if args.quick else {"reference": 3, "project": 3, "grouped": 3})
+    # (reference, project) steps per round: a few seconds each (reference steps cost ~1.4 s, headline steps ~0.06 s).
+    results["headlines"] = run_dataset("THUCNews headlines", args.data_root / "thucnews_titles" / "train.txt", args,
+                                       rounds, (1, 4) if args.quick else (3, 40))
+    results["cnews"] = run_dataset("cnews articles", args.data_root / "cnews_sample" / "cnews_1000.txt", args,
+                                   rounds, (1, 1) if args.quick else (3, 3))
     common.write_results("bench_bert_input", results, args.output)
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main, sys.argv[1:])

@@ -34,11 +34,6 @@ README_BERT = "num_hidden_layers=6,hidden_size=256,num_attention_heads=4,interme
 SEED = 42
 
 
-def cpu_bf16_flags():
-    flags = set((common.cpuinfo_field("flags") or "").split())
-    return sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})
-
-
 def bert_arms(args):
     examples = read_examples(args.data_root / "thucnews_titles" / "train.txt")[:args.samples]
     labels = build_label_list(examples, None)
@@ -99,37 +94,30 @@ def resnet_arms(args):
             "resnet18 bf16 autocast": arm(True, False), "resnet18 bf16 autocast channels_last": arm(True, True)}
 
 
-def compare(name, steps_by_arm, rounds, steps, batch_size, warmup=2):
-    print(f"\n== {name}")
-    for step in steps_by_arm.values():
-        for _ in range(warmup):
-            step()
-    runs = {arm: common.timed(step, steps, batch_size) for arm, step in steps_by_arm.items()}
-    samples = common.run_rounds(runs, rounds)
-    baseline = next(iter(steps_by_arm))
-    summary = common.summarize(samples, baseline)
-    rows = [[arm, summary[arm]["median_rate"], summary[arm]["ratio_to_baseline"],
-             f"{summary[arm]['ratio_min']:.2f}-{summary[arm]['ratio_max']:.2f}", common.cpu_share(samples[arm])]
-            for arm in steps_by_arm]
-    table = common.format_table(["arm", "samples/s (median)", f"vs {baseline} (median of rounds)",
+def compare(name, steps_by_arm, rounds, steps, batch_size):
+    samples, summary = common.compare_steps(name, steps_by_arm, rounds, steps, batch_size, warmup=2)
+    rows = [[arm, s["median_rate"], s["ratio_to_baseline"], f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}",
+             common.cpu_share(samples[arm])] for arm, s in summary.items()]
+    table = common.format_table(["arm", "samples/s (median)", f"vs {next(iter(summary))} (median of rounds)",
                                  "per-round range", "CPU share (threads busy)"], rows)
     print(table)
     return {"arms": summary, "rounds_raw": samples, "table": table}
 
 
-def main():
+def main(argv=None):
     parser = common.base_parser(__doc__)
     parser.add_argument("--bert_config", default=README_BERT, help="train_bert_cls.py --config_overrides")
-    parser.add_argument("--bert_batch", type=int, default=256)
+    parser.add_argument("--bert_batch", type=int, default=256, help="samples per BERT step")
     parser.add_argument("--samples", type=int, default=4096, help="headlines tokenised for the BERT arms")
-    parser.add_argument("--resnet_batch", type=int, default=128)
-    parser.add_argument("--image_size", type=int, default=80)
-    args = parser.parse_args()
+    parser.add_argument("--resnet_batch", type=int, default=128, help="images per ResNet step")
+    parser.add_argument("--image_size", type=int, default=80, help="pixels, ResNet input")
+    args = parser.parse_args(argv)
+    common.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
     common.set_threads(args.threads)
     rounds = args.rounds or (1 if args.quick else 6)
     if args.quick:
         args.samples, args.bert_batch, args.resnet_batch, args.image_size = 256, 32, 16, 32
-    flags = cpu_bf16_flags()
+    flags = sorted(set((common.cpuinfo_field("flags") or "").split()) & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})
     print(f"CPU flags: {' '.join(flags) or 'none of avx512f/avx512_bf16/amx_bf16'}; {args.threads} thread(s)")
     results = {"benchmark": "bench_cpu_precision", "provenance": common.provenance(), "cpu_flags": flags,
                "setup": {"bert_config": args.bert_config, "bert_batch": args.bert_batch,
@@ -142,4 +130,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main, sys.argv[1:])

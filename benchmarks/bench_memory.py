@@ -6,7 +6,6 @@ RSS at 10% of the run and at the end. Usage:
     python benchmarks/bench_memory.py            # 2,000 steps each
     python benchmarks/bench_memory.py --quick    # 200 steps each
 """
-import argparse
 import json
 import os
 import subprocess
@@ -15,8 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (puts the repo root on sys.path)
+from common import REPO as ROOT  # noqa: E402
 
 from utils.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
 
@@ -35,9 +35,9 @@ def last_step(metrics_path):
     return max((e["step"] for e in lines if e.get("event") == "train"), default=0)
 
 
-def measure(name, command, out, steps):
+def measure(name, command, out, steps, threads):
     """RSS (MiB) of the training process at every logged step."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.Popen([str(c) for c in command], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     samples, seen = {}, 0
@@ -55,11 +55,11 @@ def measure(name, command, out, steps):
             "samples": samples}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+def main(argv=None):
+    # Built-in data, one run per script: no --data_root, no --rounds.
+    parser = common.base_parser(__doc__, data=False, rounds=False)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per script (--quick: 200)")
+    args = parser.parse_args(argv)
     steps = 200 if args.quick else args.steps
     tmp = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     text, digits = write_text_classification_data(tmp / "text"), write_digits_imagefolder(tmp / "digits", size=16)
@@ -70,23 +70,22 @@ def main():
                                       "--max_seq_len", "32", "--train_batch_size", "16", "--learning_rate", "1e-3",
                                       "--max_train_steps", steps, "--logging_steps", max(1, steps // 40),
                                       "--checkpointing_steps", max(1, steps // 4), "--output_dir", bert_out],
-                bert_out, steps),
+                bert_out, steps, args.threads),
         measure("train_resnet.py", [sys.executable, "train_resnet.py", "--cpu", digits, "--image_size", "16",
                                     "--val_resize", "16", "-b", "16", "--lr", "0.01", "-j", "0",
                                     "--epochs", -(-steps // (1348 // 16)), "-p", max(1, steps // 40),
-                                    "--output_dir", resnet_out], resnet_out, steps),
+                                    "--output_dir", resnet_out], resnet_out, steps, args.threads),
     ]
     print("| script | steps | RSS at step (early) | RSS at step (end) | growth |")
     print("|---|---|---|---|---|")
     for r in runs:
         print(f"| {r['name']} | {r['steps']} | {r['early_rss_mib']:.0f} MiB at {r['early_step']} | "
               f"{r['late_rss_mib']:.0f} MiB at {r['late_step']} | {100 * r['growth']:+.1f}% |")
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "bench_memory.json").write_text(json.dumps(runs, indent=2))
     ok = all(abs(r["growth"]) <= 0.10 for r in runs)
     print(f"goal: within 10% -> {'met' if ok else 'NOT met'}")
+    common.write_results("bench_memory", {"benchmark": "bench_memory", "provenance": common.provenance(),
+                                          "threads": args.threads, "runs": runs, "goal_met": ok}, args.output)
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main, sys.argv[1:])

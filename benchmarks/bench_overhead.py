@@ -12,7 +12,6 @@ One process, 1 thread. Goal: accelerate >= 0.97 x plain.
     python benchmarks/bench_overhead.py            # ~2 min
     python benchmarks/bench_overhead.py --quick
 """
-import argparse
 import copy
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from transformers import get_linear_schedule_with_warmup  # noqa: E402
 from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
 from train_resnet import classification_loss  # noqa: E402
 from utils.loss_meter import LossMeter  # noqa: E402
-from utils.runtime import add_runtime_args, build_accelerator  # noqa: E402
+from utils.runtime import build_accelerator  # noqa: E402
 from utils.text_data import build_label_list, read_examples  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
@@ -38,32 +37,7 @@ SEED = 42
 TOTAL_STEPS = 100_000  # scheduler length: far beyond the benchmark, so the learning rate stays warm-up-sized
 
 
-def script_runtime_args():
-    """The runtime flags the scripts get when none is given on the command line."""
-    parser = argparse.ArgumentParser()
-    add_runtime_args(parser)
-    return parser.parse_args([])
-
-
-class Cycle:
-    """Endless batches from a loader; a new epoch (set_epoch where the loader has it) when one runs out."""
-
-    def __init__(self, loader):
-        self.loader, self.epoch, self.iterator = loader, 0, None
-
-    def __next__(self):
-        while True:
-            if self.iterator is None:
-                if hasattr(self.loader, "set_epoch"):
-                    self.loader.set_epoch(self.epoch)
-                self.iterator = iter(self.loader)
-            try:
-                return next(self.iterator)
-            except StopIteration:
-                self.iterator, self.epoch = None, self.epoch + 1
-
-
-def bert_arms(accelerator, args, steps):
+def bert_arms(accelerator, args):
     examples = read_examples(args.data_root / "thucnews_titles" / "train.txt")[:args.samples]
     labels = build_label_list(examples, None)
     torch.manual_seed(SEED)
@@ -77,7 +51,7 @@ def bert_arms(accelerator, args, steps):
     optimizer = torch.optim.AdamW(optimizer_groups(acc_model, 0.01), lr=3e-5)
     scheduler = get_linear_schedule_with_warmup(optimizer, TOTAL_STEPS // 10, TOTAL_STEPS)
     acc_model, optimizer, acc_loader, scheduler = accelerator.prepare(acc_model, optimizer, loader, scheduler)
-    acc_batches, meter = Cycle(acc_loader), LossMeter(accelerator.device)
+    acc_batches, meter = common.Cycle(acc_loader), LossMeter(accelerator.device)
     acc_model.train()
 
     def accelerate_step():
@@ -96,8 +70,8 @@ def bert_arms(accelerator, args, steps):
     plain_model = copy.deepcopy(model).to(accelerator.device)
     plain_optimizer = torch.optim.AdamW(optimizer_groups(plain_model, 0.01), lr=3e-5)
     plain_scheduler = get_linear_schedule_with_warmup(plain_optimizer, TOTAL_STEPS // 10, TOTAL_STEPS)
-    plain_batches = Cycle(DataLoader(loader.dataset, batch_size=32, shuffle=True, collate_fn=loader.collate_fn,
-                                     generator=torch.Generator().manual_seed(SEED)))
+    plain_batches = common.Cycle(DataLoader(loader.dataset, batch_size=32, shuffle=True, collate_fn=loader.collate_fn,
+                                            generator=torch.Generator().manual_seed(SEED)))
     plain_model.train()
 
     def plain_step():
@@ -109,11 +83,10 @@ def bert_arms(accelerator, args, steps):
         plain_scheduler.step()
         plain_optimizer.zero_grad(set_to_none=True)
 
-    return {"bert accelerate (train_bert_cls step)": (accelerate_step, steps),
-            "bert plain torch loop": (plain_step, steps)}
+    return {"bert accelerate (train_bert_cls step)": accelerate_step, "bert plain torch loop": plain_step}
 
 
-def resnet_arms(accelerator, args, steps):
+def resnet_arms(accelerator, args):
     torch.manual_seed(SEED)
     model = torchvision.models.resnet18(num_classes=10)
     images = torch.randn(args.resnet_images, 3, 64, 64)
@@ -128,7 +101,7 @@ def resnet_arms(accelerator, args, steps):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     loader = DataLoader(dataset, batch_size=32, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(SEED))
     acc_model, optimizer, acc_loader, scheduler = accelerator.prepare(acc_model, optimizer, loader, scheduler)
-    acc_batches, meter = Cycle(acc_loader), LossMeter(accelerator.device)
+    acc_batches, meter = common.Cycle(acc_loader), LossMeter(accelerator.device)
     window = torch.zeros(4, dtype=torch.long, device=accelerator.device)
     lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)
     acc_model.train()
@@ -152,8 +125,8 @@ def resnet_arms(accelerator, args, steps):
     plain_model = copy.deepcopy(model).to(accelerator.device)
     plain_optimizer = sgd(plain_model.parameters())
     plain_scheduler = torch.optim.lr_scheduler.LambdaLR(plain_optimizer, lambda step: 1.0)
-    plain_batches = Cycle(DataLoader(dataset, batch_size=32, shuffle=True, drop_last=True,
-                                     generator=torch.Generator().manual_seed(SEED)))
+    plain_batches = common.Cycle(DataLoader(dataset, batch_size=32, shuffle=True, drop_last=True,
+                                            generator=torch.Generator().manual_seed(SEED)))
     plain_model.train()
 
     def plain_step():
@@ -164,56 +137,50 @@ def resnet_arms(accelerator, args, steps):
         plain_scheduler.step()
         plain_optimizer.zero_grad(set_to_none=True)
 
-    return {"resnet18 accelerate (train_resnet step)": (accelerate_step, steps),
-            "resnet18 plain torch loop": (plain_step, steps)}
+    return {"resnet18 accelerate (train_resnet step)": accelerate_step, "resnet18 plain torch loop": plain_step}
 
 
-def compare(name, arms, rounds, warmup, batch_size):
-    print(f"\n== {name}")
-    for step, _ in arms.values():
-        for _ in range(warmup):
-            step()
-    runs = {arm: common.timed(step, steps, batch_size) for arm, (step, steps) in arms.items()}
-    samples = common.run_rounds(runs, rounds)
+def compare(name, arms, rounds, steps, warmup, batch_size):
     accelerate_arm, plain_arm = list(arms)
-    summary = common.summarize(samples, plain_arm)
-    rows = [[arm, summary[arm]["median_rate"], 1000 * batch_size / summary[arm]["median_rate"],
-             summary[arm]["ratio_to_baseline"], f"{summary[arm]['ratio_min']:.2f}-{summary[arm]['ratio_max']:.2f}",
-             summary[arm]["median_cpu_rate"], summary[arm]["cpu_ratio_to_baseline"],
-             f"{summary[arm]['cpu_ratio_min']:.2f}-{summary[arm]['cpu_ratio_max']:.2f}", common.cpu_share(samples[arm])]
-            for arm in arms]
+    samples, summary = common.compare_steps(name, arms, rounds, steps, batch_size, warmup, baseline=plain_arm)
+    rows = [[arm, s["median_rate"], 1000 * batch_size / s["median_rate"], s["ratio_to_baseline"],
+             f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}", s["median_cpu_rate"], s["cpu_ratio_to_baseline"],
+             f"{s['cpu_ratio_min']:.2f}-{s['cpu_ratio_max']:.2f}", common.cpu_share(samples[arm])]
+            for arm, s in summary.items()]
     table = common.format_table(["arm", "samples/s (median)", "ms/step", "vs plain, wall (median of rounds)",
                                  "per-round range", "samples per CPU-second", "vs plain, CPU time",
                                  "per-round range", "CPU share"], rows)
     print(table)
     ratio, cpu_ratio = summary[accelerate_arm]["ratio_to_baseline"], summary[accelerate_arm]["cpu_ratio_to_baseline"]
-    print(f"accelerate / plain = {ratio:.3f} wall-clock, {cpu_ratio:.3f} CPU time "
-          f"(goal >= 0.97: {'met' if min(ratio, cpu_ratio) >= 0.97 else 'NOT met' if max(ratio, cpu_ratio) < 0.97 else 'met on one measure only'})")
+    verdict = "met" if min(ratio, cpu_ratio) >= 0.97 else "NOT met" if max(ratio, cpu_ratio) < 0.97 else "met on one measure only"
+    print(f"accelerate / plain = {ratio:.3f} wall-clock, {cpu_ratio:.3f} CPU time (goal >= 0.97: {verdict})")
     return {"arms": summary, "rounds_raw": samples, "table": table, "ratio_wall": ratio, "ratio_cpu": cpu_ratio,
             "goal_met_wall": ratio >= 0.97, "goal_met_cpu": cpu_ratio >= 0.97}
 
 
-def main():
+def main(argv=None):
     parser = common.base_parser(__doc__)
     parser.add_argument("--samples", type=int, default=6000, help="headlines tokenised for the BERT arms")
     parser.add_argument("--resnet_images", type=int, default=320, help="synthetic 64x64 images for the ResNet arms")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    common.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
     common.set_threads(args.threads)
     # Many short rounds: on a shared machine a burst of other work lands in one round, and the median drops it.
     rounds = args.rounds or (2 if args.quick else 40)
     if args.quick:
         args.samples = 400
     with tempfile.TemporaryDirectory() as output_dir:
-        accelerator = build_accelerator(script_runtime_args(), Path(output_dir), 1)
+        accelerator = build_accelerator(common.script_runtime_args(), Path(output_dir), 1)
         results = {"benchmark": "bench_overhead", "provenance": common.provenance(),
                    "accelerator": {"device": str(accelerator.device), "num_processes": accelerator.num_processes,
                                    "mixed_precision": accelerator.mixed_precision}}
-        results["bert"] = compare("small BERT (2x128) on THUCNews headlines, batch 32, AdamW",
-                                  bert_arms(accelerator, args, 3 if args.quick else 4), rounds, 3, 32)
+        results["bert"] = compare("small BERT (2x128) on THUCNews headlines, batch 32, AdamW", bert_arms(accelerator, args),
+                                  rounds, 3 if args.quick else 4, 3, 32)
         results["resnet18"] = compare("ResNet-18, 64x64 synthetic images, batch 32, SGD momentum 0.9",
-                                      resnet_arms(accelerator, args, 1), rounds if args.quick else max(1, rounds * 3 // 4), 2, 32)
+                                      resnet_arms(accelerator, args), rounds if args.quick else max(1, rounds * 3 // 4),
+                                      1, 2, 32)
     common.write_results("bench_overhead", results, args.output)
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main, sys.argv[1:])

@@ -1,6 +1,6 @@
-"""ResNet input pipeline: how fast the loader makes images vs how fast ResNet-18 trains on them, and JPEG decoders.
+"""ResNet input pipeline: how fast the loader makes images vs how fast ResNet-18 trains on them.
 
-Arms, interleaved round by round, on ../shared/data/imagenette_112/train (112x112 JPEGs, 242 of them grayscale):
+Arms, interleaved round by round, on DATA_ROOT/imagenette_112/train (112x112 JPEGs, 242 of them grayscale):
   loader, project     train_resnet.py's loader: utils.image_data RGBImageFolder (torchvision.io.decode_image on the
                       file bytes, v2 RandomResizedCrop + flip + normalise on uint8 tensors, per-sample seeded
                       augmentation), batch 32, workers 0 / 1 / 2
@@ -8,14 +8,12 @@ Arms, interleaved round by round, on ../shared/data/imagenette_112/train (112x11
                       ToTensor, Normalize, batch 32, workers 0
   model               ResNet-18 training steps (SGD momentum 0.9, batch 32) on synthetic input of the same size:
                       the rate the loader has to keep up with
-  decode              the JPEG bytes already in memory, to a (3, H, W) uint8 RGB tensor: PIL (Image.open + convert +
-                      pil_to_tensor) vs torchvision.io.decode_jpeg vs torchvision.io.decode_image
 1 torch thread in the main process (and in each worker, as DataLoader sets it).
 
     python benchmarks/bench_resnet_loader.py            # ~1.5 min
     python benchmarks/bench_resnet_loader.py --quick
+(The PIL vs torchvision JPEG decoder arms were measured once and removed: RESULTS.md section 4.)
 """
-import io
 import sys
 from pathlib import Path
 
@@ -25,11 +23,8 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
-from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import transforms  # noqa: E402
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg  # noqa: E402
-from torchvision.transforms.functional import pil_to_tensor  # noqa: E402
 
 from utils.image_data import IMAGENET_MEAN, IMAGENET_STD, build_datasets  # noqa: E402
 
@@ -75,37 +70,11 @@ def model_arm(image_size, steps):
     return common.timed(step, steps, BATCH_SIZE)
 
 
-def decoder_arm(blobs, decode):
-    for blob in blobs:  # warm-up: library initialisation and first-touch page faults stay out of round 1
-        decode(blob)
-
-    def run():
-        with common.Timer() as timer:
-            for blob in blobs:
-                image = decode(blob)
-        assert image.dtype == torch.uint8 and image.shape[0] == 3
-        return timer.wall, len(blobs), {"cpu_seconds": timer.cpu}
-    return run
-
-
-def decode_pil(blob):
-    with Image.open(io.BytesIO(blob.numpy().tobytes())) as image:
-        return pil_to_tensor(image.convert("RGB"))
-
-
-def decode_tv_jpeg(blob):
-    return decode_jpeg(blob, mode=ImageReadMode.RGB)
-
-
-def decode_tv_image(blob):
-    return decode_image(blob, mode=ImageReadMode.RGB)
-
-
-def main():
+def main(argv=None):
     parser = common.base_parser(__doc__)
     parser.add_argument("--image_size", type=int, default=112, help="pixels: training crop and model input")
-    parser.add_argument("--decode_images", type=int, default=400, help="JPEGs decoded per round by each decoder")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    common.require_data(args.data_root, "imagenette_112/train")
     common.set_threads(args.threads)
     started = common.provenance()
     rounds = args.rounds or (1 if args.quick else 5)
@@ -117,9 +86,6 @@ def main():
     main_py_train = torchvision.datasets.ImageFolder(str(root / "train"), transforms.Compose([
         transforms.RandomResizedCrop(args.image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
         transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
-    paths = [path for path, _ in project_train.samples]
-    step = max(1, len(paths) // args.decode_images)
-    blobs = [torchvision.io.read_file(p) for p in paths[::step][:args.decode_images if not args.quick else 50]]
 
     arms = {
         "loader project, workers 0": loader_arm(project_train, 0, loader_batches),
@@ -127,13 +93,10 @@ def main():
         "loader project, workers 2": loader_arm(project_train, 2, loader_batches),
         "loader main.py (PIL), workers 0": loader_arm(main_py_train, 0, loader_batches),
         f"model resnet18 training {args.image_size}px": model_arm(args.image_size, model_steps),
-        "decode PIL": decoder_arm(blobs, decode_pil),
-        "decode torchvision decode_jpeg": decoder_arm(blobs, decode_tv_jpeg),
-        "decode torchvision decode_image": decoder_arm(blobs, decode_tv_image),
     }
     samples = common.run_rounds(arms, rounds)
     model_name = f"model resnet18 training {args.image_size}px"
-    loaders = common.summarize({k: v for k, v in samples.items() if k.startswith(("loader", "model"))}, model_name)
+    loaders = common.summarize(samples, model_name)
     # Per CPU-second only where all the work is in this process (workers 0, the model): worker CPU is not counted.
     rows = [[name, s["median_rate"], f"{s['min_rate']:.0f}-{s['max_rate']:.0f}", s["ratio_to_baseline"],
              s["median_cpu_rate"] if "workers 1" not in name and "workers 2" not in name else None,
@@ -149,14 +112,6 @@ def main():
     print(f"project loader / main.py loader, both workers 0: {vs_main_py['ratio_to_baseline']:.2f}x wall-clock, "
           f"{vs_main_py['cpu_ratio_to_baseline']:.2f}x CPU time")
 
-    decoders = common.summarize({k: v for k, v in samples.items() if k.startswith("decode")}, "decode PIL")
-    rows = [[name, s["median_rate"], f"{s['min_rate']:.0f}-{s['max_rate']:.0f}", f"{s['ratio_to_baseline']:.2f}x",
-             s["median_cpu_rate"], f"{s['cpu_ratio_to_baseline']:.2f}x"] for name, s in decoders.items()]
-    decoder_table = common.format_table(["decoder (bytes in memory -> uint8 RGB tensor)", "images/s (median)",
-                                         "range", "vs PIL", "images per CPU-second", "vs PIL, CPU time"], rows)
-    print(f"\nJPEG decoding, {len(blobs)} imagenette_112 files, 1 thread")
-    print(decoder_table)
-
     model_rate = loaders[model_name]["median_rate"]
     w0 = loaders["loader project, workers 0"]["median_rate"]
     verdict = (f"one loader core makes {w0:,.0f} images/s, {w0 / model_rate:.1f}x what one core of ResNet-18 training "
@@ -167,11 +122,11 @@ def main():
         "benchmark": "bench_resnet_loader", "provenance": started,
         "setup": {"image_size": args.image_size, "batch_size": BATCH_SIZE, "rounds": rounds,
                   "loader_batches_per_round": loader_batches, "model_steps_per_round": model_steps,
-                  "decoded_files": len(blobs), "train_images": len(paths)},
-        "loaders": loaders, "decoders": decoders, "project_vs_main_py_workers0": vs_main_py,
-        "rounds_raw": samples, "loader_table": loader_table, "decoder_table": decoder_table, "verdict": verdict},
+                  "train_images": len(project_train.samples)},
+        "loaders": loaders, "project_vs_main_py_workers0": vs_main_py,
+        "rounds_raw": samples, "loader_table": loader_table, "verdict": verdict},
         args.output)
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main, sys.argv[1:])

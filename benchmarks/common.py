@@ -18,7 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
-DEFAULT_DATA = REPO.parent / "shared" / "data"  # ../shared/data, see its README.md
+DEFAULT_DATA = REPO / "data"  # where docs/data.md (prepare_data.py) puts the real data in a clone
+DATA_LAYOUT = "thucnews_titles/, cnews_sample/, bert-base-chinese/, imagenette_112/"
 
 # Offline, and the fast tokenizer on one thread like everything else (it would otherwise batch-encode on all cores).
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
@@ -27,16 +28,33 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 if str(REPO) not in sys.path:  # the benchmarks import the training scripts and utils/ from the repo root
     sys.path.insert(0, str(REPO))
 
+from utils.errors import UserError, run_cli  # noqa: E402,F401  (run_cli: every benchmark's entry point)
 
-def base_parser(description):
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the module docstring's layout and shows every default."""
+
+
+def base_parser(description, data=True, rounds=True):
+    """The flags every benchmark takes; --data_root and --rounds only where the benchmark has data or rounds."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true", help="seconds: only checks that the benchmark works")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default depends on --quick)")
-    parser.add_argument("--data_root", type=Path, default=DEFAULT_DATA,
-                        help="folder with thucnews_titles/, cnews_sample/, bert-base-chinese/, imagenette_112/")
+    if rounds:
+        parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (None: depends on --quick)")
+    if data:
+        parser.add_argument("--data_root", type=Path, default=DEFAULT_DATA,
+                            help=f"folder with {DATA_LAYOUT} (docs/data.md says how to get them)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
-    parser.add_argument("--output", type=Path, default=None, help="results JSON (default benchmarks/results/<name>.json)")
+    parser.add_argument("--output", type=Path, default=None, help="results JSON (None: benchmarks/results/<name>.json)")
     return parser
+
+
+def require_data(data_root, *relative_paths):
+    """Refuse to start, in one line, when the real data is not where --data_root says."""
+    missing = [str(Path(data_root) / p) for p in relative_paths if not (Path(data_root) / p).exists()]
+    if missing:
+        raise UserError(f"{', '.join(missing)}: not found; pass --data_root DIR (the folder holding {DATA_LAYOUT}) "
+                        "or put the data there as docs/data.md says (python prepare_data.py ...)")
 
 
 def bert_script_args(data_root, train_file, config_overrides, **overrides):
@@ -52,6 +70,14 @@ def bert_script_args(data_root, train_file, config_overrides, **overrides):
     return args
 
 
+def script_runtime_args():
+    """The runtime flags the scripts get when none is given on the command line."""
+    from utils.runtime import add_runtime_args
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    return parser.parse_args([])
+
+
 def set_threads(threads):
     import torch
     torch.set_num_threads(threads)
@@ -61,19 +87,35 @@ def set_threads(threads):
         pass
 
 
+class Cycle:
+    """Endless batches from a loader; a new epoch (set_epoch on the loader or its batch sampler) when one runs out."""
+
+    def __init__(self, loader):
+        self.loader, self.epoch, self.iterator = loader, 0, None
+
+    def __next__(self):
+        while True:
+            if self.iterator is None:
+                owner = next((o for o in (self.loader, getattr(self.loader, "batch_sampler", None))
+                              if hasattr(o, "set_epoch")), None)
+                if owner is not None:
+                    owner.set_epoch(self.epoch)
+                self.iterator = iter(self.loader)
+            try:
+                return next(self.iterator)
+            except StopIteration:
+                self.iterator, self.epoch = None, self.epoch + 1
+
+
+# ---- provenance: where and when a result was measured, saved with it
+
 def cpuinfo_field(name):
     """The first `name : value` of /proc/cpuinfo (Linux), or None."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith(name)), None)
     except OSError:
-        pass
-    return None
-
-
-def cpu_model():
-    return cpuinfo_field("model name") or platform.processor() or "unknown"
+        return None
 
 
 def load_average():
@@ -84,12 +126,12 @@ def load_average():
 
 
 def git_revision():
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "train_bert_cls.py",
-                                "train_resnet.py", "utils"], capture_output=True, text=True, timeout=10).stdout.strip()
-        return rev + ("+uncommitted changes in scripts/utils" if dirty else "")
+        dirty = git("status", "--porcelain", "--", "train_bert_cls.py", "train_resnet.py", "utils")
+        return git("rev-parse", "--short", "HEAD") + ("+uncommitted changes in scripts/utils" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -98,22 +140,20 @@ def versions():
     out = {"python": platform.python_version()}
     for name in ("torch", "torchvision", "accelerate", "transformers", "datasets", "tokenizers", "PIL", "numpy"):
         try:
-            module = __import__(name)
-            out[name] = getattr(module, "__version__", "?")
+            out[name] = getattr(__import__(name), "__version__", "?")
         except ImportError:
             pass
     return out
 
 
 def provenance():
-    """Where and when a result was measured, saved with it."""
     import torch
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "nproc": os.cpu_count(),
         "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model(),
+        "cpu_model": cpuinfo_field("model name") or platform.processor() or "unknown",
         "load_average_at_start": load_average(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -121,6 +161,8 @@ def provenance():
         "versions": versions(),
     }
 
+
+# ---- interleaved timing and its summary
 
 def interleaved_order(names, round_index):
     """A, B, C on even rounds and C, B, A on odd ones."""
@@ -151,8 +193,15 @@ def timed(step, steps, units_per_step):
     return run
 
 
-def median_rate(rounds):
-    return statistics.median(r["rate"] for r in rounds)
+def compare_steps(name, steps_by_arm, rounds, steps, batch_size, warmup, baseline=None):
+    """Warm each step function up, then time `steps` calls of each per round, interleaved, against `baseline`
+    (default: the first arm). Returns (raw rounds, summary)."""
+    print(f"\n== {name}")
+    for step in steps_by_arm.values():
+        for _ in range(warmup):
+            step()
+    samples = run_rounds({arm: timed(step, steps, batch_size) for arm, step in steps_by_arm.items()}, rounds)
+    return samples, summarize(samples, baseline or next(iter(steps_by_arm)))
 
 
 def cpu_share(rounds):
@@ -161,20 +210,16 @@ def cpu_share(rounds):
     return statistics.median(shares) if shares else None
 
 
-def ratio_per_round(rounds_a, rounds_b):
-    """Median over rounds of rate(A) / rate(B): each ratio compares two runs seconds apart."""
-    ratios = [a["rate"] / b["rate"] for a, b in zip(rounds_a, rounds_b)]
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
 def summarize(samples, baseline):
-    """Per arm: median rate, spread, and ratio to the baseline arm."""
+    """Per arm: median rate, spread, and the median over rounds of rate(arm) / rate(baseline) (each ratio compares
+    two runs seconds apart)."""
     out = {}
     for name, rounds in samples.items():
         rates = [r["rate"] for r in rounds]
-        ratio, lo, hi = ratio_per_round(rounds, samples[baseline])
+        ratios = [a["rate"] / b["rate"] for a, b in zip(rounds, samples[baseline])]
         out[name] = {"median_rate": statistics.median(rates), "min_rate": min(rates), "max_rate": max(rates),
-                     "ratio_to_baseline": ratio, "ratio_min": lo, "ratio_max": hi, "rounds": len(rates)}
+                     "ratio_to_baseline": statistics.median(ratios), "ratio_min": min(ratios),
+                     "ratio_max": max(ratios), "rounds": len(rates)}
         if all("cpu_seconds" in r for r in rounds + samples[baseline]):
             # Units per CPU-second of this process: on a shared machine, time spent waiting for a core is not
             # counted, so this ratio stays put when other jobs come and go (single-process, single-thread arms only).
@@ -199,9 +244,7 @@ def fmt(value):
     if isinstance(value, float):
         if value == 0 or abs(value) >= 100:
             return f"{value:,.0f}"
-        if abs(value) >= 1:
-            return f"{value:.2f}"
-        return f"{value:.3g}"
+        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
     if isinstance(value, int):
         return f"{value:,}"
     return "" if value is None else str(value)

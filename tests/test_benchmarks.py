@@ -1,0 +1,58 @@
+"""The benchmarks' command lines: --help shows every flag benchmarks/README.md promises, with defaults, and a
+missing data root is one line on stderr and exit status 2, not a traceback. Nothing is timed here."""
+import importlib
+import sys
+
+import pytest
+
+from conftest import ROOT, run
+
+BENCHMARKS = ROOT / "benchmarks"
+# name -> does it read real data (--data_root) and run interleaved rounds (--rounds); benchmarks/README.md's table
+FLAGS = {"bench_bert_input": True, "bench_resnet_loader": True, "bench_overhead": True, "bench_ddp_scaling": True,
+         "bench_cpu_precision": True, "bench_memory": False}
+
+
+def benchmark(name):
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", FLAGS)
+def test_help_lists_the_common_flags_with_defaults(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark(name).main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    flags = ["--quick", "--threads", "--output"] + (["--rounds", "--data_root"] if FLAGS[name] else [])
+    for flag in flags:
+        assert flag in help_text, f"{name} --help lacks {flag}"
+    assert "--threads THREADS torch intra-op threads per process (default: 1)" in help_text
+    if FLAGS[name]:
+        assert f"(default: {ROOT / 'data'})" in help_text  # where docs/data.md puts the data in a clone
+    else:
+        assert "--data_root" not in help_text
+
+
+@pytest.mark.parametrize("name", [n for n, data in FLAGS.items() if data])
+def test_missing_data_root_is_one_line(name, tmp_path, capsys):
+    """All common flags parse; the run stops at the data check, before any model or process group is built."""
+    missing = tmp_path / "no_data"
+    argv = ["--quick", "--rounds", "1", "--threads", "1", "--output", str(tmp_path / "r.json"), "--data_root", str(missing)]
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark(name).common.run_cli(benchmark(name).main, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {missing}/") and "not found" in err[0], err
+    assert "--data_root" in err[0] and "docs/data.md" in err[0]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_missing_data_root_from_the_command_line(tmp_path):
+    """The issue's case, as a user runs it: no traceback, exit status 2, the path named."""
+    proc = run(["python", "benchmarks/bench_bert_input.py", "--quick", "--data_root", tmp_path / "none"], check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert f"{tmp_path / 'none' / 'thucnews_titles' / 'train.txt'}" in proc.stderr
