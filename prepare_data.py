@@ -31,6 +31,12 @@ SOURCES = """Where the data comes from (download by hand, then run the matching 
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
+def lines_of(path):
+    """The file's lines, split at newlines only: str.splitlines would also split at characters such as U+2028 or
+    U+001C, which occur inside headlines and in BERT vocabularies."""
+    return [line.rstrip("\r") for line in path.read_text(encoding="utf-8").split("\n")]
+
+
 def fresh_dir(out):
     """The output folder, which must not hold anything yet: nothing is overwritten."""
     if out.exists() and any(out.iterdir()):
@@ -44,13 +50,13 @@ def thucnews(source, out, train_samples=None):
     classes_file = source / "class.txt"
     if not classes_file.is_file():
         raise UserError(f"{classes_file}: not found; pass the THUCNews/data folder (train.txt, dev.txt, test.txt, class.txt)")
-    classes = [line.strip() for line in classes_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    classes = [line.strip() for line in lines_of(classes_file) if line.strip()]
     converted = {}
     for name, target in (("train.txt", "train.txt"), ("dev.txt", "val.txt"), ("test.txt", "test.txt")):
         path, lines = source / name, []
         if not path.is_file():
             raise UserError(f"{path}: not found")
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(lines_of(path), 1):
             if not line.strip():
                 continue
             text, tab, label_id = line.rpartition("\t")  # headlines may hold spaces, never a TAB
@@ -80,7 +86,7 @@ def cnews(source, out, sample_out, sample=1000):
             shutil.copyfile(path, out / path.name)
             print(f"{out / path.name}: copied")
     if sample:
-        lines = [line for line in files["train"].read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in lines_of(files["train"]) if line.strip()]
         # cnews.train.txt is sorted by class: every k-th line keeps the classes balanced
         picked = lines[::max(1, len(lines) // sample)][:sample]
         fresh_dir(sample_out.parent)
@@ -133,7 +139,8 @@ def bert(source, out):
         config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise UserError(f"{source / 'config.json'}:{err.lineno}: invalid JSON ({err.msg})") from None
-    vocab = (source / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    vocab = lines_of(source / "vocab.txt")
+    vocab = vocab[:-1] if vocab and not vocab[-1] else vocab  # the final newline ends the last token
     if config.get("vocab_size") != len(vocab):
         raise UserError(f"{source / 'vocab.txt'}: {len(vocab):,} tokens, but config.json says vocab_size "
                         f"{config.get('vocab_size')}")

@@ -82,12 +82,18 @@ def test_imagenette_tgz_becomes_resized_imagefolder(tmp_path):
         assert folder.classes == ["n01440764", "n02102040"] and len(folder) == 2
         assert all(folder[i][0].size == (24, 24) for i in range(2))
     assert Image.open(out / "train" / "n02102040" / "n02102040_7.jpg").mode == "L"  # grayscale stays grayscale
+    with tarfile.open(archive) as tar:  # the unpacked folder gives the same
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    prepare("imagenette", tmp_path / "unpacked" / "imagenette2-160", "--out", tmp_path / "from_folder", "--size", 24)
+    assert sorted(p.relative_to(out) for p in out.rglob("*.jpg")) == \
+        sorted(p.relative_to(tmp_path / "from_folder") for p in (tmp_path / "from_folder").rglob("*.jpg"))
 
 
 def test_bert_files_are_checked_and_copied(tmp_path):
     source = tmp_path / "snapshot"
     source.mkdir()
-    (source / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n", encoding="utf-8")
+    # bert-base-chinese's vocabulary holds tokens with characters str.splitlines would split at (U+2028, U+001C)
+    (source / "vocab.txt").write_text("[PAD]\n[UNK]\n##\u2028\n\x1c\n", encoding="utf-8")
     (source / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 5}))
     with pytest.raises(UserError, match="4 tokens, but config.json says vocab_size 5"):
         prepare("bert", source, "--out", tmp_path / "bad")
