@@ -160,7 +160,7 @@ def parse_args(argv):
                                 ("bert", "data/bert-base-chinese", "a downloaded bert-base-chinese folder")):
         command = commands.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         command.add_argument("source", type=Path, help=what)
-        command.add_argument("--out", type=Path, default=Path(default), help="folder to write (must not exist)")
+        command.add_argument("--out", type=Path, default=Path(default), help="folder to write (absent or empty: nothing is overwritten)")
     commands.choices["thucnews"].add_argument(
         "--train_samples", type=int, default=None,
         help="keep only the first N training lines (the README's timings used a 45,000-line training file)")
