@@ -1,0 +1,124 @@
+"""The documentation's commands run as written.
+
+Every shell command in README.md, docs/*.md, benchmarks/README.md and the scripts' --help texts that calls one of
+this repository's scripts is checked here: its config file and script exist, and its arguments pass the script's own
+argument parsing and validation (what `--help`-level checking can see without the data or GPUs it names). The tiny
+CPU runs that the --help texts promise are run for real, as printed, and must reach what they promise. Every
+relative link in the docs points at a file (and heading) that exists.
+"""
+import importlib
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, read_json, run
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+SCRIPTS = {"train_bert_cls.py": "train_bert_cls", "train_resnet.py": "train_resnet"}
+# Placeholders the docs define in words next to the commands that use them.
+PLACEHOLDERS = {
+    "$BERT_ARGS": "--data_dir data/cnews --model_name_or_path hfl/chinese-bert-wwm-ext --output_dir outputs/cnews",
+}
+
+
+def code_blocks(text):
+    """The contents of the fenced code blocks (```bash, ```sh or bare ```) of a Markdown text."""
+    return re.findall(r"^```(?:bash|sh|console)?\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def shell_commands(block):
+    """One string per command: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    commands = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        commands.append(line)
+    return commands
+
+
+def script_argv(command):
+    """(script, argv) for a command that runs one of the training scripts, else None.
+
+    Environment assignments, `python`, `accelerate launch [launcher flags]`, `torchrun [flags]` and `srun ...`
+    prefixes are skipped; the launcher's --config_file must exist.
+    """
+    for placeholder, value in PLACEHOLDERS.items():
+        command = command.replace(placeholder, value)
+    words = shlex.split(command, comments=True)
+    script_at = next((i for i, w in enumerate(words) if Path(w).name in SCRIPTS), None)
+    if script_at is None:
+        return None
+    head = words[:script_at]
+    if "--config_file" in head:
+        config = ROOT / head[head.index("--config_file") + 1]
+        assert config.is_file(), f"{command}: no config file {config}"
+    return Path(words[script_at]).name, words[script_at + 1:]
+
+
+def documented_commands():
+    found = []
+    for doc in DOCS:
+        for block in code_blocks(doc.read_text(encoding="utf-8")):
+            for command in shell_commands(block):
+                if script_argv(command) is not None:
+                    found.append((doc.relative_to(ROOT).as_posix(), command))
+    for script, module in SCRIPTS.items():
+        for block in re.findall(r"^    (\S.*(?:\n {4,}\S.*)*)", importlib.import_module(module).__doc__, flags=re.M):
+            for command in shell_commands(block):
+                if script_argv(command) is not None:
+                    found.append((f"{script} --help", command))
+    return found
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_have_commands_to_check():
+    """The extractor itself: it must find the quick starts of both scripts in README.md and the --help texts."""
+    sources = {source for source, _ in COMMANDS}
+    assert {"README.md", "docs/bert.md", "docs/resnet.md", "docs/launching.md", "train_bert_cls.py --help",
+            "train_resnet.py --help"} <= sources, sources
+    assert len(COMMANDS) >= 25
+
+
+@pytest.mark.parametrize("source,command", COMMANDS, ids=[f"{s}:{c[:60]}" for s, c in COMMANDS])
+def test_documented_command_parses(source, command):
+    script, argv = script_argv(command)
+    module = importlib.import_module(SCRIPTS[script])
+    try:
+        module.parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code:
+            pytest.fail(f"{source}: `{command}` is refused by {script}'s argument parsing (exit {exit_.code})")
+
+
+def markdown_links(text):
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def anchors(path):
+    """GitHub's heading anchors of a Markdown file."""
+    slugs = set()
+    for heading in re.findall(r"^#+ (.*)$", path.read_text(encoding="utf-8"), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        slugs.add(slug)
+    return slugs
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.relative_to(ROOT).as_posix() for d in DOCS])
+def test_links_resolve(doc):
+    broken = []
+    for link in markdown_links(doc.read_text(encoding="utf-8")):
+        if re.match(r"^[a-z]+://", link) or link.startswith("mailto:"):
+            continue
+        target, _, anchor = link.partition("#")
+        path = (doc.parent / target).resolve() if target else doc
+        if not path.exists():
+            broken.append(link)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(link)
+    assert not broken, f"{doc.name}: broken links {broken}"
