@@ -54,7 +54,7 @@ def test_bad_json_and_csv(tmp_path):
         read_examples(write(tmp_path / "a.jsonl", '{"label": "x", "text": "y"}\n{oops\n'))
     with pytest.raises(UserError, match=r"b.csv:1: header lacks column\(s\) label"):
         read_examples(write(tmp_path / "b.csv", "text\nhello\n"))
-    with pytest.raises(UserError, match=r"c.jsonl:1: empty text"):
+    with pytest.raises(UserError, match=r"c.jsonl:1: no field 'text' \(--text_column\)"):
         read_examples(write(tmp_path / "c.jsonl", '{"label": "x"}\n'))
     with pytest.raises(UserError, match="unsupported file type '.xml'"):
         read_examples(write(tmp_path / "d.xml", "<x/>"))
