@@ -36,7 +36,7 @@ from utils.runtime import (add_runtime_args, build_accelerator, check_global_bat
                            maybe_data_parallel, print_run_summary, run_info)
 from utils.sampling import LengthGroupedSampler
 from utils.text_batching import (add_padding_args, build_collator, label_targets, resolve_padding, token_lengths,
-                                  tokenize)
+                                  tokenize, tokenize_examples)  # tokenize: benchmarks import it from here
 from utils.text_data import (add_text_format_args, build_label_list, check_known_labels, find_split_file,
                              read_examples, read_unlabelled, text_format, write_labels_file)
 
@@ -190,13 +190,14 @@ def unk_rate(tokenizer, dataset):
     return unknown / max(1, len(ids))
 
 
-def build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding):
-    """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch."""
-    collator = build_collator(tokenizer, args.max_seq_len, **padding)
+def build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding=None):
+    """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch; padding: `resolve_padding`'s,
+    by default the CPU's (to the longest text of each batch)."""
+    collator = build_collator(tokenizer, args.max_seq_len, **(padding or {}))
     loaders, stats = {}, {}
     for split, split_examples in examples.items():
-        dataset = tokenize(tokenizer, split_examples, label_targets(split_examples, labels, args.multi_label),
-                           args.max_seq_len)
+        dataset = tokenize_examples(tokenizer, split_examples,
+                                    label_targets(split_examples, labels, args.multi_label), args.max_seq_len)
         if split == "train":
             stats["train_unk_rate"] = unk_rate(tokenizer, dataset)
         training = split == "train"
@@ -208,7 +209,7 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
     if predict_examples is not None:
-        dataset = tokenize(tokenizer, predict_examples, None, args.max_seq_len)
+        dataset = tokenize_examples(tokenizer, predict_examples, None, args.max_seq_len)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator)
     return loaders, stats
 

@@ -66,15 +66,15 @@ def label_targets(examples, labels, multi_label):
     return targets
 
 
-def tokenize(tokenizer, examples, targets, max_seq_len):
+def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None):
     """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator.
 
     A sentence pair becomes the tokenizer's pair encoding ([CLS] a [SEP] b [SEP], token_type_ids 0/1), truncated
     longest_first: the longer sentence loses tokens first, so a short question keeps all of its words."""
-    columns = {"text": [e.text for e in examples]}
-    paired = examples[0].text_pair is not None
+    columns = {"text": list(texts)}
+    paired = text_pairs is not None
     if paired:
-        columns["text_pair"] = [e.text_pair for e in examples]
+        columns["text_pair"] = list(text_pairs)
     if targets is not None:
         columns["labels"] = targets
 
@@ -84,6 +84,12 @@ def tokenize(tokenizer, examples, targets, max_seq_len):
 
     dataset = Dataset.from_dict(columns)
     return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"])
+
+
+def tokenize_examples(tokenizer, examples, targets, max_seq_len):
+    """`tokenize` for Examples: texts, and sentence pairs when the examples have them."""
+    pairs = [e.text_pair for e in examples] if examples[0].text_pair is not None else None
+    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs)
 
 
 def token_lengths(dataset):
