@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_atomically, resolve_resume,
                               restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
-from utils.label_modes import evaluation_metrics, prediction_rows, training_loss
+from utils.label_modes import check_problem_type, evaluation_metrics, prediction_rows, training_loss
 from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import save_confusion_matrix
@@ -130,6 +130,8 @@ def load_splits(args, checkpoint_labels):
         labels = build_label_list([], args.labels_file, args.encoding)
     else:
         labels = checkpoint_labels
+    if checkpoint_labels and not args.do_train:
+        check_problem_type(args.model_name_or_path, args.multi_label)
     if checkpoint_labels and not args.do_train and labels != checkpoint_labels:
         raise UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} "
                         f"(trained with {checkpoint_labels})")
@@ -403,8 +405,9 @@ def main(args):
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
     tokenizer, model = build_model(args, labels)
-    compat = {"labels": labels, "model": {k: getattr(model.config, k, None) for k in
-                                          ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
+    compat = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
+              "model": {k: getattr(model.config, k, None) for k in
+                        ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
     model = maybe_data_parallel(model, args)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)

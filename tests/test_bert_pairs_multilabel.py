@@ -119,3 +119,37 @@ def test_export_scores_every_label_like_predictions_jsonl(runs, pair_data):
     for row in rows[:3]:
         scores = classifier({"text": row["text"], "text_pair": row["text_pair"]})
         assert {s["label"]: pytest.approx(s["score"], abs=1e-5) for s in scores} == row["probabilities"]
+
+
+def script_args(data, *extra):
+    import train_bert_cls
+
+    return train_bert_cls.parse_args(["--model_name_or_path", str(data / "model"), "--from_scratch", "--do_train",
+                                      "--train_file", str(data / "train.jsonl"), *map(str, extra)])
+
+
+def test_bad_flags_found_before_training(pair_data):
+    """Checked when the files are read (before anything is written), in-process: no launch needed."""
+    import train_bert_cls
+    from utils.errors import UserError
+
+    columns = ["--text_column", "sentence1", "--text_pair_column", "sentence2", "--label_column", "tags"]
+    with pytest.raises(UserError, match=r"train.jsonl:1: not valid UTF-8 .*--encoding gb18030"):
+        train_bert_cls.load_splits(script_args(pair_data, *columns), None)
+    with pytest.raises(UserError, match=r"train.jsonl:1: no field 'sentence' \(--text_pair_column\)"):
+        train_bert_cls.load_splits(script_args(pair_data, "--encoding", ENCODING, "--text_column", "sentence1",
+                                               "--text_pair_column", "sentence", "--label_column", "tags"), None)
+    labels, examples = train_bert_cls.load_splits(
+        script_args(pair_data, *columns, "--encoding", ENCODING, "--multi_label", "--label_separator", "|"), None)
+    assert labels == LABELS and all(isinstance(e.label, tuple) and e.text_pair for e in examples["train"])
+    with pytest.raises(SystemExit):
+        script_args(pair_data, "--multi_label", "--label_smoothing", "0.1")
+
+
+def test_trained_model_is_used_in_the_mode_it_was_trained_in(runs):
+    from utils.errors import UserError
+    from utils.label_modes import check_problem_type
+
+    check_problem_type(runs[1] / "best_model", multi_label=True)
+    with pytest.raises(UserError, match="trained for multi_label_classification; pass --multi_label"):
+        check_problem_type(runs[1] / "best_model", multi_label=False)

@@ -57,3 +57,18 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
         row["probabilities"] = dict(zip(labels, probs))
         rows.append(row)
     return rows
+
+
+def check_problem_type(model_name_or_path, multi_label):
+    """A trained model evaluated or used for prediction in the mode it was trained in (config.json problem_type)."""
+    import json
+    from pathlib import Path
+
+    from .errors import UserError
+
+    config_file = Path(model_name_or_path) / "config.json"
+    saved = json.loads(config_file.read_text(encoding="utf-8")).get("problem_type") if config_file.is_file() else None
+    wanted = "multi_label_classification" if multi_label else "single_label_classification"
+    if saved in ("multi_label_classification", "single_label_classification") and saved != wanted:
+        flag = "drop --multi_label" if not saved.startswith("multi") else "pass --multi_label"
+        raise UserError(f"{config_file}: the model was trained for {saved}; {flag}")
