@@ -1,9 +1,13 @@
 """Single-label (softmax, cross-entropy) and multi-label (sigmoid, binary cross-entropy) classification:
 the loss, the evaluation metrics and the prediction rows, chosen in one place by `multi_label`."""
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .errors import UserError
 from .metrics import classification_metrics
 
 
@@ -61,11 +65,6 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
 
 def check_problem_type(model_name_or_path, multi_label):
     """A trained model evaluated or used for prediction in the mode it was trained in (config.json problem_type)."""
-    import json
-    from pathlib import Path
-
-    from .errors import UserError
-
     config_file = Path(model_name_or_path) / "config.json"
     saved = json.loads(config_file.read_text(encoding="utf-8")).get("problem_type") if config_file.is_file() else None
     wanted = "multi_label_classification" if multi_label else "single_label_classification"
