@@ -18,26 +18,27 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import set_seed
-from datasets import Dataset
 from safetensors.torch import load_model
 from torch.utils.data import DataLoader
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                          get_linear_schedule_with_warmup)
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
 from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_atomically, resolve_resume,
                               restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
+from utils.label_modes import check_problem_type, evaluation_metrics, prediction_rows, training_loss
 from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
-from utils.metrics import classification_metrics, save_confusion_matrix
+from utils.metrics import save_confusion_matrix
 from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, format_step_line, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
-from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_texts,
-                             write_labels_file)
+from utils.sampling import LengthGroupedSampler
+from utils.text_batching import (add_padding_args, build_collator, label_targets, resolve_padding, token_lengths,
+                                  tokenize, tokenize_examples)  # noqa: F401 (benchmarks import tokenize from here)
+from utils.text_data import (add_text_format_args, build_label_list, check_known_labels, find_split_file,
+                             read_examples, read_unlabelled, text_format, write_labels_file)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -52,6 +53,10 @@ def parse_args(argv=None):
     data.add_argument("--predict_file", type=Path, help="one text per line, or .jsonl/.csv with a 'text' field")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
     data.add_argument("--max_seq_len", type=int, default=512, help="tokens; longer texts are truncated")
+    add_text_format_args(data)
+    add_padding_args(data)
+    data.add_argument("--group_by_length", action="store_true",
+                      help="training batches of similar-length texts (less padding; see utils/sampling.py)")
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", required=True, help="hub id or local directory")
     model.add_argument("--from_scratch", action="store_true",
@@ -97,6 +102,10 @@ def parse_args(argv=None):
         parser.error("--do_predict needs --predict_file")
     if not 0.0 <= args.label_smoothing < 1.0:
         parser.error(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
+    if args.multi_label and args.label_smoothing:
+        parser.error("--label_smoothing applies to single-label cross-entropy, not to --multi_label")
+    if not 0.0 < args.threshold < 1.0:
+        parser.error(f"--threshold {args.threshold}: must be in (0, 1)")
     for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
         if getattr(args, flag) is None and args.data_dir is not None:
             setattr(args, flag, find_split_file(args.data_dir, split))
@@ -113,13 +122,16 @@ def load_splits(args, checkpoint_labels):
                             f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)")
     if args.do_train and files["validation"] is not None:
         needed["validation"] = True  # model selection uses the validation set, never the test set
-    examples = {split: read_examples(files[split]) for split, need in needed.items() if need}
+    fmt = text_format(args)
+    examples = {split: read_examples(files[split], fmt=fmt) for split, need in needed.items() if need}
     if "train" in examples:
-        labels = build_label_list(examples["train"], args.labels_file)
+        labels = build_label_list(examples["train"], args.labels_file, args.encoding)
     elif args.labels_file:
-        labels = build_label_list([], args.labels_file)
+        labels = build_label_list([], args.labels_file, args.encoding)
     else:
         labels = checkpoint_labels
+    if checkpoint_labels and not args.do_train:
+        check_problem_type(args.model_name_or_path, args.multi_label)
     if checkpoint_labels and not args.do_train and labels != checkpoint_labels:
         raise UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} "
                         f"(trained with {checkpoint_labels})")
@@ -149,7 +161,8 @@ def build_model(args, labels):
         raise UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); "
                         "pass --from_scratch to train a randomly initialised model from its config.json")
     label_kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                        label2id={label: i for i, label in enumerate(labels)})
+                        label2id={label: i for i, label in enumerate(labels)},
+                        problem_type=f"{'multi' if args.multi_label else 'single'}_label_classification")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
@@ -173,36 +186,32 @@ def build_model(args, labels):
     return tokenizer, model
 
 
-def tokenize(tokenizer, texts, labels, max_seq_len):
-    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator."""
-    columns = {"text": texts} if labels is None else {"text": texts, "labels": labels}
-    dataset = Dataset.from_dict(columns)
-    return dataset.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_seq_len),
-                       batched=True, batch_size=1000, remove_columns=["text"])
-
-
 def unk_rate(tokenizer, dataset):
     ids = [i for row in dataset["input_ids"] for i in row if i not in tokenizer.all_special_ids]
     unknown = sum(1 for i in ids if i == tokenizer.unk_token_id)
     return unknown / max(1, len(ids))
 
 
-def build_dataloaders(args, tokenizer, labels, examples, texts_to_predict):
-    """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch."""
-    label2id = {label: i for i, label in enumerate(labels)}
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)  # multiples of 8 suit tensor cores
+def build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding=None):
+    """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch; padding: `resolve_padding`'s,
+    by default the CPU's (to the longest text of each batch)."""
+    collator = build_collator(tokenizer, args.max_seq_len, **(padding or {}))
     loaders, stats = {}, {}
     for split, split_examples in examples.items():
-        dataset = tokenize(tokenizer, [e.text for e in split_examples], [label2id[e.label] for e in split_examples],
-                           args.max_seq_len)
+        dataset = tokenize_examples(tokenizer, split_examples,
+                                    label_targets(split_examples, labels, args.multi_label), args.max_seq_len)
         if split == "train":
             stats["train_unk_rate"] = unk_rate(tokenizer, dataset)
         training = split == "train"
-        loaders[split] = DataLoader(dataset, shuffle=training, collate_fn=collator, num_workers=args.num_workers,
+        # a sampler whose order depends on (seed, epoch) only, like the seedable random sampler it replaces
+        sampler = (LengthGroupedSampler(token_lengths(dataset), args.train_batch_size, args.seed)
+                   if training and args.group_by_length else None)
+        loaders[split] = DataLoader(dataset, shuffle=training and sampler is None, sampler=sampler,
+                                    collate_fn=collator, num_workers=args.num_workers,
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
-    if texts_to_predict is not None:
-        dataset = tokenize(tokenizer, texts_to_predict, None, args.max_seq_len)
+    if predict_examples is not None:
+        dataset = tokenize_examples(tokenizer, predict_examples, None, args.max_seq_len)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator)
     return loaders, stats
 
@@ -232,12 +241,10 @@ def predict_logits(accelerator, model, dataloader, desc):
     return torch.cat(all_logits), labels
 
 
-def evaluate(accelerator, model, dataloader, labels, desc):
-    """Accuracy, micro/macro F1, mean loss per sample, report and confusion matrix."""
+def evaluate(accelerator, model, dataloader, labels, desc, args):
+    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc)
-    metrics = classification_metrics(targets.numpy(), logits.argmax(-1).numpy(), labels)
-    metrics["loss"] = F.cross_entropy(logits, targets).item()  # mean over samples
-    return metrics
+    return evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold)
 
 
 def save_best_model(accelerator, model, tokenizer, best_dir):
@@ -306,8 +313,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         for batch in batches:
             with accelerator.accumulate(model):
                 logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-                # mean over this process's share of the batch
-                loss = F.cross_entropy(logits.float(), batch["labels"], label_smoothing=args.label_smoothing)
+                loss = training_loss(logits, batch["labels"], args.multi_label, args.label_smoothing)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -337,7 +343,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
             eval_now = (completed_steps % args.eval_steps == 0) if args.eval_steps else at_end
             if eval_loader is not None and (eval_now or completed_steps >= max_train_steps):
                 stop_if_diverged()
-                metrics = evaluate(accelerator, model, eval_loader, labels, "validation")
+                metrics = evaluate(accelerator, model, eval_loader, labels, "validation", args)
                 log.log("eval", completed_steps, {**{k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
                                                                              "micro_f1", "samples")},
                                                   "train_seconds": time.perf_counter() - start_time})
@@ -370,25 +376,20 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
 def report(accelerator, log, prefix, metrics, labels, output_dir):
     """Flat `{prefix}_*` results, plus the per-class report and the confusion matrix as files."""
     log.write_json(f"{prefix}_report.json", metrics["report"])
-    accelerator.on_main_process(save_confusion_matrix)(
-        metrics["confusion_matrix"], labels, output_dir / f"{prefix}_confusion_matrix.csv",
-        output_dir / f"{prefix}_confusion_matrix.png", title=f"{prefix} confusion matrix")
+    if metrics["confusion_matrix"] is not None:  # None for multi-label
+        accelerator.on_main_process(save_confusion_matrix)(
+            metrics["confusion_matrix"], labels, output_dir / f"{prefix}_confusion_matrix.csv",
+            output_dir / f"{prefix}_confusion_matrix.png", title=f"{prefix} confusion matrix")
     accelerator.print(f"{prefix}: accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
                       f"micro_f1 {metrics['micro_f1']:.4f} | loss {metrics['loss']:.4f} | "
                       f"{metrics['samples']} samples")
     return {f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")}
 
 
-def write_predictions(accelerator, log, model, loader, texts, labels, output_dir):
+def write_predictions(accelerator, log, model, loader, examples, labels, args):
     logits, _ = predict_logits(accelerator, model, loader, "predict")
-    probabilities = torch.softmax(logits, dim=-1)  # (N, C)
-    rows = []
-    for text, probs in zip(texts, probabilities.tolist()):
-        best = max(range(len(labels)), key=probs.__getitem__)
-        rows.append({"text": text, "label": labels[best], "score": probs[best],
-                     "probabilities": dict(zip(labels, probs))})
-    log.write_jsonl("predictions.jsonl", rows)
-    accelerator.print(f"wrote {len(texts)} predictions to {output_dir / 'predictions.jsonl'}")
+    log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold))
+    accelerator.print(f"wrote {len(examples)} predictions to {args.output_dir / 'predictions.jsonl'}")
 
 
 def main(args):
@@ -402,12 +403,14 @@ def main(args):
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
-    texts_to_predict = read_texts(args.predict_file) if args.do_predict else None
+    predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
     tokenizer, model = build_model(args, labels)
-    compat = {"labels": labels, "model": {k: getattr(model.config, k, None) for k in
-                                          ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
+    compat = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
+              "model": {k: getattr(model.config, k, None) for k in
+                        ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
     model = maybe_data_parallel(model, args)
-    loaders, stats = build_dataloaders(args, tokenizer, labels, examples, texts_to_predict)
+    padding = resolve_padding(args, accelerator)
+    loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
     if "train_unk_rate" in stats:
         accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
                           f"{stats['train_unk_rate']:.2%}")
@@ -416,7 +419,7 @@ def main(args):
                             "training text to [UNK]; its vocab.txt does not fit this text")
 
     log = RunLog(accelerator, args.output_dir)
-    results = {**run_info(accelerator, args.train_batch_size), **stats}
+    results = {**run_info(accelerator, args.train_batch_size), **padding, **stats}
     if args.do_train:
         if args.overwrite_output_dir and not resuming:
             accelerator.on_main_process(clear_previous_run)(args.output_dir)
@@ -439,13 +442,13 @@ def main(args):
         model = accelerator.prepare(model)
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if getattr(args, f"do_{prefix}") and split in loaders:
-            metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split)
+            metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split, args)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
             log.log(f"best_model_{prefix}", results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
                                                                                     "micro_f1", "samples")})
     if args.do_predict:
-        write_predictions(accelerator, log, model, accelerator.prepare(loaders["predict"]), texts_to_predict, labels,
-                          args.output_dir)
+        write_predictions(accelerator, log, model, accelerator.prepare(loaders["predict"]), predict_examples, labels,
+                          args)
     log.write_json("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from utils.errors import UserError
-from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_labels_file,
-                             read_texts)
+from utils.text_data import (TextFormat, build_label_list, check_known_labels, find_split_file, read_examples,
+                             read_labels_file, read_texts, read_unlabelled)
 
 
 def write(path, text, encoding="utf-8"):
@@ -54,7 +54,7 @@ def test_bad_json_and_csv(tmp_path):
         read_examples(write(tmp_path / "a.jsonl", '{"label": "x", "text": "y"}\n{oops\n'))
     with pytest.raises(UserError, match=r"b.csv:1: header lacks column\(s\) label"):
         read_examples(write(tmp_path / "b.csv", "text\nhello\n"))
-    with pytest.raises(UserError, match=r"c.jsonl:1: empty text"):
+    with pytest.raises(UserError, match=r"c.jsonl:1: no field 'text' \(--text_column\)"):
         read_examples(write(tmp_path / "c.jsonl", '{"label": "x"}\n'))
     with pytest.raises(UserError, match="unsupported file type '.xml'"):
         read_examples(write(tmp_path / "d.xml", "<x/>"))
@@ -94,3 +94,54 @@ def test_find_split_files_accepts_cnews_names(tmp_path):
 def test_predict_texts_one_per_line_or_jsonl(tmp_path):
     assert read_texts(write(tmp_path / "p.txt", "第一条\n\n第二条\n")) == ["第一条", "第二条"]
     assert read_texts(write(tmp_path / "p.jsonl", '{"text": "甲"}\n{"text": "乙", "id": 3}\n')) == ["甲", "乙"]
+
+
+PAIRS = TextFormat(text_column="sentence1", text_pair_column="sentence2", label_column="tags")
+
+
+def test_named_columns_and_sentence_pairs_in_csv_and_json(tmp_path):
+    csv_path = write(tmp_path / "p.csv", "sentence1,sentence2,tags\n今天下雨,明天下雨,0\n股市,楼市,1\n")
+    jsonl = write(tmp_path / "p.jsonl", '{"sentence1": "甲", "sentence2": "乙", "tags": 1, "id": 7}\n')
+    assert [(e.text, e.text_pair, e.label) for e in read_examples(csv_path, fmt=PAIRS)] == [
+        ("今天下雨", "明天下雨", "0"), ("股市", "楼市", "1")]
+    assert [(e.text, e.text_pair, e.label) for e in read_examples(jsonl, fmt=PAIRS)] == [("甲", "乙", "1")]
+    assert [(e.text, e.text_pair) for e in read_unlabelled(csv_path, PAIRS)] == [("今天下雨", "明天下雨"), ("股市", "楼市")]
+
+
+def test_missing_columns_name_file_line_and_flag(tmp_path):
+    with pytest.raises(UserError, match=r"p.csv:1: header lacks column\(s\) sentence2 \(--text_pair_column\)"):
+        read_examples(write(tmp_path / "p.csv", "sentence1,tags\n甲,1\n"), fmt=PAIRS)
+    with pytest.raises(UserError, match=r"p.jsonl:2: no field 'tags' \(--label_column\)"):
+        read_examples(write(tmp_path / "p.jsonl", '{"sentence1": "甲", "sentence2": "乙", "tags": 1}\n'
+                                                  '{"sentence1": "甲", "sentence2": "乙"}\n'), fmt=PAIRS)
+    with pytest.raises(UserError, match=r"q.csv:3: no field 'sentence2'"):  # a short row
+        read_examples(write(tmp_path / "q.csv", "sentence1,tags,sentence2\n甲,1,乙\n甲,1\n"), fmt=PAIRS)
+    with pytest.raises(UserError, match=r"p.txt: sentence pairs need a .csv or .json\(l\) file"):
+        read_examples(write(tmp_path / "p.txt", "1\t甲\n"), fmt=PAIRS)
+
+
+def test_multi_label_fields_lists_and_empty_sets(tmp_path):
+    fmt = TextFormat(label_separator="|")
+    txt = write(tmp_path / "m.txt", "体育|财经\t球队上市\n财经\t股市\n | \t无关的话\n")
+    assert [e.label for e in read_examples(txt, fmt=fmt)] == [("体育", "财经"), ("财经",), ()]
+    jsonl = write(tmp_path / "m.jsonl", '{"text": "甲", "label": ["b", "a", "b"]}\n{"text": "乙", "label": "a|c"}\n')
+    examples = read_examples(jsonl, fmt=fmt)
+    assert [e.label for e in examples] == [("a", "b"), ("a", "c")]
+    assert build_label_list(examples) == ["a", "b", "c"]
+    with pytest.raises(UserError, match=r"m.jsonl:2: label 'c' is not in"):
+        check_known_labels(examples, ["a", "b"])
+
+
+def test_encodings_gb18030_and_big5_and_a_gbk_file_read_as_utf8(tmp_path):
+    gbk = write(tmp_path / "gbk.txt", "体育\t球队赢了\n财经\t股市上涨\n", encoding="gb18030")
+    big5 = write(tmp_path / "big5.csv", "text,label\n球隊贏了,體育\n", encoding="big5")
+    assert [e.text for e in read_examples(gbk, fmt=TextFormat(encoding="gb18030"))] == ["球队赢了", "股市上涨"]
+    assert [e.label for e in read_examples(big5, fmt=TextFormat(encoding="big5"))] == ["體育"]
+    with pytest.raises(UserError) as err:
+        read_examples(gbk)
+    message = str(err.value)
+    assert message.startswith(f"{gbk}:1: not valid UTF-8") and "--encoding gb18030" in message and "\n" not in message
+    with pytest.raises(UserError, match="--encoding latin-9x: unknown encoding"):
+        read_examples(gbk, fmt=TextFormat(encoding="latin-9x"))
+    with pytest.raises(UserError, match="--encoding utf-16: not supported"):
+        read_examples(gbk, fmt=TextFormat(encoding="utf-16"))

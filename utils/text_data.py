@@ -2,7 +2,10 @@
 
 Every problem is a UserError that names the file and the line, so a bad line in a 50k-line file
 is found in seconds instead of surfacing as a shape error three layers down.
+CSV and JSON files may name their columns (`TextFormat`): one text or a sentence pair (LCQMC, AFQMC, OCNLI),
+one label or several (multi-label, separated by `label_separator`), in any ASCII-compatible encoding.
 """
+import codecs
 import csv
 import json
 from dataclasses import dataclass
@@ -23,8 +26,53 @@ SPLIT_NAMES = {  # file names looked for in --data_dir, first match wins
 @dataclass
 class Example:
     text: str
-    label: str | None  # None for unlabelled prediction inputs
+    label: str | tuple[str, ...] | None  # a tuple of labels when multi-label; None for unlabelled prediction inputs
     where: str  # "path:line", for error messages
+    text_pair: str | None = None  # the second sentence of a pair
+
+
+@dataclass(frozen=True)
+class TextFormat:
+    """How the user's files are laid out (the --text_column/--text_pair_column/--label_column/... flags)."""
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    label_separator: str | None = None  # set: multi-label, the label field holds several labels
+    encoding: str = "utf-8"
+
+    @property
+    def multi_label(self):
+        return self.label_separator is not None
+
+
+DEFAULT_FORMAT = TextFormat()
+
+
+def add_text_format_args(group):
+    """The flags of `TextFormat` (transformers' run_classification names where it has them)."""
+    group.add_argument("--text_column", default="text", help="csv/json field of the text")
+    group.add_argument("--text_pair_column", default=None,
+                       help="csv/json field of the second sentence: a sentence-pair task (LCQMC, AFQMC, OCNLI)")
+    group.add_argument("--label_column", default="label", help="csv/json field of the label(s)")
+    group.add_argument("--multi_label", action="store_true",
+                       help="several labels per text (sigmoid + binary cross-entropy)")
+    group.add_argument("--label_separator", default=",", help="with --multi_label: between labels in a label field")
+    group.add_argument("--threshold", type=float, default=0.5,
+                       help="with --multi_label: probability from which a label is predicted")
+    group.add_argument("--encoding", default="utf-8", help="of every input file, e.g. gb18030 (GBK), big5")
+
+
+def text_format(args):
+    check_encoding(args.encoding)
+    if args.multi_label and not args.label_separator:
+        raise UserError("--label_separator: must not be empty")
+    return TextFormat(args.text_column, args.text_pair_column, args.label_column,
+                      args.label_separator if args.multi_label else None, args.encoding)
+
+
+def label_set(example):
+    """The labels of an example as a tuple (one for single-label)."""
+    return example.label if isinstance(example.label, tuple) else (example.label,)
 
 
 def find_split_file(data_dir, split):
@@ -36,17 +84,34 @@ def find_split_file(data_dir, split):
     return None
 
 
-def _decoded_lines(path):
+def check_encoding(encoding):
+    """A known codec in which a newline is the byte 0x0A (lines are split before decoding, to name the bad line)."""
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        raise UserError(f"--encoding {encoding}: unknown encoding (e.g. utf-8, gb18030, big5)") from None
+    if "\n".encode(name) != b"\n":
+        raise UserError(f"--encoding {encoding}: not supported (lines must end in a 0x0A byte; convert the file "
+                        "to utf-8 or gb18030)")
+    return name
+
+
+def _decoded_lines(path, encoding="utf-8"):
     """Yield (line_number, line) with the trailing newline removed; undecodable bytes name their line."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: file not found")
+    codec = check_encoding(encoding)
+    utf8 = codec == "utf-8"
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                line = raw.decode("utf-8-sig" if utf8 and number == 1 else codec)
             except UnicodeDecodeError as err:
-                raise UserError(f"{path}:{number}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+                hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
+                        "; pass the file's real --encoding")
+                raise UserError(f"{path}:{number}: not valid {'UTF-8' if utf8 else encoding} "
+                                f"({err.reason} at byte {err.start}){hint}") from None
             yield number, line.rstrip("\r\n")
 
 
@@ -56,38 +121,66 @@ def _check_text(text, where):
     return text.strip()
 
 
-def _check_label(label, where):
+def _check_label(label, where, fmt=DEFAULT_FORMAT):
+    """One label, or with multi-label a sorted tuple of labels (a JSON list, or a field split on the separator).
+
+    An empty multi-label field is an example with none of the labels, as in most multi-label corpora."""
+    if fmt.multi_label:
+        if label is None:
+            raise UserError(f"{where}: no label field")
+        parts = label if isinstance(label, list) else str(label).split(fmt.label_separator)
+        return tuple(sorted({str(part).strip() for part in parts if str(part).strip()}))
     if label is None or not str(label).strip():
         raise UserError(f"{where}: empty label")
     return str(label).strip()
 
 
-def _read_tab_separated(path):
-    for number, line in _decoded_lines(path):
+def _read_tab_separated(path, fmt=DEFAULT_FORMAT):
+    if fmt.text_pair_column:
+        raise UserError(f"{path}: sentence pairs need a .csv or .json(l) file with named columns; "
+                        ".txt/.tsv files are 'label<TAB>text'")
+    for number, line in _decoded_lines(path, fmt.encoding):
         if not line.strip():
             continue  # blank lines (often a trailing one) carry nothing
         where = f"{path}:{number}"
         if "\t" not in line:
             raise UserError(f"{where}: expected 'label<TAB>text', found no TAB")
         label, text = line.split("\t", 1)
-        yield Example(_check_text(text, where), _check_label(label, where), where)
+        yield Example(_check_text(text, where), _check_label(label, where, fmt), where)
 
 
-def _read_csv(path, labelled):
-    lines = (line for _, line in _decoded_lines(path))
+def _columns(fmt, labelled):
+    """(field, flag) pairs a row must have."""
+    columns = [(fmt.text_column, "--text_column")]
+    if fmt.text_pair_column:
+        columns.append((fmt.text_pair_column, "--text_pair_column"))
+    if labelled:
+        columns.append((fmt.label_column, "--label_column"))
+    return columns
+
+
+def _example(row, where, fmt, labelled):
+    for column, flag in _columns(fmt, labelled):
+        if column not in row:
+            raise UserError(f"{where}: no field '{column}' ({flag})")
+    label = _check_label(row[fmt.label_column], where, fmt) if labelled else None
+    pair = _check_text(row[fmt.text_pair_column], where) if fmt.text_pair_column else None
+    return Example(_check_text(row[fmt.text_column], where), label, where, pair)
+
+
+def _read_csv(path, labelled, fmt=DEFAULT_FORMAT):
+    lines = (line for _, line in _decoded_lines(path, fmt.encoding))
     reader = csv.DictReader(lines)
-    needed = {"text", "label"} if labelled else {"text"}
-    missing = needed - set(reader.fieldnames or [])
+    missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled)
+               if column not in (reader.fieldnames or [])]
     if missing:
-        raise UserError(f"{path}:1: header lacks column(s) {', '.join(sorted(missing))}")
+        raise UserError(f"{path}:1: header lacks column(s) {', '.join(missing)}")
     for row in reader:
-        where = f"{path}:{reader.line_num}"
-        label = _check_label(row.get("label"), where) if labelled else None
-        yield Example(_check_text(row.get("text"), where), label, where)
+        yield _example({k: v for k, v in row.items() if v is not None}, f"{path}:{reader.line_num}", fmt, labelled)
 
 
-def _read_json(path, labelled):
-    numbered = list(_decoded_lines(path))
+def _read_json(path, labelled, fmt=DEFAULT_FORMAT):
+    numbered = list(_decoded_lines(path, fmt.encoding))
     first = next((line for _, line in numbered if line.strip()), "")
     if first.lstrip().startswith("["):  # one JSON array
         try:
@@ -106,21 +199,21 @@ def _read_json(path, labelled):
                 raise UserError(f"{path}:{number}: invalid JSON ({err.msg})") from None
     for where, row in records:
         if not isinstance(row, dict):
-            raise UserError(f"{where}: expected an object with 'text'" + (" and 'label'" if labelled else ""))
-        label = _check_label(row.get("label"), where) if labelled else None
-        yield Example(_check_text(row.get("text"), where), label, where)
+            fields = " and ".join(f"'{column}'" for column, _ in _columns(fmt, labelled))
+            raise UserError(f"{where}: expected an object with {fields}")
+        yield _example(row, where, fmt, labelled)
 
 
-def read_examples(path, labelled=True):
-    """All examples of a labelled file (.txt/.tsv label TAB text, .csv or .json/.jsonl with label,text)."""
+def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT):
+    """All examples of a labelled file (.txt/.tsv label TAB text, .csv or .json/.jsonl with the `fmt` columns)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
-        examples = list(_read_tab_separated(path))
+        examples = list(_read_tab_separated(path, fmt))
     elif suffix in CSV_SUFFIXES:
-        examples = list(_read_csv(path, labelled))
+        examples = list(_read_csv(path, labelled, fmt))
     elif suffix in JSON_SUFFIXES:
-        examples = list(_read_json(path, labelled))
+        examples = list(_read_json(path, labelled, fmt))
     else:
         raise UserError(f"{path}: unsupported file type '{suffix}' (use .txt/.tsv, .csv, .json or .jsonl)")
     if not examples:
@@ -128,25 +221,31 @@ def read_examples(path, labelled=True):
     return examples
 
 
-def read_texts(path):
-    """Unlabelled texts to predict: one text per line, or JSON lines/CSV with a 'text' field."""
+def read_unlabelled(path, fmt=DEFAULT_FORMAT):
+    """Examples to predict: one text per line, or JSON lines/CSV with the `fmt` text (and pair) columns."""
     path = Path(path)
     if path.suffix.lower() in CSV_SUFFIXES | JSON_SUFFIXES:
-        examples = read_examples(path, labelled=False)
-    else:
-        examples = [
-            Example(_check_text(line, f"{path}:{number}"), None, f"{path}:{number}")
-            for number, line in _decoded_lines(path)
-            if line.strip()
-        ]
-        if not examples:
-            raise UserError(f"{path}: no texts (the file is empty)")
-    return [example.text for example in examples]
+        return read_examples(path, labelled=False, fmt=fmt)
+    if fmt.text_pair_column:
+        raise UserError(f"{path}: sentence pairs to predict need a .csv or .json(l) file with named columns")
+    examples = [
+        Example(_check_text(line, f"{path}:{number}"), None, f"{path}:{number}")
+        for number, line in _decoded_lines(path, fmt.encoding)
+        if line.strip()
+    ]
+    if not examples:
+        raise UserError(f"{path}: no texts (the file is empty)")
+    return examples
 
 
-def read_labels_file(path):
+def read_texts(path, fmt=DEFAULT_FORMAT):
+    """The texts of `read_unlabelled`."""
+    return [example.text for example in read_unlabelled(path, fmt)]
+
+
+def read_labels_file(path, encoding="utf-8"):
     """Label names, one per line, in the order that defines their ids."""
-    labels = [line.strip() for _, line in _decoded_lines(path) if line.strip()]
+    labels = [line.strip() for _, line in _decoded_lines(path, encoding) if line.strip()]
     if not labels:
         raise UserError(f"{path}: no labels (the file is empty)")
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
@@ -155,24 +254,25 @@ def read_labels_file(path):
     return labels
 
 
-def build_label_list(train_examples, labels_file=None):
+def build_label_list(train_examples, labels_file=None, encoding="utf-8"):
     """Deterministic label order: the labels file if given, else the sorted labels of the train file.
 
     (The reference built it from a Python set, so ids changed between runs.)
     """
     if labels_file:
-        labels = read_labels_file(labels_file)
+        labels = read_labels_file(labels_file, encoding)
         check_known_labels(train_examples, labels, source=str(labels_file))
         return labels
-    return sorted({example.label for example in train_examples})
+    return sorted({label for example in train_examples for label in label_set(example)})
 
 
 def check_known_labels(examples, labels, source="the train file"):
     """Every label must be one the model can predict; name the first line that is not."""
     known = set(labels)
     for example in examples:
-        if example.label not in known:
-            raise UserError(f"{example.where}: label '{example.label}' is not in {source}")
+        for label in label_set(example):
+            if label not in known:
+                raise UserError(f"{example.where}: label '{label}' is not in {source}")
 
 
 def write_labels_file(labels, path):
