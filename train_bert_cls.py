@@ -30,6 +30,7 @@ from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_
                               restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.legacy import load_legacy_bert
+from utils.loaders import loader_settings
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import classification_metrics, save_confusion_matrix
 from utils.preemption import PreemptionGuard
@@ -38,6 +39,7 @@ from utils.runtime import (add_runtime_args, build_accelerator, check_global_bat
                            maybe_data_parallel, print_run_summary, run_info)
 from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_texts,
                              write_labels_file)
+from utils.tokenizer_checks import check_unk_rate
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -181,12 +183,6 @@ def tokenize(tokenizer, texts, labels, max_seq_len):
                        batched=True, batch_size=1000, remove_columns=["text"])
 
 
-def unk_rate(tokenizer, dataset):
-    ids = [i for row in dataset["input_ids"] for i in row if i not in tokenizer.all_special_ids]
-    unknown = sum(1 for i in ids if i == tokenizer.unk_token_id)
-    return unknown / max(1, len(ids))
-
-
 def build_dataloaders(args, tokenizer, labels, examples, texts_to_predict):
     """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch."""
     label2id = {label: i for i, label in enumerate(labels)}
@@ -195,15 +191,15 @@ def build_dataloaders(args, tokenizer, labels, examples, texts_to_predict):
     for split, split_examples in examples.items():
         dataset = tokenize(tokenizer, [e.text for e in split_examples], [label2id[e.label] for e in split_examples],
                            args.max_seq_len)
-        if split == "train":
-            stats["train_unk_rate"] = unk_rate(tokenizer, dataset)
         training = split == "train"
-        loaders[split] = DataLoader(dataset, shuffle=training, collate_fn=collator, num_workers=args.num_workers,
+        loaders[split] = DataLoader(dataset, shuffle=training, collate_fn=collator,
+                                    **loader_settings(args.num_workers),
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
     if texts_to_predict is not None:
         dataset = tokenize(tokenizer, texts_to_predict, None, args.max_seq_len)
-        loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator)
+        loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
+                                        **loader_settings(args.num_workers))
     return loaders, stats
 
 
@@ -408,12 +404,11 @@ def main(args):
                                           ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
     model = maybe_data_parallel(model, args)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, texts_to_predict)
-    if "train_unk_rate" in stats:
+    if "train" in loaders:
+        stats["train_unk_rate"] = check_unk_rate(accelerator, tokenizer, loaders["train"].dataset,
+                                                 args.model_name_or_path)
         accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
                           f"{stats['train_unk_rate']:.2%}")
-        if stats["train_unk_rate"] > 0.5:
-            raise UserError(f"{args.model_name_or_path}: the tokenizer maps {stats['train_unk_rate']:.0%} of the "
-                            "training text to [UNK]; its vocab.txt does not fit this text")
 
     log = RunLog(accelerator, args.output_dir)
     results = {**run_info(accelerator, args.train_batch_size), **stats}

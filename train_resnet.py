@@ -36,6 +36,7 @@ from utils.checkpoint import (check_compatible, check_output_dir, clear_previous
 from utils.errors import UserError, run_cli
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
 from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
+from utils.loaders import loader_settings
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import topk_correct
 from utils.plots import plot_training_curves
@@ -113,7 +114,7 @@ def build_dataloaders(accelerator, args):
         train_set, val_set = build_dummy_datasets(args.dummy, args.image_size)
     else:
         train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed, args.crop_scale)
-    common = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=accelerator.device.type == "cuda")
+    common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, generator=loader_generator(args.seed),
                               **common)
