@@ -39,6 +39,7 @@ from utils.runtime import (add_runtime_args, build_accelerator, check_global_bat
                            maybe_data_parallel, print_run_summary, run_info)
 from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_texts,
                              write_labels_file)
+from utils.timing import ThroughputWindow
 from utils.tokenizer_checks import check_unk_rate
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -280,8 +281,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     best_dir = args.output_dir / "best_model"
     completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
     bar = progress(accelerator, total=max_train_steps, initial=completed_steps)
-    start_time = window_start = time.perf_counter()
-    window_steps = 0
+    start_time = time.perf_counter()
+    window = ThroughputWindow()  # samples/s of training alone: evaluation and epoch starts are timed apart
 
     def snapshot(epoch, batches_in_epoch):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
@@ -299,7 +300,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         batches_in_epoch = skip
-        for batch in batches:
+        for batch in window.epoch(batches):
             with accelerator.accumulate(model):
                 logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
                 # mean over this process's share of the batch
@@ -316,38 +317,37 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
-            window_steps += 1
+            window.step(args.gradient_accumulation_steps * args.train_batch_size)
             bar.update(1)
             at_end = completed_steps >= max_train_steps or batches_in_epoch == len(train_loader)
             if completed_steps % args.logging_steps == 0 or at_end:
                 stop_if_diverged()
-                elapsed = time.perf_counter() - window_start
-                values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0],
-                          "ms_per_step": 1000 * elapsed / window_steps,
-                          "samples_per_second": window_steps * args.gradient_accumulation_steps
-                          * args.train_batch_size / elapsed}
+                values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0], **window.read()}
                 log.console(format_step_line(epoch + 1, completed_steps, max_train_steps, values))
                 log.log("train", completed_steps, {"epoch": epoch + 1, **values})
-                window_start, window_steps = time.perf_counter(), 0
             # Evaluate every --eval_steps, else at each epoch's end; always after the last step.
             eval_now = (completed_steps % args.eval_steps == 0) if args.eval_steps else at_end
             if eval_loader is not None and (eval_now or completed_steps >= max_train_steps):
                 stop_if_diverged()
-                metrics = evaluate(accelerator, model, eval_loader, labels, "validation")
+                with window.pause("eval") as evaluation:
+                    metrics = evaluate(accelerator, model, eval_loader, labels, "validation")
                 log.log("eval", completed_steps, {**{k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
                                                                              "micro_f1", "samples")},
+                                                  "eval_seconds": evaluation.seconds,
                                                   "train_seconds": time.perf_counter() - start_time})
                 log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | "
                             f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f}")
                 if metrics["macro_f1"] > state["best_macro_f1"]:
                     state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
-                    save_best_model(accelerator, model, tokenizer, best_dir)
+                    with window.pause("save"):
+                        save_best_model(accelerator, model, tokenizer, best_dir)
             ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else at_end
             preempted = guard.should_stop()
             if ckpt_now or preempted:
                 stop_if_diverged(check_weights=True)
-                path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, snapshot(epoch, batches_in_epoch),
-                                       args.save_total_limit)
+                with window.pause("save"):
+                    path = save_checkpoint(accelerator, checkpoint_dir, completed_steps,
+                                           snapshot(epoch, batches_in_epoch), args.save_total_limit)
                 log.console(f"saved checkpoint {path}")
             if preempted or completed_steps >= max_train_steps:
                 break
@@ -357,7 +357,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir)
     runtime = time.perf_counter() - start_time
-    results = {"train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
+    results = {"startup_seconds": window.startup_seconds,
+               "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
                "train_steps": completed_steps, "best_step": state["best_step"],
                "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
     return model, results, preempted

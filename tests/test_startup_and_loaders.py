@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import PartialState
-from conftest import launch
+from conftest import launch, run
 from datasets import Dataset
 from PIL import Image
 from torch.utils.data import DataLoader
@@ -16,6 +16,7 @@ from utils.errors import UserError
 from utils.image_data import RGBImageFolder, build_transforms
 from utils.loaders import loader_settings
 from utils.runtime import add_runtime_args, build_accelerator, loader_generator
+from utils.timing import ThroughputWindow, seconds_since_process_start
 from utils.tokenizer_checks import check_unk_rate, unk_rate
 
 
@@ -120,3 +121,48 @@ def test_persistent_workers_see_each_epoch_and_resume_exactly(pictures, tmp_path
         assert torch.equal(ours, reference)  # the epoch reached the workers started in epoch 1
     resumed = epochs_of_crops(accelerator, pictures, num_workers=2, skip=1)  # mid-epoch resume of epoch 2
     assert torch.equal(resumed[1], in_process[1][2:])
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_window_keeps_evaluation_and_epoch_start_out_of_the_speed():
+    clock = FakeClock()
+    window = ThroughputWindow(clock=clock, process_clock=lambda: 12.5)
+    batches = iter([1, 2, 3, 4])
+
+    class SlowStart:  # a loader whose workers take 3 s to deliver the first batch
+        def __iter__(self):
+            clock.now += 3.0
+            return batches
+
+    seen = []
+    for batch in window.epoch(SlowStart()):
+        clock.now += 0.5  # the step
+        window.step(samples=64)
+        seen.append(batch)
+        if batch == 2:
+            with window.pause("eval") as evaluation:
+                clock.now += 10.0
+            assert evaluation.seconds == 10.0
+    assert seen == [1, 2, 3, 4]
+    values = window.read()
+    # 4 steps of 0.5 s: 128 samples/s, 500 ms/step, as if neither the eval nor the slow start had happened
+    assert values == {"ms_per_step": 500.0, "samples_per_second": 128.0, "eval_seconds": 10.0,
+                      "epoch_start_seconds": 3.0, "startup_seconds": 12.5}
+    clock.now += 1.0
+    window.step(samples=64)
+    assert window.read() == {"ms_per_step": 1000.0, "samples_per_second": 64.0}  # a fresh window, startup once
+    assert window.startup_seconds == 12.5
+
+
+def test_startup_seconds_counts_from_the_process_start():
+    """Time spent before the module is imported (here a 1 s sleep; in a script the imports of torch) is counted."""
+    proc = run(["python", "-c", "import time; time.sleep(1.0); from utils.timing import seconds_since_process_start "
+                "as s; print(s())"])
+    assert 1.0 <= float(proc.stdout) < 30.0
