@@ -44,6 +44,7 @@ from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
+from utils.timing import seconds_since_process_start
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
@@ -258,6 +259,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)  # < 0: an unreadable image was seen
     reported_bad, skipped_total, last_metrics = set(), 0, None
     completed_steps, images_seen, preempted = state["completed_steps"], 0, False
+    startup_seconds = None  # process start to the end of this process's first step
     bar = progress(accelerator, total=total_steps, initial=completed_steps)
     start_time = window_start = tick = time.perf_counter()
     window_steps = window_batches = 0
@@ -311,6 +313,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 continue
             completed_steps += 1
             window_steps += 1
+            startup_seconds = startup_seconds or seconds_since_process_start()
             bar.update(1)
             epoch_done = batches_in_epoch == len(train_loader)
             if completed_steps % args.print_freq == 0 or epoch_done:
@@ -360,7 +363,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = evaluate(accelerator, model, val_loader, args)
     runtime = time.perf_counter() - start_time
-    results = {"train_runtime": runtime, "train_images_per_second": images_seen / runtime,
+    results = {"startup_seconds": startup_seconds,
+               "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
                "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
                "best_epoch": state["best_epoch"], "train_skipped_images": skipped_total}
     return model, last_metrics, results, preempted
