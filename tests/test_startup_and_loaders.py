@@ -1,5 +1,7 @@
 """Start-up cost and feeding the device: the [UNK]-rate check, DataLoader settings, throughput bookkeeping."""
 import argparse
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from utils.demo_data import write_small_bert
 from utils.errors import UserError
 from utils.image_data import RGBImageFolder, build_transforms
 from utils.loaders import loader_settings
+from utils.preemption import PreemptionGuard
 from utils.runtime import add_runtime_args, build_accelerator, loader_generator
 from utils.timing import ThroughputWindow, seconds_since_process_start
 from utils.tokenizer_checks import check_unk_rate, unk_rate
@@ -166,3 +169,20 @@ def test_startup_seconds_counts_from_the_process_start():
     proc = run(["python", "-c", "import time; time.sleep(1.0); from utils.timing import seconds_since_process_start "
                 "as s; print(s())"])
     assert 1.0 <= float(proc.stdout) < 30.0
+
+
+def test_one_process_checks_for_preemption_without_a_device_sync():
+    class OneProcess:
+        num_processes = 1
+
+        def check_trigger(self):  # an all-reduce and `.item()`: a host-device sync every optimizer step
+            raise AssertionError("no collective with a single process")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        guard = PreemptionGuard(OneProcess())
+        assert guard.should_stop() is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop() is True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
