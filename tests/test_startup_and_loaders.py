@@ -54,6 +54,8 @@ def test_unk_rate_matches_the_definition_on_random_ids(tokenizer):
     dataset = Dataset.from_dict({"input_ids": rows})
     assert unk_rate(tokenizer, dataset) == pytest.approx(reference_unk_rate(tokenizer, rows))
     assert unk_rate(tokenizer, Dataset.from_dict({"input_ids": [[], []]})) == 0.0
+    chosen = dataset.select(range(0, 300, 7))  # a selection counts its own rows, not the table under it
+    assert unk_rate(tokenizer, chosen) == pytest.approx(reference_unk_rate(tokenizer, rows[::7]))
 
 
 def test_check_unk_rate_returns_the_rate_and_refuses_a_vocabulary_that_does_not_fit(tokenizer):

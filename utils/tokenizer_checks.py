@@ -19,7 +19,8 @@ MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text; real cnew
 
 def unk_rate(tokenizer, dataset, column="input_ids"):
     """[UNK] tokens / all tokens that are not special tokens ([CLS], [SEP], [PAD], ...), over a tokenised dataset."""
-    ids = pc.list_flatten(dataset.data.column(column)).to_numpy(zero_copy_only=False)  # every row's ids, end to end
+    rows = dataset.with_format("arrow")[column]  # the arrow column, in the dataset's row order and selection
+    ids = pc.list_flatten(rows).to_numpy(zero_copy_only=False)  # every row's ids, end to end
     special = np.fromiter(set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}, dtype=np.int64)
     real = ids[~np.isin(ids, special)]  # [UNK] is a special token too, but it is what is counted
     return float(np.count_nonzero(real == tokenizer.unk_token_id)) / max(1, real.size)
