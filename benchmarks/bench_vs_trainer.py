@@ -59,7 +59,8 @@ def prepare_cases(args, work):
         return {"headlines": dict(train=demo / "train.txt", val=demo / "val.txt", model=demo / "model", overrides="",
                                   seq_len=32, batch=32, lr=2e-3, logging_steps=3)}
     data = Path(args.data_root)
-    titles, cnews_file, model = data / "thucnews_titles", data / "cnews_sample" / "cnews_1000.txt", data / "bert-base-chinese"
+    titles, model = data / "thucnews_titles", data / "bert-base-chinese"
+    cnews_file = data / "cnews_sample" / "cnews_1000.txt"
     for needed in (titles / "train.txt", titles / "val.txt", cnews_file, model / "config.json"):
         if not needed.exists():
             sys.exit(f"error: {needed}: not found; pass --data_root (the folder holding thucnews_titles/, "
@@ -157,10 +158,15 @@ def trainer_worker(spec_path):
         per_device_eval_batch_size=case["batch"], learning_rate=case["lr"], weight_decay=0.01, warmup_steps=0.1,
         lr_scheduler_type="linear", num_train_epochs=1, eval_strategy="no", save_strategy="no",
         logging_steps=case["logging_steps"], report_to="none", use_cpu=True, disable_tqdm=True, seed=42)
+
+    def accuracy(prediction):
+        return {"accuracy": float((np.argmax(prediction.predictions, -1) == prediction.label_ids).mean())}
+
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["validation"],
                       data_collator=DataCollatorWithPadding(tokenizer), callbacks=[StepTimes()],
-                      compute_metrics=lambda p: {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
+                      compute_metrics=accuracy)
     trainer.train()
+    trainer.save_model()  # as run_classification.py does after training (ours writes best_model/)
     metrics = trainer.evaluate()  # run_classification.py --do_eval: once, after training
     n = case["logging_steps"]
     times = [t for t, _ in step_ends]
