@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import PartialState
+from accelerate.state import AcceleratorState
 from conftest import launch, run
 from datasets import Dataset
 from PIL import Image
@@ -21,6 +22,13 @@ from utils.preemption import PreemptionGuard
 from utils.runtime import add_runtime_args, build_accelerator, loader_generator
 from utils.timing import ThroughputWindow, seconds_since_process_start
 from utils.tokenizer_checks import check_unk_rate, unk_rate
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Tests here build an Accelerator (or PartialState) in this process: leave none behind for the next test."""
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.fixture(scope="module")
