@@ -28,6 +28,7 @@ from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_
 from utils.errors import UserError, run_cli
 from utils.label_modes import check_problem_type, evaluation_metrics, prediction_rows, training_loss
 from utils.legacy import load_legacy_bert
+from utils.loaders import loader_settings
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import save_confusion_matrix
 from utils.preemption import PreemptionGuard
@@ -39,6 +40,8 @@ from utils.text_batching import (add_padding_args, build_collator, label_targets
                                   tokenize, tokenize_examples)  # noqa: F401 (benchmarks import tokenize from here)
 from utils.text_data import (add_text_format_args, build_label_list, check_known_labels, find_split_file,
                              read_examples, read_unlabelled, text_format, write_labels_file)
+from utils.timing import ThroughputWindow
+from utils.tokenizer_checks import check_unk_rate
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -186,12 +189,6 @@ def build_model(args, labels):
     return tokenizer, model
 
 
-def unk_rate(tokenizer, dataset):
-    ids = [i for row in dataset["input_ids"] for i in row if i not in tokenizer.all_special_ids]
-    unknown = sum(1 for i in ids if i == tokenizer.unk_token_id)
-    return unknown / max(1, len(ids))
-
-
 def build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding=None):
     """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch; padding: `resolve_padding`'s,
     by default the CPU's (to the longest text of each batch)."""
@@ -200,19 +197,18 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
     for split, split_examples in examples.items():
         dataset = tokenize_examples(tokenizer, split_examples,
                                     label_targets(split_examples, labels, args.multi_label), args.max_seq_len)
-        if split == "train":
-            stats["train_unk_rate"] = unk_rate(tokenizer, dataset)
         training = split == "train"
         # a sampler whose order depends on (seed, epoch) only, like the seedable random sampler it replaces
         sampler = (LengthGroupedSampler(token_lengths(dataset), args.train_batch_size, args.seed)
                    if training and args.group_by_length else None)
         loaders[split] = DataLoader(dataset, shuffle=training and sampler is None, sampler=sampler,
-                                    collate_fn=collator, num_workers=args.num_workers,
+                                    collate_fn=collator, **loader_settings(args.num_workers),
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
     if predict_examples is not None:
         dataset = tokenize_examples(tokenizer, predict_examples, None, args.max_seq_len)
-        loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator)
+        loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
+                                        **loader_settings(args.num_workers))
     return loaders, stats
 
 
@@ -291,8 +287,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     best_dir = args.output_dir / "best_model"
     completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
     bar = progress(accelerator, total=max_train_steps, initial=completed_steps)
-    start_time = window_start = time.perf_counter()
-    window_steps = 0
+    start_time = time.perf_counter()
+    window = ThroughputWindow()  # samples/s of training alone: evaluation and epoch starts are timed apart
 
     def snapshot(epoch, batches_in_epoch):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
@@ -310,7 +306,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         batches_in_epoch = skip
-        for batch in batches:
+        for batch in window.epoch(batches):
             with accelerator.accumulate(model):
                 logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
                 loss = training_loss(logits, batch["labels"], args.multi_label, args.label_smoothing)
@@ -326,38 +322,37 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
-            window_steps += 1
+            window.step(args.gradient_accumulation_steps * args.train_batch_size)
             bar.update(1)
             at_end = completed_steps >= max_train_steps or batches_in_epoch == len(train_loader)
             if completed_steps % args.logging_steps == 0 or at_end:
                 stop_if_diverged()
-                elapsed = time.perf_counter() - window_start
-                values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0],
-                          "ms_per_step": 1000 * elapsed / window_steps,
-                          "samples_per_second": window_steps * args.gradient_accumulation_steps
-                          * args.train_batch_size / elapsed}
+                values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0], **window.read()}
                 log.console(format_step_line(epoch + 1, completed_steps, max_train_steps, values))
                 log.log("train", completed_steps, {"epoch": epoch + 1, **values})
-                window_start, window_steps = time.perf_counter(), 0
             # Evaluate every --eval_steps, else at each epoch's end; always after the last step.
             eval_now = (completed_steps % args.eval_steps == 0) if args.eval_steps else at_end
             if eval_loader is not None and (eval_now or completed_steps >= max_train_steps):
                 stop_if_diverged()
-                metrics = evaluate(accelerator, model, eval_loader, labels, "validation", args)
+                with window.pause("eval") as evaluation:
+                    metrics = evaluate(accelerator, model, eval_loader, labels, "validation", args)
                 log.log("eval", completed_steps, {**{k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
                                                                              "micro_f1", "samples")},
+                                                  "eval_seconds": evaluation.seconds,
                                                   "train_seconds": time.perf_counter() - start_time})
                 log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | "
                             f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f}")
                 if metrics["macro_f1"] > state["best_macro_f1"]:
                     state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
-                    save_best_model(accelerator, model, tokenizer, best_dir)
+                    with window.pause("save"):
+                        save_best_model(accelerator, model, tokenizer, best_dir)
             ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else at_end
             preempted = guard.should_stop()
             if ckpt_now or preempted:
                 stop_if_diverged(check_weights=True)
-                path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, snapshot(epoch, batches_in_epoch),
-                                       args.save_total_limit)
+                with window.pause("save"):
+                    path = save_checkpoint(accelerator, checkpoint_dir, completed_steps,
+                                           snapshot(epoch, batches_in_epoch), args.save_total_limit)
                 log.console(f"saved checkpoint {path}")
             if preempted or completed_steps >= max_train_steps:
                 break
@@ -367,7 +362,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir)
     runtime = time.perf_counter() - start_time
-    results = {"train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
+    results = {"startup_seconds": window.startup_seconds,
+               "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
                "train_steps": completed_steps, "best_step": state["best_step"],
                "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
     return model, results, preempted
@@ -411,12 +407,11 @@ def main(args):
     model = maybe_data_parallel(model, args)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
-    if "train_unk_rate" in stats:
+    if "train" in loaders:
+        stats["train_unk_rate"] = check_unk_rate(accelerator, tokenizer, loaders["train"].dataset,
+                                                 args.model_name_or_path)
         accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
                           f"{stats['train_unk_rate']:.2%}")
-        if stats["train_unk_rate"] > 0.5:
-            raise UserError(f"{args.model_name_or_path}: the tokenizer maps {stats['train_unk_rate']:.0%} of the "
-                            "training text to [UNK]; its vocab.txt does not fit this text")
 
     log = RunLog(accelerator, args.output_dir)
     results = {**run_info(accelerator, args.train_batch_size), **padding, **stats}

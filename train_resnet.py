@@ -36,6 +36,7 @@ from utils.checkpoint import (check_compatible, check_output_dir, clear_previous
 from utils.errors import UserError, run_cli
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
 from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
+from utils.loaders import loader_settings
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import topk_correct
 from utils.plots import plot_training_curves
@@ -43,6 +44,7 @@ from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
+from utils.timing import seconds_since_process_start
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
@@ -113,7 +115,7 @@ def build_dataloaders(accelerator, args):
         train_set, val_set = build_dummy_datasets(args.dummy, args.image_size)
     else:
         train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed, args.crop_scale)
-    common = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=accelerator.device.type == "cuda")
+    common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, generator=loader_generator(args.seed),
                               **common)
@@ -257,6 +259,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)  # < 0: an unreadable image was seen
     reported_bad, skipped_total, last_metrics = set(), 0, None
     completed_steps, images_seen, preempted = state["completed_steps"], 0, False
+    startup_seconds = None  # process start to the end of this process's first step
     bar = progress(accelerator, total=total_steps, initial=completed_steps)
     start_time = window_start = tick = time.perf_counter()
     window_steps = window_batches = 0
@@ -310,6 +313,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 continue
             completed_steps += 1
             window_steps += 1
+            startup_seconds = startup_seconds or seconds_since_process_start()
             bar.update(1)
             epoch_done = batches_in_epoch == len(train_loader)
             if completed_steps % args.print_freq == 0 or epoch_done:
@@ -359,7 +363,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = evaluate(accelerator, model, val_loader, args)
     runtime = time.perf_counter() - start_time
-    results = {"train_runtime": runtime, "train_images_per_second": images_seen / runtime,
+    results = {"startup_seconds": startup_seconds,
+               "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
                "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
                "best_epoch": state["best_epoch"], "train_skipped_images": skipped_total}
     return model, last_metrics, results, preempted

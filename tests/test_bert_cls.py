@@ -152,3 +152,25 @@ def test_label_smoothing_out_of_range_is_refused(text_data, tmp_path):
                 "--label_smoothing", "1.0"], check=False)
     assert proc.returncode == 2 and "--label_smoothing 1.0: must be in [0, 1)" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_startup_and_pauses_are_reported_apart_from_the_speed(trained, n):
+    out, proc = trained[n]
+    results = read_json(out / "all_results.json")
+    events = read_jsonl(out / "metrics.jsonl")
+    windows = [e for e in events if e["event"] == "train"]
+    assert 0 < results["startup_seconds"] < 300
+    assert windows[0]["startup_seconds"] == results["startup_seconds"]  # in the first log line, once
+    assert "startup" in proc.stdout and not any("startup_seconds" in w for w in windows[1:])
+    assert all(e["eval_seconds"] > 0 for e in events if e["event"] == "eval")
+    # 50 steps per epoch, a log line every 10: each epoch's first window holds its start and the last eval
+    assert all("epoch_start_seconds" in w for w in windows if w["step"] % 50 == 10)
+    assert all("eval_seconds" in w for w in windows if w["step"] % 50 == 10 and w["step"] > 50)
+    # the windows split the training time exactly: their steps add up, their times (training + pauses) fit in it
+    steps = [w["step"] for w in windows]
+    assert steps[-1] == results["train_steps"]
+    spent = sum((b - a) * w["ms_per_step"] / 1000 + sum(v for k, v in w.items() if k.endswith("_seconds")
+                                                        and k != "startup_seconds")
+                for a, b, w in zip([0, *steps], steps, windows))
+    assert spent <= results["train_runtime"]

@@ -332,3 +332,9 @@ def test_refuses_to_overwrite_another_run(small_digits, tmp_path):
     with pytest.raises(UserError, match=r"holds another run \(model_best.pth\); pass --overwrite_output_dir"):
         main_here(small_args(small_digits, out))
     assert (out / "model_best.pth").read_bytes() == b"someone's best model"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_startup_seconds_is_recorded(trained, n):
+    results = read_json(trained[n] / "all_results.json")
+    assert 0.5 < results["startup_seconds"] < 600  # importing torch alone takes more than 0.5 s

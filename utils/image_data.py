@@ -20,6 +20,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
 from .errors import UserError
+from .loaders import EpochValue
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -70,10 +71,10 @@ class RGBImageFolder(datasets.ImageFolder):
     def __init__(self, root, transform, image_size, seed=0):
         super().__init__(str(root), transform=transform)
         self.placeholder = torch.zeros(3, image_size, image_size)
-        self.seed, self.epoch = seed, 0
+        self.seed, self.epoch = seed, EpochValue()  # shared with persistent workers' copies of this dataset
 
     def set_epoch(self, epoch):
-        self.epoch = epoch
+        self.epoch.set(epoch)
 
     def __getitem__(self, index):
         path, target = self.samples[index]
@@ -84,7 +85,7 @@ class RGBImageFolder(datasets.ImageFolder):
         # Python's hash of a tuple of ints is deterministic (PYTHONHASHSEED only affects str/bytes). Seeding the
         # CPU generator alone takes 1 us; torch.manual_seed, which also seeds every accelerator, takes 70.
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(hash((self.seed, self.epoch, index)))
+            torch.default_generator.manual_seed(hash((self.seed, self.epoch.get(), index)))
             return self.transform(image), target
 
     def bad_image_path(self, target):

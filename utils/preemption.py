@@ -1,7 +1,8 @@
 """SIGTERM (what Slurm and cloud preemption send) becomes "checkpoint at the next step boundary, then exit".
 
 The signal may reach only some ranks; `should_stop` turns it into a decision all ranks share
-(one tiny all-reduce per optimizer step), so every rank saves the same checkpoint and none hangs.
+(one tiny all-reduce per optimizer step, and a device sync with it: skipped when there is a single process), so
+every rank saves the same checkpoint and none hangs.
 """
 import signal
 
@@ -18,6 +19,8 @@ class PreemptionGuard:
 
     def should_stop(self):
         """True on every rank once any rank has received the signal. Call on all ranks at the same points."""
+        if self.accelerator.num_processes == 1:  # nothing to agree on: no all-reduce, no `.item()` device sync
+            return self.received is not None
         if self.received:
             self.accelerator.set_trigger()
         return self.accelerator.check_trigger()

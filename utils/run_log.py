@@ -105,7 +105,7 @@ def _version(name):
 
 
 def format_step_line(epoch, step, total_steps, values):
-    """`epoch 1 step 120/900 | loss 0.4123 | lr 2.0e-05 | 41.2 ms/step | 1,550 samples/s`."""
+    """`epoch 1 step 120/900 | loss 0.4123 | lr 2.0e-05 | 41.2 ms/step | 1,550 samples/s | eval 3.1 s`."""
     parts = [f"epoch {epoch} step {step}/{total_steps}"]
     for key, value in values.items():
         if key == "lr":
@@ -114,6 +114,8 @@ def format_step_line(epoch, step, total_steps, values):
             parts.append(f"{value:.1f} ms/step")
         elif key.endswith("_per_second"):
             parts.append(f"{value:,.0f} {key.replace('_per_second', '')}/s")
+        elif key.endswith("_seconds"):  # time kept out of the window's speed: startup, eval, epoch_start
+            parts.append(f"{key.replace('_seconds', '').replace('_', ' ')} {value:.1f} s")
         elif isinstance(value, float):
             parts.append(f"{key} {value:.4f}")
         else:

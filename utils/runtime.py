@@ -68,6 +68,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
+        non_blocking=True,  # host-to-GPU copies overlap compute; needs pinned memory (utils/loaders.py)
     )
     accelerator = Accelerator(
         cpu=args.cpu,

@@ -1,0 +1,258 @@
+"""train_bert_cls.py against transformers' Trainer (run_classification.py style), start to finish (issue 18).
+
+Both train the same randomly initialised BERT (bert-base-chinese's config and vocabulary, --config_overrides) on the
+same files with the same settings: global batch, lr, linear schedule with warmup, weight decay, epochs, sequence
+length, fp32, one process. Each arm is a whole command (`python ...`) timed from outside; the rounds alternate
+(ours, Trainer; then Trainer, ours). Reported per arm: wall time of the command, time to first step (process start
+to the end of the first optimizer step), steady samples/s (median of the log windows after the first; ours keeps
+evaluation out of its windows, the Trainer's windows are timed from its step ends, with evaluation only after the
+last one) and validation accuracy.
+
+Cases: THUCNews headlines at 64 tokens (the issue's settings: 9,000 headlines, 4x256 BERT, global batch 64, lr 1e-3,
+10% warmup, weight decay 0.01, one epoch, 2 threads) and cnews articles at 512 tokens (900 train / 100 validation
+of cnews_1000.txt by default), where our start-up (reading + tokenising + the [UNK] check, timed in this process with the
+script's own functions) as a fraction of one epoch of our run has a goal of under 10% (given for both cases).
+
+    python benchmarks/bench_vs_trainer.py                  # ../shared/data, 2 rounds of both cases
+    python benchmarks/bench_vs_trainer.py --quick          # generated headlines (utils/demo_data.py), 1 round
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (REPO, Timer, base_parser, format_table, interleaved_order, provenance,  # noqa: E402
+                    write_results)
+
+HEADLINE_MODEL = "num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024"
+
+
+def parse_args(argv=None):
+    parser = base_parser(__doc__)
+    parser.set_defaults(threads=2)
+    parser.add_argument("--train_samples", type=int, default=9000, help="headlines from thucnews_titles/train.txt")
+    parser.add_argument("--val_samples", type=int, default=1000, help="headlines from thucnews_titles/val.txt")
+    parser.add_argument("--cnews_samples", type=int, default=1000,
+                        help="articles from cnews_sample/cnews_1000.txt, 90%% train / 10%% validation")
+    parser.add_argument("--batch_size", type=int, default=64, help="global batch, both arms")
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--cases", default="headlines,cnews", help="comma-separated: headlines, cnews")
+    parser.add_argument("--trainer_worker", type=Path, default=None, help=argparse.SUPPRESS)  # the Trainer arm
+    return parser.parse_args(argv)
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def prepare_cases(args, work):
+    """{case: settings} with the files written under `work`; real data, or generated data with --quick."""
+    if args.quick:
+        from utils.demo_data import write_text_classification_data
+        demo = write_text_classification_data(work / "demo", n_train=384, n_val=96, n_test=1)
+        return {"headlines": dict(train=demo / "train.txt", val=demo / "val.txt", model=demo / "model", overrides="",
+                                  seq_len=32, batch=32, lr=2e-3, logging_steps=3)}
+    data = Path(args.data_root)
+    titles, model = data / "thucnews_titles", data / "bert-base-chinese"
+    cnews_file = data / "cnews_sample" / "cnews_1000.txt"
+    for needed in (titles / "train.txt", titles / "val.txt", cnews_file, model / "config.json"):
+        if not needed.exists():
+            sys.exit(f"error: {needed}: not found; pass --data_root (the folder holding thucnews_titles/, "
+                     "cnews_sample/ and bert-base-chinese/) or --quick")
+    cases = {}
+    if "headlines" in args.cases:
+        train = titles.joinpath("train.txt").read_text(encoding="utf-8").splitlines()[:args.train_samples]
+        val = titles.joinpath("val.txt").read_text(encoding="utf-8").splitlines()[:args.val_samples]
+        cases["headlines"] = dict(train=write_lines(work / "titles_train.txt", train),
+                                  val=write_lines(work / "titles_val.txt", val), model=model,
+                                  overrides=HEADLINE_MODEL, seq_len=64, batch=args.batch_size, lr=args.learning_rate,
+                                  logging_steps=10)
+    if "cnews" in args.cases:
+        articles = cnews_file.read_text(encoding="utf-8").splitlines()
+        random.Random(0).shuffle(articles)  # the file runs class by class: a shuffled 90/10 split
+        articles = articles[:args.cnews_samples]
+        n_train = len(articles) * 9 // 10
+        cases["cnews"] = dict(train=write_lines(work / "cnews_train.txt", articles[:n_train]),
+                              val=write_lines(work / "cnews_val.txt", articles[n_train:]), model=model,
+                              overrides=HEADLINE_MODEL, seq_len=512, batch=args.batch_size, lr=args.learning_rate,
+                              logging_steps=2)
+    return cases
+
+
+def run_command(cmd, threads):
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(map(str, cmd[:3]))} ... exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return wall
+
+
+def run_ours(case, out, threads):
+    cmd = [sys.executable, "train_bert_cls.py", "--cpu", "--train_file", case["train"],
+           "--validation_file", case["val"], "--model_name_or_path", case["model"], "--from_scratch",
+           *(["--config_overrides", case["overrides"]] if case["overrides"] else []),
+           "--max_seq_len", case["seq_len"], "--train_batch_size", case["batch"], "--eval_batch_size", case["batch"],
+           "--learning_rate", case["lr"], "--warmup_ratio", "0.1", "--weight_decay", "0.01",
+           "--num_train_epochs", "1", "--logging_steps", case["logging_steps"], "--do_train", "--do_eval",
+           "--output_dir", out, "--overwrite_output_dir"]
+    wall = run_command(cmd, threads)
+    results = json.loads((out / "all_results.json").read_text())
+    windows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [w["samples_per_second"] for w in windows if w["event"] == "train"]
+    return {"wall_seconds": wall, "startup_seconds": results["startup_seconds"],
+            "steady_samples_per_second": statistics.median(rates[1:] or rates),
+            "epoch_seconds": results["train_runtime"], "val_accuracy": results["eval_accuracy"]}
+
+
+def run_trainer(case, out, threads):
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "case.json"
+    spec.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in case.items()}))
+    wall = run_command([sys.executable, Path(__file__).resolve(), "--trainer_worker", spec], threads)
+    return {"wall_seconds": wall, **json.loads((out / "trainer_result.json").read_text())}
+
+
+def trainer_worker(spec_path):
+    """run_classification.py's path for this data: read, tokenise with map, DataCollatorWithPadding, Trainer."""
+    from utils.timing import seconds_since_process_start  # first, so nothing below is missed
+    import numpy as np
+    from datasets import load_dataset
+    from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                              Trainer, TrainerCallback, TrainingArguments)
+
+    case = json.loads(Path(spec_path).read_text())
+    out = Path(spec_path).parent
+    # cnews lines: label TAB text; QUOTE_NONE (3) because headlines hold quote characters
+    raw = load_dataset("csv", data_files={"train": case["train"], "validation": case["val"]}, delimiter="\t",
+                       column_names=["label", "text"], quoting=3)
+    labels = sorted(set(raw["train"]["label"]))
+    label2id = {name: i for i, name in enumerate(labels)}
+    tokenizer = AutoTokenizer.from_pretrained(case["model"])
+    config = AutoConfig.from_pretrained(case["model"], num_labels=len(labels), label2id=label2id,
+                                        id2label=dict(enumerate(labels)))
+    if case["overrides"]:
+        config.update_from_string(case["overrides"])
+    model = AutoModelForSequenceClassification.from_config(config)
+
+    def preprocess(batch):
+        encoded = tokenizer(batch["text"], truncation=True, max_length=case["seq_len"])
+        encoded["labels"] = [label2id[name] for name in batch["label"]]
+        return encoded
+
+    data = raw.map(preprocess, batched=True, remove_columns=["text", "label"])
+    # (a new "label" column would keep the old one's string type in datasets 5.2: the ids go to "labels")
+    step_ends = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append((time.perf_counter(), seconds_since_process_start() if not step_ends else None))
+
+    training_args = TrainingArguments(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=case["batch"],
+        per_device_eval_batch_size=case["batch"], learning_rate=case["lr"], weight_decay=0.01, warmup_steps=0.1,
+        lr_scheduler_type="linear", num_train_epochs=1, eval_strategy="no", save_strategy="no",
+        logging_steps=case["logging_steps"], report_to="none", use_cpu=True, disable_tqdm=True, seed=42)
+
+    def accuracy(prediction):
+        return {"accuracy": float((np.argmax(prediction.predictions, -1) == prediction.label_ids).mean())}
+
+    trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["validation"],
+                      data_collator=DataCollatorWithPadding(tokenizer), callbacks=[StepTimes()],
+                      compute_metrics=accuracy)
+    trainer.train()
+    trainer.save_model()  # as run_classification.py does after training (ours writes best_model/)
+    metrics = trainer.evaluate()  # run_classification.py --do_eval: once, after training
+    n = case["logging_steps"]
+    times = [t for t, _ in step_ends]
+    rates = [n * case["batch"] / (times[i + n] - times[i]) for i in range(0, len(times) - n, n)]
+    if not rates:  # fewer steps than two log windows: all steps after the first
+        rates = [(len(times) - 1) * case["batch"] / (times[-1] - times[0]) if len(times) > 1 else float("nan")]
+    result = {"startup_seconds": step_ends[0][1], "steady_samples_per_second": statistics.median(rates[1:] or rates),
+              "epoch_seconds": times[-1] - times[0], "val_accuracy": metrics["eval_accuracy"]}
+    (out / "trainer_result.json").write_text(json.dumps(result))
+
+
+def our_startup_parts(case):
+    """Reading + tokenising + the [UNK] check of our script, timed here with its own functions."""
+    import train_bert_cls
+    from accelerate import PartialState
+    from datasets import disable_progress_bars
+    from utils.text_data import read_examples
+    from utils.tokenizer_checks import check_unk_rate
+    from transformers import AutoTokenizer
+    disable_progress_bars()
+    state = PartialState(cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(case["model"])
+    with Timer() as read:
+        examples = read_examples(case["train"])
+    with Timer() as tokenise:
+        dataset = train_bert_cls.tokenize(tokenizer, [e.text for e in examples], [0] * len(examples), case["seq_len"])
+    with Timer() as check:
+        check_unk_rate(state, tokenizer, dataset, case["model"])
+    return {"read_seconds": read.wall, "tokenise_seconds": tokenise.wall, "unk_check_seconds": check.wall}
+
+
+def measure(args, rounds, work):
+    """Every case's alternating rounds of both arms, run in `work`."""
+    cases = prepare_cases(args, work)
+    arms = {"train_bert_cls.py": run_ours, "Trainer": run_trainer}
+    samples, payload = {}, {"provenance": provenance(), "rounds": rounds, "threads": args.threads, "cases": {}}
+    for name, case in cases.items():
+        print(f"{name}: {case['seq_len']} tokens, batch {case['batch']}, lr {case['lr']}")
+        samples[name] = {arm: [] for arm in arms}
+        for r in range(rounds):
+            for arm in interleaved_order(arms, r):
+                result = arms[arm](case, work / f"{name}_{arm}_{r}", args.threads)
+                samples[name][arm].append(result)
+                print(f"  round {r + 1}/{rounds} {arm:<18} wall {result['wall_seconds']:6.1f} s | first step "
+                      f"{result['startup_seconds']:5.1f} s | {result['steady_samples_per_second']:6.1f} samples/s "
+                      f"| val accuracy {result['val_accuracy']:.3f}", flush=True)
+        payload["cases"][name] = {"settings": {k: str(v) for k, v in case.items()}, "rounds": samples[name]}
+        parts = our_startup_parts(case)
+        epoch = statistics.median(r["epoch_seconds"] for r in samples[name]["train_bert_cls.py"])
+        parts["fraction_of_one_epoch"] = sum(parts.values()) / epoch
+        payload["cases"][name]["our_startup_parts"] = parts
+    return samples, payload
+
+
+def main(args):
+    import torch
+    torch.set_num_threads(args.threads)
+    rounds = args.rounds or (1 if args.quick else 2)
+    with tempfile.TemporaryDirectory(prefix="bench_vs_trainer_") as work:  # checkpoints of every run: removed
+        samples, payload = measure(args, rounds, Path(work))
+    rows = []
+    for name, by_arm in samples.items():
+        for arm, results in by_arm.items():
+            med = {key: statistics.median(r[key] for r in results)
+                   for key in ("wall_seconds", "startup_seconds", "steady_samples_per_second", "val_accuracy")}
+            ours = by_arm["train_bert_cls.py"]
+            speedup = statistics.median(t["wall_seconds"] / o["wall_seconds"] for o, t in zip(ours, by_arm["Trainer"]))
+            rows.append([name, arm, med["wall_seconds"], med["startup_seconds"], med["steady_samples_per_second"],
+                         med["val_accuracy"], speedup if arm == "train_bert_cls.py" else None])
+    print(format_table(["case", "arm", "wall s", "first step s", "steady samples/s", "val accuracy",
+                        "Trainer wall / ours"], rows))
+    for name, case in payload["cases"].items():
+        parts = case["our_startup_parts"]
+        print(f"{name}: our start-up: read {parts['read_seconds']:.2f} s + tokenise {parts['tokenise_seconds']:.2f} s"
+              f" + [UNK] check {parts['unk_check_seconds']:.3f} s = {parts['fraction_of_one_epoch']:.1%} of one epoch"
+              " (goal on cnews: under 10%)")
+    write_results("bench_vs_trainer", payload, args.output)
+
+
+if __name__ == "__main__":
+    cli = parse_args()
+    if cli.trainer_worker:
+        trainer_worker(cli.trainer_worker)
+    else:
+        main(cli)

@@ -1,0 +1,198 @@
+"""Start-up cost and feeding the device: the [UNK]-rate check, DataLoader settings, throughput bookkeeping."""
+import argparse
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from accelerate import PartialState
+from accelerate.state import AcceleratorState
+from conftest import launch, run
+from datasets import Dataset
+from PIL import Image
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer
+
+from utils.demo_data import write_small_bert
+from utils.errors import UserError
+from utils.image_data import RGBImageFolder, build_transforms
+from utils.loaders import loader_settings
+from utils.preemption import PreemptionGuard
+from utils.runtime import add_runtime_args, build_accelerator, loader_generator
+from utils.timing import ThroughputWindow, seconds_since_process_start
+from utils.tokenizer_checks import check_unk_rate, unk_rate
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Tests here build an Accelerator (or PartialState) in this process: leave none behind for the next test."""
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(write_small_bert(tmp_path_factory.mktemp("bert")))
+
+
+def tokenised(tokenizer, texts, **kwargs):
+    return Dataset.from_dict({"text": texts}).map(lambda b: tokenizer(b["text"], **kwargs), batched=True,
+                                                   remove_columns=["text"])
+
+
+def reference_unk_rate(tokenizer, rows):
+    """The definition, token by token: [UNK] among the tokens that are not [CLS], [SEP], [PAD], [MASK]."""
+    others = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}
+    real = [i for row in rows for i in row if i not in others]
+    return sum(i == tokenizer.unk_token_id for i in real) / max(1, len(real))
+
+
+def test_unk_rate_counts_unknown_characters_and_not_special_tokens(tokenizer):
+    # 比赛 and 球队 are in the demo vocabulary; 龘 and 靐 are not. Padding adds [PAD]s that must not count.
+    dataset = tokenised(tokenizer, ["比赛龘", "球队靐龘比赛", "[MASK]比赛"], padding="max_length", max_length=12)
+    # real tokens per row: 比 赛 [UNK] | 球 队 [UNK] [UNK] 比 赛 | 比 赛 ([CLS], [SEP], [MASK] and [PAD] left out)
+    assert unk_rate(tokenizer, dataset) == pytest.approx(3 / 11)
+    assert unk_rate(tokenizer, dataset) == pytest.approx(reference_unk_rate(tokenizer, dataset["input_ids"]))
+
+
+def test_unk_rate_matches_the_definition_on_random_ids(tokenizer):
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, len(tokenizer), size=rng.integers(0, 40)).tolist() for _ in range(300)]
+    dataset = Dataset.from_dict({"input_ids": rows})
+    assert unk_rate(tokenizer, dataset) == pytest.approx(reference_unk_rate(tokenizer, rows))
+    assert unk_rate(tokenizer, Dataset.from_dict({"input_ids": [[], []]})) == 0.0
+    chosen = dataset.select(range(0, 300, 7))  # a selection counts its own rows, not the table under it
+    assert unk_rate(tokenizer, chosen) == pytest.approx(reference_unk_rate(tokenizer, rows[::7]))
+
+
+def test_check_unk_rate_returns_the_rate_and_refuses_a_vocabulary_that_does_not_fit(tokenizer):
+    state = PartialState(cpu=True)
+    assert check_unk_rate(state, tokenizer, tokenised(tokenizer, ["比赛球队"]), "model") == 0.0
+    with pytest.raises(UserError, match=r"^model: the tokenizer maps 67% of the training text to \[UNK\]"):
+        check_unk_rate(state, tokenizer, tokenised(tokenizer, ["龘靐比"]), "model")
+
+
+def test_unk_check_stops_every_process_with_one_line(text_data, tmp_path):
+    """A vocabulary big enough to pass the size check but without the text's characters: both ranks stop at once
+    with the main process's verdict, before anything is written."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((text_data / "model" / "config.json").read_text().replace(
+        '"vocab_size": ', '"vocab_size": 300, "unused": '))
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"word{i}" for i in range(200))]
+    (model / "vocab.txt").write_text("".join(t + "\n" for t in tokens))
+    (model / "tokenizer_config.json").write_text((text_data / "model" / "tokenizer_config.json").read_text())
+    proc = launch("train_bert_cls.py", ["--data_dir", text_data, "--model_name_or_path", model, "--from_scratch",
+                                        "--do_train", "--max_train_steps", "1", "--output_dir", tmp_path / "o"],
+                  num_processes=2, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert f"error: {model}: the tokenizer maps 100% of the training text to [UNK]" in proc.stderr, proc.stderr[-3000:]
+    assert 'train_bert_cls.py", line' not in proc.stderr  # no traceback from our code on either rank
+    assert not (tmp_path / "o").exists()
+
+
+def runtime_args(*argv):
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    return parser.parse_args(["--cpu", *argv])
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    """An ImageFolder of 8 distinct 24x24 pictures whose random crops differ from epoch to epoch."""
+    root = tmp_path_factory.mktemp("pictures")
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        (root / str(i % 2)).mkdir(exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(root / str(i % 2) / f"{i}.png")
+    return root
+
+
+def epochs_of_crops(accelerator, root, num_workers, epochs=2, skip=0):
+    """Each epoch's training batches through the prepared loader, as the training script makes them."""
+    dataset = RGBImageFolder(root, build_transforms(8, 8, train=True), 8, seed=3)
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=2, shuffle=True, generator=loader_generator(3),
+                                            **loader_settings(num_workers)))
+    crops = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        dataset.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip) if skip and epoch == epochs - 1 else loader
+        crops.append(torch.cat([images for images, _ in batches]))
+    return crops
+
+
+def test_persistent_workers_see_each_epoch_and_resume_exactly(pictures, tmp_path):
+    accelerator = build_accelerator(runtime_args(), tmp_path)
+    assert loader_settings(2) == {"num_workers": 2, "pin_memory": False, "persistent_workers": True}
+    assert loader_settings(0)["persistent_workers"] is False  # torch refuses persistent workers without workers
+    in_process = epochs_of_crops(accelerator, pictures, num_workers=0)
+    persistent = epochs_of_crops(accelerator, pictures, num_workers=2)
+    assert not torch.equal(persistent[0], persistent[1])  # epoch 2's crops are not epoch 1's again
+    for ours, reference in zip(persistent, in_process):
+        assert torch.equal(ours, reference)  # the epoch reached the workers started in epoch 1
+    resumed = epochs_of_crops(accelerator, pictures, num_workers=2, skip=1)  # mid-epoch resume of epoch 2
+    assert torch.equal(resumed[1], in_process[1][2:])
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_window_keeps_evaluation_and_epoch_start_out_of_the_speed():
+    clock = FakeClock()
+    window = ThroughputWindow(clock=clock, process_clock=lambda: 12.5)
+    batches = iter([1, 2, 3, 4])
+
+    class SlowStart:  # a loader whose workers take 3 s to deliver the first batch
+        def __iter__(self):
+            clock.now += 3.0
+            return batches
+
+    seen = []
+    for batch in window.epoch(SlowStart()):
+        clock.now += 0.5  # the step
+        window.step(samples=64)
+        seen.append(batch)
+        if batch == 2:
+            with window.pause("eval") as evaluation:
+                clock.now += 10.0
+            assert evaluation.seconds == 10.0
+    assert seen == [1, 2, 3, 4]
+    values = window.read()
+    # 4 steps of 0.5 s: 128 samples/s, 500 ms/step, as if neither the eval nor the slow start had happened
+    assert values == {"ms_per_step": 500.0, "samples_per_second": 128.0, "eval_seconds": 10.0,
+                      "epoch_start_seconds": 3.0, "startup_seconds": 12.5}
+    clock.now += 1.0
+    window.step(samples=64)
+    assert window.read() == {"ms_per_step": 1000.0, "samples_per_second": 64.0}  # a fresh window, startup once
+    assert window.startup_seconds == 12.5
+
+
+def test_startup_seconds_counts_from_the_process_start():
+    """Time spent before the module is imported (here a 1 s sleep; in a script the imports of torch) is counted."""
+    proc = run(["python", "-c", "import time; time.sleep(1.0); from utils.timing import seconds_since_process_start "
+                "as s; print(s())"])
+    assert 1.0 <= float(proc.stdout) < 30.0
+
+
+def test_one_process_checks_for_preemption_without_a_device_sync():
+    class OneProcess:
+        num_processes = 1
+
+        def check_trigger(self):  # an all-reduce and `.item()`: a host-device sync every optimizer step
+            raise AssertionError("no collective with a single process")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        guard = PreemptionGuard(OneProcess())
+        assert guard.should_stop() is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop() is True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
