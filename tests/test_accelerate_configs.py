@@ -151,7 +151,8 @@ def test_unknown_key_is_rejected(tmp_path):
 
 EXPECTED = {
     # file: (distributed_type, num_processes, mixed_precision, use_cpu)
-    "single_gpu.yaml": (DistributedType.NO, 1, "no", False),
+    "single_gpu.yaml": (DistributedType.NO, 1, "bf16", False),
+    "single_gpu_fp16.yaml": (DistributedType.NO, 1, "fp16", False),
     "4gpu.yaml": (DistributedType.MULTI_GPU, 4, "no", False),
     "4gpu_fp16.yaml": (DistributedType.MULTI_GPU, 4, "fp16", False),
     "4gpu_bf16.yaml": (DistributedType.MULTI_GPU, 4, "bf16", False),
