@@ -26,7 +26,8 @@ ENV = {
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 # `launch` runs every job on a simulated 1-GPU machine where any CUDA use raises (tests/fake_gpu/sitecustomize.py):
 # the suite's --cpu runs then prove that --cpu means CPU on a machine with a GPU, too.
-FAKE_GPU = {"PYTHONPATH": str(ROOT / "tests" / "fake_gpu")}
+# Prepended to PYTHONPATH, so wheels installed with --target (make gpu-check) stay importable.
+FAKE_GPU = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests" / "fake_gpu"), os.environ.get("PYTHONPATH")]))}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

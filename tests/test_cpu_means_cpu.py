@@ -4,6 +4,7 @@ Every `launch` in the suite already runs on a simulated 1-GPU machine (conftest.
 of both scripts prove 2-process gloo DDP under --cpu there. The tests here prove the simulation reproduces the
 failure seen on a real 1-GPU box, and what utils.runtime.hide_gpus_under_cpu does about it.
 """
+import os
 import textwrap
 
 import pytest
@@ -27,7 +28,7 @@ def barrier_on_fake_gpu(before, tmp_path):
     from conftest import free_port
     script = tmp_path / "barrier.py"
     script.write_text(textwrap.dedent(BARRIER.format(before=before, port=free_port())))
-    return run(["python", script], env={**FAKE_GPU, "PYTHONPATH": f"{FAKE_GPU['PYTHONPATH']}:."}, check=False,
+    return run(["python", script], env={"PYTHONPATH": os.pathsep.join([FAKE_GPU["PYTHONPATH"], "."])}, check=False,
                timeout=120)
 
 
