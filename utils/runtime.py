@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, parse_flag_from_env
 
 from .errors import UserError
 
@@ -33,7 +33,8 @@ def add_runtime_args(parser):
     """Flags both scripts share for how the run is executed (not what it trains)."""
     group = parser.add_argument_group("runtime")
     group.add_argument("--cpu", action="store_true",
-                       help="run on CPU even if a GPU is present; needed for multi-process CPU (gloo) DDP")
+                       help="CPU only, whatever the machine holds (GPUs are hidden from the process); needed for "
+                            "multi-process CPU (gloo) DDP")
     group.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                        help="default: whatever the launcher / accelerate config says")
     group.add_argument("--dist_backend", choices=["nccl", "gloo"], default=None,
@@ -73,9 +74,10 @@ def hide_gpus_under_cpu(args):
     from the machine's accelerator (cuda) and accelerate passes device_ids=[local_rank], so gloo rank 1 of a
     2-process CPU run dies in the first barrier with "invalid device ordinal" on a 1-GPU box; and nn.DataParallel
     spreads over whatever GPUs it sees. CUDA reads CUDA_VISIBLE_DEVICES once, when it is first asked how many
-    devices there are, so this must run before anything asks.
+    devices there are, so this must run before anything asks. A config file's `use_cpu: true` (which reaches the
+    process as ACCELERATE_USE_CPU) means the same.
     """
-    if not args.cpu:
+    if not (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU")):
         return
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     still_visible = torch.cuda.is_available()
