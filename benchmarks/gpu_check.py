@@ -74,8 +74,8 @@ class Harness:
         cmd = [str(c) for c in [*head, script, *(["--cpu"] if self.cpu else []), *args, "--output_dir", out]]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-        if self.cpu:
-            env["OMP_NUM_THREADS"] = "1"
+        # several jobs share the machine's cores (16 on the H100 box): a few threads each, not 16 each
+        env["OMP_NUM_THREADS"] = "1" if self.cpu else "2"
         log = open(Path(out).with_suffix(".log"), "w")
         if not wait:
             return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
