@@ -5,7 +5,16 @@ PY     := $(VENV)/bin/python
 # Everything runs offline: no model, dataset or metric hub.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: install install-dev demo test clean
+# `make test-lower-bounds`: the oldest versions requirements.txt admits, installed exactly, in their own venv.
+LOWER  := .venv-lower
+# `make gpu-check` runs on a GPU machine's own Python (no network there), with the few packages it lacks
+# carried as wheels: `make gpu-wheels` downloads them here beforehand (see docs/gpu.md).
+GPU_PYTHON ?= python3
+WHEELS := wheels
+GPU_SITE := .gpu-site
+GPU_WHEELS := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 torchcodec==0.16.0
+
+.PHONY: install install-dev demo test test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
 
 $(VENV)/.installed: requirements.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +34,34 @@ demo: install
 test: install-dev
 	$(OFFLINE) $(PY) -m pytest -q tests
 
+$(LOWER)/.installed: requirements.txt requirements-dev.txt
+	rm -rf $(LOWER)
+	$(PYTHON) -m venv $(LOWER)
+	sed -n 's/>=/==/p' requirements.txt requirements-dev.txt > $(LOWER)/lower-bounds.txt
+	$(LOWER)/bin/python -m pip install --disable-pip-version-check -q -r $(LOWER)/lower-bounds.txt
+	touch $@
+
+# The learning tests of both scripts (1 and 2 processes, exports loaded back) on the lower bounds.
+test-lower-bounds: $(LOWER)/.installed
+	$(OFFLINE) $(LOWER)/bin/python -m pytest -q -p no:cacheprovider tests/test_bert_cls.py tests/test_resnet.py \
+		-k "learns_and_counts_exactly or outputs_load_anywhere or exports_load_into_plain_torchvision"
+
+# Pure-Python wheels (and TorchCodec's) for a Python 3.12 x86_64 GPU machine; a few MB, git-ignored.
+gpu-wheels:
+	$(PYTHON) -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(WHEELS) $(GPU_WHEELS)
+
+$(GPU_SITE)/.installed:
+	$(GPU_PYTHON) -m pip install --disable-pip-version-check -q --no-index --no-deps --target $(GPU_SITE) $(WHEELS)/*.whl
+	touch $@
+
+# Every GPU check with tiny fixtures made on the spot, a report under benchmarks/results/ (about 8 min on one H100).
+gpu-check: $(GPU_SITE)/.installed
+	PYTHONPATH=$(GPU_SITE) $(OFFLINE) $(GPU_PYTHON) benchmarks/gpu_check.py
+
+# The whole test suite with the GPU machine's Python (it must pass where a GPU is visible, too).
+gpu-check-suite: $(GPU_SITE)/.installed
+	PYTHONPATH=$(GPU_SITE) $(OFFLINE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 tests
+
 clean:
-	rm -rf $(VENV) demo_data outputs
+	rm -rf $(VENV) $(LOWER) $(GPU_SITE) demo_data outputs

@@ -3,7 +3,7 @@
 The data is written in the real on-disk formats (cnews `label<TAB>text` files; an ImageFolder of
 scikit-learn's bundled real handwritten digits), so the demo runs the same code path as a real job.
 On a CPU-only machine it runs 2 processes of gloo DDP (accelerate_configs/cpu_ddp.yaml + --cpu);
-with GPUs present it uses all of them.
+with GPUs present it uses all of them, in bf16 where the GPU supports it (fp16 otherwise).
 """
 import json
 import os
@@ -24,11 +24,14 @@ def launcher():
     """The launch prefix for this machine, and the script flags it needs."""
     accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
     gpus = torch.cuda.device_count()
+    # bf16 where the GPU has it (Ampere and newer); fp16 with its loss scaler before that. A config file cannot
+    # say "bf16 if supported", so the launcher's --mixed_precision overrides single_gpu.yaml's bf16 here.
+    precision = ["--mixed_precision", "bf16" if gpus and torch.cuda.is_bf16_supported() else "fp16"]
     if gpus > 1:
-        return [*accelerate, "--multi_gpu", "--num_processes", str(gpus), "--num_machines", "1",
-                "--mixed_precision", "bf16" if torch.cuda.is_bf16_supported() else "fp16", "--dynamo_backend", "no"], []
+        return [*accelerate, "--multi_gpu", "--num_processes", str(gpus), "--num_machines", "1", *precision,
+                "--dynamo_backend", "no"], []
     if gpus == 1:
-        return [*accelerate, "--config_file", str(ROOT / "accelerate_configs" / "single_gpu.yaml")], []
+        return [*accelerate, "--config_file", str(ROOT / "accelerate_configs" / "single_gpu.yaml"), *precision], []
     return [*accelerate, "--config_file", str(ROOT / "accelerate_configs" / "cpu_ddp.yaml")], ["--cpu"]
 
 

@@ -1,16 +1,19 @@
-"""GPU throughput: ResNet-50 (bf16 autocast, channels_last) images/s and BERT-base (seq 128, bf16) samples/s
-with model FLOPs utilisation, torch.compile off vs on, interleaved round by round in one process.
+"""GPU throughput: ResNet-50 (bf16 autocast, channels_last) images/s and BERT-base (seq 128 and 512, bf16)
+samples/s with model FLOPs utilisation and peak memory, torch.compile off vs on, interleaved round by round.
 
 Synthetic inputs on the device, so this measures the model step alone (the input pipelines have their own
 benchmarks). MFU = 6 x parameters x tokens/s / peak FLOP/s: the usual training estimate (2 FLOPs per parameter
 per token forward, 4 backward), counting the embedding parameters and leaving out attention's T^2 term, as the
-brief for this benchmark asks; pass the accelerator's dense bf16 peak with --peak_tflops (without it MFU is not
-reported: this script does not guess hardware numbers).
+brief for this benchmark asks. The dense bf16 peak comes from PEAK_BF16_TFLOPS for the GPUs listed there
+(datasheet figures), or from --peak_tflops; for any other GPU MFU is not reported (no guessed hardware numbers).
+Peak memory per arm: its own weights and optimizer state plus the largest transient allocation of its steps.
 
+    python benchmarks/bench_gpu.py                      # A100 / H100 / H200 / L4 / RTX 4090: peak known
     python benchmarks/bench_gpu.py --peak_tflops <dense bf16 TFLOP/s of the GPU>
     python benchmarks/bench_gpu.py --quick --device cpu      # checks that it runs, on any machine (numbers meaningless)
 """
 import copy
+import re
 import sys
 import time
 from pathlib import Path
@@ -24,6 +27,24 @@ import torchvision  # noqa: E402
 from transformers import AutoConfig, BertConfig, BertForSequenceClassification  # noqa: E402
 
 SEED = 42
+# Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from NVIDIA's datasheets; matched against
+# torch.cuda.get_device_name(), most specific first. A100: "A100 Tensor Core GPU" datasheet, BF16 312 (SXM and
+# PCIe alike). H100: "H100 Tensor Core GPU" datasheet, BF16 1,979 (SXM) / 1,513 (PCIe) / 1,671 (NVL) *with
+# sparsity*, so dense 989 / 756 / 835. H200: "H200 Tensor Core GPU" datasheet, 1,979 with sparsity (SXM) and
+# 1,671 (NVL): dense 989 / 835. L4: datasheet BF16 242 with sparsity: dense 121. RTX 4090: Ada Lovelace
+# architecture whitepaper, "Peak BF16 Tensor TFLOPS with FP32 Accumulate" 165.2 (330.4 with sparsity); not
+# re-read from the whitepaper itself in this session, only from third-party copies of its table that agree.
+PEAK_BF16_TFLOPS = [
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("H200 NVL", 835.0), ("H200", 989.0),
+    ("A100", 312.0), ("L4", 121.0), ("RTX 4090", 165.2),
+]
+
+
+def datasheet_peak_tflops(device_name):
+    """Dense bf16 peak TFLOP/s of a GPU named like torch.cuda.get_device_name(), or None if not in the table."""
+    # whole words: "L4" must not match an L40S
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if re.search(rf"\b{re.escape(key)}\b", device_name)), None)
 
 
 def synchronize(device):
@@ -58,14 +79,28 @@ class Workload:
         synchronize(self.device)
         self.compile_seconds = time.perf_counter() - start
 
+    def resident_bytes(self):
+        """Weights and optimizer state: what this arm holds between steps."""
+        tensors = [*self.model.parameters(), *self.model.buffers(),
+                   *(t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
+        return sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
+
     def timed(self, steps):
         def run():
             synchronize(self.device)
+            extra = {}
+            if self.device.type == "cuda":  # other arms' weights stay resident: count only what this arm adds
+                allocated_before = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
             start = time.perf_counter()
             for _ in range(steps):
                 self.step()
             synchronize(self.device)
-            return time.perf_counter() - start, steps * self.units_per_step, {}
+            seconds = time.perf_counter() - start
+            if self.device.type == "cuda":
+                transient = torch.cuda.max_memory_allocated(self.device) - allocated_before
+                extra["peak_memory_gib"] = (self.resident_bytes() + transient) / 2**30
+            return seconds, steps * self.units_per_step, extra
         return run
 
 
@@ -89,14 +124,14 @@ def resnet50_workloads(args, device, modes):
         for mode in modes}
 
 
-def bert_workloads(args, device, modes):
+def bert_workloads(args, device, modes, seq):
     config_dir = args.data_root / "bert-base-chinese"
     config = AutoConfig.from_pretrained(config_dir, num_labels=10) if config_dir.is_dir() else BertConfig(num_labels=10)
     if args.quick and device.type == "cpu":
         config.update({"num_hidden_layers": 2})  # a syntax check, not a measurement
     torch.manual_seed(SEED)
     base = BertForSequenceClassification(config)
-    batch, seq = args.bert_batch, args.bert_seq_len
+    batch = args.bert_batch
 
     def make_batch():
         return {"input_ids": torch.randint(1000, config.vocab_size, (batch, seq), device=device),
@@ -124,7 +159,7 @@ def main():
     parser.add_argument("--resnet_batch", type=int, default=256)
     parser.add_argument("--resnet_image_size", type=int, default=224)
     parser.add_argument("--bert_batch", type=int, default=64)
-    parser.add_argument("--bert_seq_len", type=int, default=128)
+    parser.add_argument("--bert_seq_len", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--steps", type=int, default=None, help="timed steps per arm per round (default 20, quick 1)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -134,45 +169,50 @@ def main():
         common.set_threads(args.threads)
     if args.quick:
         args.resnet_batch, args.resnet_image_size = min(args.resnet_batch, 2), min(args.resnet_image_size, 64)
-        args.bert_batch, args.bert_seq_len = min(args.bert_batch, 2), min(args.bert_seq_len, 32)
+        args.bert_batch, args.bert_seq_len = min(args.bert_batch, 2), [min(seq, 32) for seq in args.bert_seq_len[:1]]
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+        args.peak_tflops = args.peak_tflops or datasheet_peak_tflops(torch.cuda.get_device_name(device))
     started = common.provenance()
     rounds = args.rounds or (1 if args.quick else 5)
     steps = args.steps or (1 if args.quick else 20)
     modes = ["off", "on"] if args.torch_compile == "both" else [args.torch_compile]
 
     resnet = resnet50_workloads(args, device, modes)
-    bert, bert_parameters, bert_layers = bert_workloads(args, device, modes)
-    workloads = {**resnet, **bert}
+    berts = {}
+    for seq in args.bert_seq_len:
+        berts[seq], bert_parameters, bert_layers = bert_workloads(args, device, modes, seq)
+    workloads = {**resnet, **{name: w for group in berts.values() for name, w in group.items()}}
     for name, workload in workloads.items():
         workload.warm_up(2 if args.quick else 5)
         print(f"  warm-up {name}: {workload.compile_seconds:.1f} s")
     samples = common.run_rounds({name: w.timed(steps) for name, w in workloads.items()}, rounds)
 
     rows, summary = [], {}
-    tokens_per_sample = args.bert_seq_len
-    for group, baseline in ((resnet, next(iter(resnet))), (bert, next(iter(bert)))):
-        stats = common.summarize({name: samples[name] for name in group}, baseline)
+    groups = [(resnet, None), *((group, seq) for seq, group in berts.items())]
+    for group, tokens_per_sample in groups:
+        stats = common.summarize({name: samples[name] for name in group}, next(iter(group)))
         for name, s in stats.items():
             mfu = None
-            if name in bert and args.peak_tflops:
+            if tokens_per_sample and args.peak_tflops:
                 mfu = 6 * bert_parameters * s["median_rate"] * tokens_per_sample / (args.peak_tflops * 1e12)
-            s.update(mfu=mfu, warm_up_seconds=workloads[name].compile_seconds)
+            peak = max((r.get("peak_memory_gib", 0) for r in samples[name]), default=0) or None
+            s.update(mfu=mfu, warm_up_seconds=workloads[name].compile_seconds, peak_memory_gib=peak)
             summary[name] = s
             rows.append([name, s["median_rate"], s["ratio_to_baseline"], f"{mfu:.1%}" if mfu is not None else "",
-                         workloads[name].compile_seconds])
+                         peak, workloads[name].compile_seconds])
     table = common.format_table(["arm", "images or samples/s (median)", "vs compile off", "MFU",
-                                 "warm-up s (incl. compile)"], rows)
+                                 "peak memory GiB", "warm-up s (incl. compile)"], rows)
     print(table)
     if args.peak_tflops is None:
-        print("MFU not computed: pass --peak_tflops (the device's dense bf16 peak)")
+        print("MFU not computed: no dense bf16 peak known for this device (PEAK_BF16_TFLOPS); pass --peak_tflops")
     common.write_results("bench_gpu", {
         "benchmark": "bench_gpu", "provenance": started, "device": str(device),
         "setup": {"resnet_batch": args.resnet_batch, "resnet_image_size": args.resnet_image_size,
                   "bert_batch": args.bert_batch, "bert_seq_len": args.bert_seq_len, "bert_layers": bert_layers,
                   "bert_parameters": bert_parameters, "peak_tflops": args.peak_tflops, "steps": steps,
                   "rounds": rounds, "quick": args.quick},
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else common.cpu_model(),
         "arms": summary, "rounds_raw": samples, "table": table}, args.output)
 
 

@@ -24,6 +24,10 @@ ENV = {
     "TQDM_DISABLE": "1",
 }
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+# `launch` runs every job on a simulated 1-GPU machine where any CUDA use raises (tests/fake_gpu/sitecustomize.py):
+# the suite's --cpu runs then prove that --cpu means CPU on a machine with a GPU, too.
+# Prepended to PYTHONPATH, so wheels installed with --target (make gpu-check) stay importable.
+FAKE_GPU = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests" / "fake_gpu"), os.environ.get("PYTHONPATH")]))}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -44,9 +48,10 @@ def run(cmd, timeout=300, check=True, env=None):
     return proc
 
 
-def launch(script, args, num_processes=1, **kwargs):
-    """`accelerate launch` with N CPU processes (N=2 is real gloo DDP: --multi_gpu + the script's --cpu)."""
-    return run(launch_cmd(script, args, num_processes), **kwargs)
+def launch(script, args, num_processes=1, env=None, **kwargs):
+    """`accelerate launch` with N CPU processes (N=2 is real gloo DDP: --multi_gpu + the script's --cpu),
+    on a simulated 1-GPU machine (FAKE_GPU)."""
+    return run(launch_cmd(script, args, num_processes), env={**FAKE_GPU, **(env or {})}, **kwargs)
 
 
 def read_json(path):

@@ -18,6 +18,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
+from conftest import FAKE_GPU
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -28,8 +29,10 @@ LAUNCH_TIMEOUT_S = 180  # a broken rendezvous hangs; fail instead
 # Prints what each rank sees, as JSON, one file per rank. `--cpu` mirrors the training scripts' flag.
 PROBE_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from pathlib import Path
+    if "--cpu" in sys.argv:  # CPU on any machine, as utils.runtime.hide_gpus_under_cpu does for the scripts
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch.distributed as dist
     from accelerate import Accelerator
 
@@ -62,7 +65,7 @@ def launch_env():
     """The caller's environment without distributed/accelerate variables that would leak into the run."""
     leaked = ("ACCELERATE_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **FAKE_GPU)  # on a simulated 1-GPU machine, as `launch`
     return env
 
 
@@ -151,7 +154,8 @@ def test_unknown_key_is_rejected(tmp_path):
 
 EXPECTED = {
     # file: (distributed_type, num_processes, mixed_precision, use_cpu)
-    "single_gpu.yaml": (DistributedType.NO, 1, "no", False),
+    "single_gpu.yaml": (DistributedType.NO, 1, "bf16", False),
+    "single_gpu_fp16.yaml": (DistributedType.NO, 1, "fp16", False),
     "4gpu.yaml": (DistributedType.MULTI_GPU, 4, "no", False),
     "4gpu_fp16.yaml": (DistributedType.MULTI_GPU, 4, "fp16", False),
     "4gpu_bf16.yaml": (DistributedType.MULTI_GPU, 4, "bf16", False),

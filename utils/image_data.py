@@ -1,7 +1,8 @@
 """ImageFolder data as pytorch/examples imagenet/main.py reads it, with the failures made explicit.
 
-- Every image decodes to 3-channel uint8 RGB (grayscale, palette, RGBA, CMYK alike), with torchvision's
-  decoder (libjpeg-turbo / libpng, about 30% faster than PIL here) and PIL for the formats it lacks.
+- Every image decodes to 3-channel uint8 RGB (grayscale, palette, RGBA, CMYK alike), with TorchCodec's image
+  decoders (torchcodec.decoders, which supersede torchvision.io's, deprecated since torchvision 0.29), with
+  torchvision.io where TorchCodec is absent or cannot load, and PIL for the formats neither reads.
 - An unreadable file never raises inside a DataLoader worker (where one rank failing leaves the others
   hanging in a collective): the sample comes back as a placeholder with target `-1 - index`, which the
   training loop turns into a one-line error naming the file, or skips and counts (`--skip_bad_images`).
@@ -9,7 +10,10 @@
   processes and any number of workers see the same crops and flips.
 - main.py's transforms: RandomResizedCrop + flip for training, Resize + CenterCrop for validation.
 """
+import functools
+import io
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,13 +34,41 @@ DUMMY_CLASSES = 1000
 IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES = 1_281_167, 50_000
 
 
+@functools.cache
+def torchcodec_decoder():
+    """torchcodec.decoders.decode_image if TorchCodec imports and decodes a JPEG here, else None.
+
+    Decoding a probe once per process tells a working install from one whose native libraries do not match this
+    torch: that would otherwise fail on every image, and every image would be reported unreadable.
+    """
+    try:
+        from torchcodec.decoders import decode_image as decode
+        probe = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(probe, "JPEG")
+        decode(probe.getvalue(), mode="RGB")
+    except Exception:  # noqa: BLE001 - absent, or unusable for any reason: torchvision.io decodes the same pixels
+        return None
+    return decode
+
+
+def torchvision_decode(path):
+    """torchvision.io's decoder, the fallback where TorchCodec is absent (torchvision < 0.29 has no deprecation)."""
+    with warnings.catch_warnings():
+        # the deprecation points users to TorchCodec, which this module already prefers when it is installed
+        warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                                category=DeprecationWarning)
+        return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+
+
 def decode_rgb(path):
     """The image at `path` as a (3, H, W) uint8 RGB tensor; raises one of DECODE_ERRORS if unreadable."""
+    decode = torchcodec_decoder()
     try:
-        image = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
-    except RuntimeError:  # BMP, TIFF, PPM or a broken file: let PIL decide
+        image = decode(str(path), mode="RGB", output_dtype="auto") if decode else torchvision_decode(path)
+    except (RuntimeError, ValueError):  # BMP, TIFF, PPM or a broken file: let PIL decide
         image = None
-    if image is None or image.dtype != torch.uint8:  # 16-bit PNGs decode to uint16
+    # 16-bit PNGs decode to uint16, animated GIF/WebP to (N, 3, H, W): PIL gives 8-bit RGB of the first frame
+    if image is None or image.dtype != torch.uint8 or image.ndim != 3:
         with Image.open(path) as pil_image:
             image = pil_to_tensor(pil_image.convert("RGB"))
     return image

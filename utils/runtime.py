@@ -7,10 +7,11 @@ import datetime
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, parse_flag_from_env
 
 from .errors import UserError
 
@@ -20,12 +21,20 @@ DATA_PARALLEL_WARNING = (
     "`accelerate launch --config_file accelerate_configs/4gpu.yaml ...`"
 )
 
+# Measured in issue 19 with benchmarks/bench_cpu_precision.py --threads 2 on an AMD EPYC with avx512_bf16, no AMX.
+CPU_BF16_WITHOUT_AMX = (
+    "note: this CPU has no AMX (no amx_bf16 flag in /proc/cpuinfo), and bf16 autocast without it is usually slower "
+    "than fp32: 0.82-0.85x fp32 for BERT, 0.73-0.77x for ResNet-18 on an AMD EPYC with avx512_bf16 (issue 19); "
+    "drop --mixed_precision bf16 here for speed"
+)
+
 
 def add_runtime_args(parser):
     """Flags both scripts share for how the run is executed (not what it trains)."""
     group = parser.add_argument_group("runtime")
     group.add_argument("--cpu", action="store_true",
-                       help="run on CPU even if a GPU is present; needed for multi-process CPU (gloo) DDP")
+                       help="CPU only, whatever the machine holds (GPUs are hidden from the process); needed for "
+                            "multi-process CPU (gloo) DDP")
     group.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                        help="default: whatever the launcher / accelerate config says")
     group.add_argument("--dist_backend", choices=["nccl", "gloo"], default=None,
@@ -58,8 +67,32 @@ def check_launch(args):
         )
 
 
+def hide_gpus_under_cpu(args):
+    """`--cpu` means CPU on any machine: hide every GPU from this process before anything initialises CUDA.
+
+    Accelerator(cpu=True) alone is not enough on a machine with a GPU: torch.distributed.barrier picks its device
+    from the machine's accelerator (cuda) and accelerate passes device_ids=[local_rank], so gloo rank 1 of a
+    2-process CPU run dies in the first barrier with "invalid device ordinal" on a 1-GPU box; and nn.DataParallel
+    spreads over whatever GPUs it sees. CUDA reads CUDA_VISIBLE_DEVICES once, when it is first asked how many
+    devices there are, so this must run before anything asks. A config file's `use_cpu: true` (which reaches the
+    process as ACCELERATE_USE_CPU) means the same.
+    """
+    if not (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU")):
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    still_visible = torch.cuda.is_available()
+    if still_visible and (launched_world_size() > 1 or args.data_parallel):
+        raise RuntimeError("--cpu could not hide the GPUs: CUDA was queried before build_accelerator ran, and a "
+                           "multi-process or --data_parallel CPU run would then use them; call build_accelerator first")
+    if args.data_parallel:
+        # nn.DataParallel over no GPU is a pass-through: the run stays one CPU replica
+        print("--data_parallel under --cpu: no GPU is used, nn.DataParallel runs the model as one CPU replica",
+              file=sys.stderr, flush=True)
+
+
 def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives."""
+    hide_gpus_under_cpu(args)
     check_launch(args)
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
@@ -82,7 +115,27 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     if effective_precision(accelerator) != accelerator.mixed_precision:
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")
+    note = cpu_bf16_note(accelerator.device, effective_precision(accelerator))
+    if note:
+        accelerator.print(note)
     return accelerator
+
+
+def cpu_has_amx(cpuinfo="/proc/cpuinfo"):
+    """Whether the CPU has AMX bf16 tiles, from the Linux cpuinfo flags; None where they cannot be read."""
+    try:
+        lines = Path(cpuinfo).read_text().splitlines()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
+    return None if flags is None else "amx_bf16" in flags
+
+
+def cpu_bf16_note(device, precision, cpuinfo="/proc/cpuinfo"):
+    """The one line a bf16 run on a CPU without AMX prints (its measured slowdown), else None."""
+    if torch.device(device).type == "cpu" and precision == "bf16" and cpu_has_amx(cpuinfo) is False:
+        return CPU_BF16_WITHOUT_AMX
+    return None
 
 
 def check_global_batch(accelerator, global_batch_size, flag):

@@ -1,0 +1,41 @@
+"""benchmarks/gpu_check.py (`make gpu-check`): its harness in dry mode on CPU, so it cannot rot between GPU runs."""
+import sys
+
+import pytest
+
+from conftest import ROOT, run
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_gpu import datasheet_peak_tflops  # noqa: E402
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", None),
+    ("NVIDIA GeForce RTX 4090", 165.2), ("Tesla V100-SXM2-32GB", None),
+])
+def test_datasheet_peak_by_device_name(name, peak):
+    assert datasheet_peak_tflops(name) == peak
+
+
+def test_without_a_gpu_it_says_so_and_exits_0():
+    proc = run(["python", "benchmarks/gpu_check.py"], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60)
+    assert "no GPU visible here, nothing to check" in proc.stdout
+
+
+def test_dry_mode_runs_every_check_on_cpu(tmp_path):
+    report = tmp_path / "report.md"
+    proc = run(["python", "benchmarks/gpu_check.py", "--device", "cpu", "--budget", "600", "--report", report],
+               env={"CUDA_VISIBLE_DEVICES": ""}, timeout=700)
+    out = proc.stdout
+    for check in ("bench_gpu.py", "BERT bf16, compile off", "ResNet fp32 channels_last, compile off",
+                  "exact resume after SIGKILL mid-epoch", "--data_parallel over every visible GPU"):
+        assert f"PASSED  {check}" in out, out[-3000:]
+    assert "bitwise identical to the uninterrupted run" in out
+    assert "export reloads: test accuracy" in out and "export reloads: val acc@1" in out
+    assert "SKIPPED --sync_bn + 2-process NCCL" in out and "needs at least 2 GPUs (0 visible)" in out
+    assert "5 passed, 0 failed, 1 skipped" in out
+    text = report.read_text()
+    assert "| exact resume after SIGKILL mid-epoch (latest) | passed |" in text
+    assert "| bench_gpu.py (quiet GPU first) | resnet50 bf16 channels_last, compile off |" in text
+    assert "images/s" in text and "samples/s" in text
