@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 from datasets import Dataset
-from safetensors.torch import load_model
 from torch.utils.data import DataLoader
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           get_linear_schedule_with_warmup)
 
-from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_atomically, resolve_resume,
-                              restore_training_state, save_checkpoint)
+from utils.checkpoint import (agree_on_resume, check_output_dir, check_resumable, clear_previous_run, merge_results,
+                              replace_dir_atomically, resolve_resume, restore_training_state, save_checkpoint,
+                              start_new_branch)
 from utils.errors import UserError, run_cli
 from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
@@ -36,6 +36,9 @@ from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, format_step_line, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
+from utils.sharding import (BestWeights, check_sharding_applies, load_selected_weights, mark_selection,
+                            prepare_for_inference)
+from utils.step_weights import StepWeights
 from utils.text_data import (build_label_list, check_known_labels, find_split_file, read_examples, read_texts,
                              write_labels_file)
 
@@ -266,9 +269,17 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
     checkpoint_dir = args.output_dir / "checkpoints"
-    resume_path = resolve_resume(args.resume_from_checkpoint, checkpoint_dir)
+    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoint_dir)
+    abandoned = start_new_branch(accelerator, checkpoint_dir, resume_path) if resume_path else []
+    if abandoned:
+        accelerator.print(f"resuming from {resume_path.name} starts a new branch: the later {', '.join(abandoned)} "
+                          f"were moved aside (renamed *.abandoned_on_resume_from_{resume_path.name})")
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
-    state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader))
+    settings = {"--learning_rate": args.learning_rate, "--weight_decay": args.weight_decay,
+                "--warmup_ratio": args.warmup_ratio, "--num_train_epochs": args.num_train_epochs,
+                "--max_train_steps": args.max_train_steps, "--max_grad_norm": args.max_grad_norm}
+    state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader), optimizer, scheduler,
+                                   settings)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
 
     print_run_summary(accelerator, "Running training", {
@@ -282,6 +293,10 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     guard = PreemptionGuard(accelerator)
     meter = LossMeter(accelerator.device)
     best_dir = args.output_dir / "best_model"
+    best = BestWeights()  # this run's best weights, in memory on every rank
+    weights = StepWeights(accelerator, len(loaders["train"].dataset), args.train_batch_size,
+                          args.gradient_accumulation_steps)
+    last_eval = None  # (step, metrics) of the last validation
     completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
     bar = progress(accelerator, total=max_train_steps, initial=completed_steps)
     start_time = window_start = time.perf_counter()
@@ -289,7 +304,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
 
     def snapshot(epoch, batches_in_epoch):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"]}
+                "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"], "settings": settings}
 
     def stop_if_diverged(check_weights=False):
         if meter.diverged(accelerator) or (check_weights and not parameters_finite(accelerator, model)):
@@ -306,17 +321,19 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         for batch in batches:
             with accelerator.accumulate(model):
                 logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-                # mean over this process's share of the batch
-                loss = F.cross_entropy(logits.float(), batch["labels"], label_smoothing=args.label_smoothing)
+                losses = F.cross_entropy(logits.float(), batch["labels"], label_smoothing=args.label_smoothing,
+                                         reduction="none")
+                # a mean over the real samples of the whole optimizer step, padding and short windows included
+                loss, local_mean, local_real = weights.loss(losses, batches_in_epoch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            meter.update(loss, batch["labels"].shape[0])
+            meter.update(local_mean, local_real)
+            samples_seen += weights.real_in_batch(batches_in_epoch)
             batches_in_epoch += 1
-            samples_seen += args.train_batch_size
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
@@ -343,10 +360,16 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
                                                   "train_seconds": time.perf_counter() - start_time})
                 log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | "
                             f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f}")
+                last_eval = (completed_steps, metrics)
                 if metrics["macro_f1"] > state["best_macro_f1"]:
                     state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
+                    best.keep(model)
                     save_best_model(accelerator, model, tokenizer, best_dir)
-            ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else at_end
+                    accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
+            # A finished run needs no resumable checkpoint unless --checkpointing_steps asks for this step.
+            finished = completed_steps >= max_train_steps
+            ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else (
+                at_end and not finished)
             preempted = guard.should_stop()
             if ckpt_now or preempted:
                 stop_if_diverged(check_weights=True)
@@ -360,11 +383,18 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     bar.close()
     if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir)
+    best_eval = None  # the validation metrics of the weights now in the model, if they were measured
+    if last_eval is not None and last_eval[0] == state["best_step"] == completed_steps:
+        best_eval = last_eval[1]  # the best model is the last one evaluated: nothing to reload or re-evaluate
+    elif best.held:
+        best.restore(model)
+    elif state["best_step"] is not None and not preempted:  # selected before this run resumed: on the main disk
+        load_selected_weights(accelerator, model, best_dir, state["best_step"])
     runtime = time.perf_counter() - start_time
     results = {"train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
                "train_steps": completed_steps, "best_step": state["best_step"],
                "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
-    return model, results, preempted
+    return model, results, preempted, best_eval
 
 
 def report(accelerator, log, prefix, metrics, labels, output_dir):
@@ -393,19 +423,24 @@ def write_predictions(accelerator, log, model, loader, texts, labels, output_dir
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    check_sharding_applies(accelerator)
     set_seed(args.seed)
     check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
     resuming = bool(args.resume_from_checkpoint) and args.do_train
     if args.do_train:
         check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
+        check_resumable(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     texts_to_predict = read_texts(args.predict_file) if args.do_predict else None
     tokenizer, model = build_model(args, labels)
     compat = {"labels": labels, "model": {k: getattr(model.config, k, None) for k in
-                                          ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
+                                          ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
+              # another value would change which samples each step sees (or the inputs themselves)
+              "--train_batch_size": args.train_batch_size,
+              "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
     model = maybe_data_parallel(model, args)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, texts_to_predict)
     if "train_unk_rate" in stats:
@@ -424,7 +459,8 @@ def main(args):
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
         log.write_json("run_config.json", provenance(args))
         log.start_tracking("bert_cls", vars(args))
-        model, train_results, preempted = train(args, accelerator, model, tokenizer, loaders, labels, log, compat)
+        model, train_results, preempted, best_eval = train(args, accelerator, model, tokenizer, loaders, labels, log,
+                                                           compat)
         results.update(train_results)
         if preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
@@ -432,21 +468,29 @@ def main(args):
             log.write_json("all_results.json", {**results, "preempted": True})
             log.end()
             return results
-        # Evaluate the selected model, never the last one: reload the best weights on every rank.
-        load_model(accelerator.unwrap_model(model), args.output_dir / "best_model" / "model.safetensors")
+        # train() returned the selected model, never the last one
+        prepared = {split: accelerator.prepare(loader) for split, loader in loaders.items() if split != "train"}
     else:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        model = accelerator.prepare(model)
+        best_eval = None
+        model, prepared = prepare_for_inference(accelerator, model, loaders)
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if getattr(args, f"do_{prefix}") and split in loaders:
-            metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split)
+            reuse = best_eval if split == "validation" else None  # the best model's last validation, if it was
+            metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
             log.log(f"best_model_{prefix}", results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
                                                                                     "micro_f1", "samples")})
     if args.do_predict:
-        write_predictions(accelerator, log, model, accelerator.prepare(loaders["predict"]), texts_to_predict, labels,
-                          args.output_dir)
-    log.write_json("all_results.json", results)
+        write_predictions(accelerator, log, model, prepared["predict"], texts_to_predict, labels, args.output_dir)
+    if args.do_train:
+        log.write_json("all_results.json", results)
+    else:  # an evaluation of a trained output_dir adds to its results, never drops them
+        for prefix in ("eval", "test"):
+            if getattr(args, f"do_{prefix}"):
+                log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
+                                                          if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
+        accelerator.on_main_process(merge_results)(args.output_dir / "all_results.json", results)
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()
     return results
