@@ -26,8 +26,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
                           get_linear_schedule_with_warmup)
 
 from utils.checkpoint import (agree_on_resume, check_output_dir, check_resumable, clear_previous_run, merge_results,
-                              replace_dir_atomically, resolve_resume, restore_training_state, save_checkpoint,
-                              start_new_branch)
+                              replace_dir_atomically, resolve_resume, restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
@@ -270,16 +269,12 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
 
     checkpoint_dir = args.output_dir / "checkpoints"
     resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoint_dir)
-    abandoned = start_new_branch(accelerator, checkpoint_dir, resume_path) if resume_path else []
-    if abandoned:
-        accelerator.print(f"resuming from {resume_path.name} starts a new branch: the later {', '.join(abandoned)} "
-                          f"were moved aside (renamed *.abandoned_on_resume_from_{resume_path.name})")
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
     settings = {"--learning_rate": args.learning_rate, "--weight_decay": args.weight_decay,
                 "--warmup_ratio": args.warmup_ratio, "--num_train_epochs": args.num_train_epochs,
                 "--max_train_steps": args.max_train_steps, "--max_grad_norm": args.max_grad_norm}
     state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader), optimizer, scheduler,
-                                   settings)
+                                   settings, args.output_dir, exports=["best_model"])
     log.open(resume_step=state["completed_steps"] if resume_path else None)
 
     print_run_summary(accelerator, "Running training", {
@@ -386,6 +381,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     best_eval = None  # the validation metrics of the weights now in the model, if they were measured
     if last_eval is not None and last_eval[0] == state["best_step"] == completed_steps:
         best_eval = last_eval[1]  # the best model is the last one evaluated: nothing to reload or re-evaluate
+        accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation "
+                          "results are reused")
     elif best.held:
         best.restore(model)
     elif state["best_step"] is not None and not preempted:  # selected before this run resumed: on the main disk

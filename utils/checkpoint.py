@@ -54,52 +54,73 @@ def resolve_resume(resume, checkpoint_dir):
 
 def agree_on_resume(accelerator, resume, checkpoint_dir):
     """The checkpoint every rank resumes from: the main process decides, and a node whose disk lacks it stops
-    every rank at once (a rank that resumed alone would wait in the first collective until --ddp_timeout)."""
+    every rank at once (a rank that resumed alone would wait in the first collective until --ddp_timeout).
+
+    `latest` is decided as a step_N name, looked up in each node's own checkpoint_dir (its --output_dir)."""
     if not resume:
         return None
     decision = [None]
     if accelerator.is_main_process:
         try:
             found = resolve_resume(resume, checkpoint_dir)
-            decision = [("ok", str(found) if found else None)]
+            decision = [("ok", found.name if found is not None else None)]
         except UserError as err:
             decision = [("error", str(err))]
     broadcast_object_list(decision)
-    kind, value = decision[0]
+    kind, name = decision[0]
     if kind == "error":
-        raise UserError(value)
-    if value is None:
+        raise UserError(name)
+    if name is None:
         return None
-    path = Path(value)
-    here = (socket.gethostname(), accelerator.process_index, (path / STATE_FILE).is_file())
-    missing = [(host, rank) for host, rank, ok in gather_object([here]) if not ok]
+    path = Path(checkpoint_dir) / name if resume == "latest" else Path(resume)
+    here = (socket.gethostname(), accelerator.process_index, str(path), (path / STATE_FILE).is_file())
+    missing = [(host, rank, where) for host, rank, where, ok in gather_object([here]) if not ok]
     if missing:
-        host, rank = missing[0]
-        raise UserError(f"{path}: not on the disk of node {host} (rank {rank}), but the main process resumes from "
-                        "it; copy the checkpoint to every node's --output_dir or use a shared --output_dir")
+        host, rank, where = missing[0]
+        raise UserError(f"{where}: not on the disk of node {host} (rank {rank}), but the main process resumes from "
+                        f"{name}; copy that checkpoint to every node's --output_dir, or use a shared --output_dir")
     return path
 
 
 def check_resumable(output_dir, resume, overwrite):
-    """`latest` in a directory that holds a finished run but no checkpoint would train it again from scratch."""
-    if resume != "latest" or overwrite or complete_checkpoints(Path(output_dir) / "checkpoints"):
+    """`latest` in a directory that holds a finished run but no checkpoint would train it again from scratch, over
+    its results. (A run killed before its first checkpoint left no all_results.json: `latest` starts it afresh.)"""
+    results = Path(output_dir) / "all_results.json"
+    if resume != "latest" or overwrite or not results.is_file() or complete_checkpoints(Path(output_dir) / "checkpoints"):
         return
-    taken = [name for name in RUN_MARKERS if (Path(output_dir) / name).exists()]
-    if taken:
-        raise UserError(f"{output_dir}: holds a run ({', '.join(taken)}) but no checkpoint to resume from "
+    try:
+        preempted = json.loads(results.read_text()).get("preempted", False)
+    except (OSError, json.JSONDecodeError):
+        preempted = False
+    if not preempted:
+        raise UserError(f"{output_dir}: holds a finished run (all_results.json) but no checkpoint to resume from "
                         "(--checkpointing_steps longer than the run?); pass --overwrite_output_dir to train again")
 
 
-def start_new_branch(accelerator, checkpoint_dir, path):
-    """Resuming from an older checkpoint abandons the later ones: move them aside, named so, before this run's
-    own step_N could be mistaken for theirs. Returns their names."""
-    step = int(_NAME.match(Path(path).name).group(1))
-    later = [p for p in complete_checkpoints(checkpoint_dir) if int(_NAME.match(p.name).group(1)) > step]
-    if later and _writes_here(accelerator, checkpoint_dir):
-        for old in later:
-            os.replace(old, old.with_name(f"{old.name}.abandoned_on_resume_from_step_{step}"))
+def start_new_branch(accelerator, path, output_dir, exports=()):
+    """Resuming from an older checkpoint abandons the later ones: move them aside, named so, before this run's own
+    step_N could pass for theirs. The best-model exports go aside too when the abandoned branch replaced them.
+    Returns whether it did (the resumed run then selects its best model afresh)."""
+    path = Path(path)
+    if path.parent.resolve() != (Path(output_dir) / "checkpoints").resolve():  # another run's: leave it alone
+        return False
+    step = int(_NAME.match(path.name).group(1))
+    later = [p for p in complete_checkpoints(path.parent) if int(_NAME.match(p.name).group(1)) > step]
+    if not later:
+        return False
+    suffix = f".abandoned_on_resume_from_step_{step}"
+    best_now = {k: v for k, v in read_training_state(path).items() if k.startswith("best_")}
+    best_then = {k: v for k, v in read_training_state(later[-1]).items() if k.startswith("best_")}
+    moved_exports = [Path(output_dir) / e for e in exports if (Path(output_dir) / e).exists()] \
+        if best_then != best_now else []
+    if _writes_here(accelerator, path.parent):
+        for old in later + moved_exports:
+            os.replace(old, old.with_name(old.name + suffix))
     accelerator.wait_for_everyone()
-    return [p.name for p in later]
+    names = ", ".join(p.name for p in later + moved_exports)
+    accelerator.print(f"resuming from {path.name} starts a new branch: the later {names} moved aside (*{suffix})"
+                      + ("; the best model is selected afresh from here" if moved_exports else ""))
+    return bool(moved_exports)
 
 
 def read_training_state(path):
@@ -202,17 +223,20 @@ def load_checkpoint(accelerator, path, expected):
 
 
 def restore_training_state(accelerator, path, expected, fresh_state, batches_per_epoch, optimizer=None,
-                           scheduler=None, settings=None):
+                           scheduler=None, settings=None, output_dir=None, exports=()):
     """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects.
 
     A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
     optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and
-    `settings` that differ from the checkpoint's are named in one line.
+    `settings` that differ from the checkpoint's are named in one line. A checkpoint older than the newest
+    starts a new branch (start_new_branch).
     """
     state = dict(fresh_state)
     if path is not None:
         command_line = _hyperparameters(optimizer)
         state = load_checkpoint(accelerator, path, expected)
+        if output_dir is not None and start_new_branch(accelerator, path, output_dir, exports):
+            state.update({k: v for k, v in fresh_state.items() if k.startswith("best_")})
         _apply_hyperparameters(optimizer, scheduler, command_line)
         accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
         _report_changes(accelerator, path, state, settings or {})
