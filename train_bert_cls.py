@@ -383,7 +383,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         best_eval = last_eval[1]  # the best model is the last one evaluated: nothing to reload or re-evaluate
         accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation "
                           "results are reused")
-    elif best.held:
+    elif best.held and not preempted:
         best.restore(model)
     elif state["best_step"] is not None and not preempted:  # selected before this run resumed: on the main disk
         load_selected_weights(accelerator, model, best_dir, state["best_step"])

@@ -14,6 +14,7 @@ import re
 import secrets
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
@@ -197,10 +198,17 @@ def _detect_node_local_disk(accelerator, checkpoint_dir):
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         marker.write_text(token[0])
     broadcast_object_list(token)  # a collective: the marker is on disk before any rank looks
-    try:
-        seen = marker.read_text() == token[0]
-    except OSError:
-        seen = False
+    deadline = time.monotonic() + 2  # a network filesystem may take a moment to show another node's new file
+    while True:
+        try:
+            seen = marker.read_text() == token[0]
+        except OSError:
+            seen = False
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+        if checkpoint_dir.is_dir():
+            os.listdir(checkpoint_dir)  # a listing revalidates NFS's cached view of the directory
     shared = all(gather_object([seen]))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
