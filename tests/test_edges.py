@@ -220,3 +220,18 @@ def test_resnet_rollback_changed_settings_and_finished_runs(digits, tmp_path, ca
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp.yaml` sets
     with pytest.raises(UserError, match=r"asks for FSDP .*does not run on CPU \(--cpu\): this run would be plain NO"):
         main_here(resnet_args(digits, tmp_path / "fsdp", "--epochs", "1"))
+
+
+def test_step_weights_give_every_real_sample_one_share_of_its_step():
+    """88 samples, global batch 16 on 2 processes (8 each), 4 micro-batches per step: the second step of an epoch is
+    batches 4 and 5 (16 + 8 real samples); rank 1's part of batch 5 is all padding."""
+    from utils.step_weights import StepWeights
+
+    ranks = [StepWeights(SimpleNamespace(num_processes=2, process_index=r), 88, 16, 4) for r in (0, 1)]
+    assert ranks[0].batches_per_epoch == 6 and ranks[0].window_real(5) == 24 and ranks[0].window_real(0) == 64
+    assert [w.local_real(5, 8) for w in ranks] == [8, 0] and [w.local_real(4, 8) for w in ranks] == [8, 8]
+    losses = torch.ones(8)
+    # DDP averages the 2 ranks, accelerate divides by 4: every real sample of the step weighs 1/24
+    gradient_weight = sum(w.loss(losses, 5)[0] + w.loss(losses, 4)[0] for w in ranks) / 2 / 4
+    assert gradient_weight.item() == pytest.approx(1.0)  # 24 real samples x 1/24
+    assert ranks[0].window_scale(5) == 2.0 and ranks[0].window_scale(3) == 1.0
