@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ACCELERATE, ENV, ROOT, free_port, launch, read_json, read_jsonl, run
+from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_json, read_jsonl, run
 from safetensors.torch import load_file
 from test_resnet import main_here
 
@@ -235,3 +235,60 @@ def test_step_weights_give_every_real_sample_one_share_of_its_step():
     gradient_weight = sum(w.loss(losses, 5)[0] + w.loss(losses, 4)[0] for w in ranks) / 2 / 4
     assert gradient_weight.item() == pytest.approx(1.0)  # 24 real samples x 1/24
     assert ranks[0].window_scale(5) == 2.0 and ranks[0].window_scale(3) == 1.0
+
+
+FSDP2_CHECK = """
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, sys.argv[1])
+from utils.sharding import BestWeights, load_full_weights
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+full = {k: v.clone() for k, v in model.state_dict().items()}
+fully_shard(model[0])
+fully_shard(model)
+assert type(next(model.parameters())).__name__ == "DTensor"
+
+
+def gathered():
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+best = BestWeights()
+best.keep(model)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+best.restore(model)
+assert all(torch.equal(gathered()[k], full[k]) for k in full), "in-memory best weights"
+if rank == 0:
+    save_file(full, sys.argv[2])
+dist.barrier()
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()
+load_full_weights(SimpleNamespace(num_processes=2, is_main_process=rank == 0), model, sys.argv[2])
+assert all(torch.equal(gathered()[k], full[k]) for k in full), "export read on rank 0 and broadcast"
+print("rank", rank, "ok")
+dist.destroy_process_group()
+"""
+
+
+def test_best_weights_and_export_reload_work_on_fsdp2_shards(tmp_path):
+    """accelerate turns every config into plain DDP with --cpu, but torch's FSDP2 itself runs on CPU (gloo): the
+    best-model copy and the export reload, on real DTensor shards of 2 processes."""
+    script = tmp_path / "fsdp2_check.py"
+    script.write_text(FSDP2_CHECK)
+    proc = run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), script, ROOT,
+                tmp_path / "export.safetensors"])
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
