@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from safetensors.torch import load_model
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_atomically, resolve_resume,
-                              restore_training_state, save_checkpoint)
+from utils.checkpoint import (agree_on_resume, check_output_dir, check_resumable, clear_previous_run, merge_results,
+                              replace_dir_atomically, resolve_resume, restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.label_modes import check_problem_type, evaluation_metrics, prediction_rows, training_loss
 from utils.legacy import load_legacy_bert
@@ -40,6 +39,9 @@ from utils.text_batching import (add_padding_args, build_collator, label_targets
                                   tokenize, tokenize_examples)  # noqa: F401 (benchmarks import tokenize from here)
 from utils.text_data import (add_text_format_args, build_label_list, check_known_labels, find_split_file,
                              read_examples, read_unlabelled, text_format, write_labels_file)
+from utils.sharding import (BestWeights, check_sharding_applies, load_selected_weights, mark_selection,
+                            prepare_for_inference)
+from utils.step_weights import StepWeights
 from utils.timing import ThroughputWindow
 from utils.tokenizer_checks import check_unk_rate
 
@@ -269,9 +271,13 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
     checkpoint_dir = args.output_dir / "checkpoints"
-    resume_path = resolve_resume(args.resume_from_checkpoint, checkpoint_dir)
+    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoint_dir)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
-    state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader))
+    settings = {"--learning_rate": args.learning_rate, "--weight_decay": args.weight_decay,
+                "--warmup_ratio": args.warmup_ratio, "--num_train_epochs": args.num_train_epochs,
+                "--max_train_steps": args.max_train_steps, "--max_grad_norm": args.max_grad_norm}
+    state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader), optimizer, scheduler,
+                                   settings, args.output_dir, exports=["best_model"])
     log.open(resume_step=state["completed_steps"] if resume_path else None)
 
     print_run_summary(accelerator, "Running training", {
@@ -285,6 +291,10 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     guard = PreemptionGuard(accelerator)
     meter = LossMeter(accelerator.device)
     best_dir = args.output_dir / "best_model"
+    best = BestWeights()  # this run's best weights, in memory on every rank
+    weights = StepWeights(accelerator, len(loaders["train"].dataset), args.train_batch_size,
+                          args.gradient_accumulation_steps)
+    last_eval = None  # (step, metrics) of the last validation
     completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
     bar = progress(accelerator, total=max_train_steps, initial=completed_steps)
     start_time = time.perf_counter()
@@ -292,7 +302,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
 
     def snapshot(epoch, batches_in_epoch):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"]}
+                "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"], "settings": settings}
 
     def stop_if_diverged(check_weights=False):
         if meter.diverged(accelerator) or (check_weights and not parameters_finite(accelerator, model)):
@@ -309,16 +319,18 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
         for batch in window.epoch(batches):
             with accelerator.accumulate(model):
                 logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-                loss = training_loss(logits, batch["labels"], args.multi_label, args.label_smoothing)
+                losses = training_loss(logits, batch["labels"], args.multi_label, args.label_smoothing)  # (B,)
+                # a mean over the real samples of the whole optimizer step, padding and short windows included
+                loss, local_mean, local_real = weights.loss(losses, batches_in_epoch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            meter.update(loss, batch["labels"].shape[0])
+            meter.update(local_mean, local_real)
+            samples_seen += weights.real_in_batch(batches_in_epoch)
             batches_in_epoch += 1
-            samples_seen += args.train_batch_size
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
@@ -342,11 +354,17 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
                                                   "train_seconds": time.perf_counter() - start_time})
                 log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | "
                             f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f}")
+                last_eval = (completed_steps, metrics)
                 if metrics["macro_f1"] > state["best_macro_f1"]:
                     state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
+                    best.keep(model)
                     with window.pause("save"):
                         save_best_model(accelerator, model, tokenizer, best_dir)
-            ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else at_end
+                        accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
+            # A finished run needs no resumable checkpoint unless --checkpointing_steps asks for this step.
+            finished = completed_steps >= max_train_steps
+            ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else (
+                at_end and not finished)
             preempted = guard.should_stop()
             if ckpt_now or preempted:
                 stop_if_diverged(check_weights=True)
@@ -361,12 +379,21 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     bar.close()
     if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir)
+    best_eval = None  # the validation metrics of the weights now in the model, if they were measured
+    if last_eval is not None and last_eval[0] == state["best_step"] == completed_steps:
+        best_eval = last_eval[1]  # the best model is the last one evaluated: nothing to reload or re-evaluate
+        accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation "
+                          "results are reused")
+    elif best.held and not preempted:
+        best.restore(model)
+    elif state["best_step"] is not None and not preempted:  # selected before this run resumed: on the main disk
+        load_selected_weights(accelerator, model, best_dir, state["best_step"])
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": window.startup_seconds,
                "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
                "train_steps": completed_steps, "best_step": state["best_step"],
                "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
-    return model, results, preempted
+    return model, results, preempted, best_eval
 
 
 def report(accelerator, log, prefix, metrics, labels, output_dir):
@@ -390,12 +417,14 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    check_sharding_applies(accelerator)
     set_seed(args.seed)
     check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
     resuming = bool(args.resume_from_checkpoint) and args.do_train
     if args.do_train:
         check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
+        check_resumable(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
@@ -403,7 +432,10 @@ def main(args):
     tokenizer, model = build_model(args, labels)
     compat = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
               "model": {k: getattr(model.config, k, None) for k in
-                        ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
+                        ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
+              # another value would change which samples each step sees (or the inputs themselves)
+              "--train_batch_size": args.train_batch_size,
+              "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
     model = maybe_data_parallel(model, args)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
@@ -422,7 +454,8 @@ def main(args):
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
         log.write_json("run_config.json", provenance(args))
         log.start_tracking("bert_cls", vars(args))
-        model, train_results, preempted = train(args, accelerator, model, tokenizer, loaders, labels, log, compat)
+        model, train_results, preempted, best_eval = train(args, accelerator, model, tokenizer, loaders, labels, log,
+                                                           compat)
         results.update(train_results)
         if preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
@@ -430,21 +463,29 @@ def main(args):
             log.write_json("all_results.json", {**results, "preempted": True})
             log.end()
             return results
-        # Evaluate the selected model, never the last one: reload the best weights on every rank.
-        load_model(accelerator.unwrap_model(model), args.output_dir / "best_model" / "model.safetensors")
+        # train() returned the selected model, never the last one
+        prepared = {split: accelerator.prepare(loader) for split, loader in loaders.items() if split != "train"}
     else:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        model = accelerator.prepare(model)
+        best_eval = None
+        model, prepared = prepare_for_inference(accelerator, model, loaders)
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if getattr(args, f"do_{prefix}") and split in loaders:
-            metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split, args)
+            reuse = best_eval if split == "validation" else None  # the best model's last validation, if it was
+            metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
             log.log(f"best_model_{prefix}", results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
                                                                                     "micro_f1", "samples")})
     if args.do_predict:
-        write_predictions(accelerator, log, model, accelerator.prepare(loaders["predict"]), predict_examples, labels,
-                          args)
-    log.write_json("all_results.json", results)
+        write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
+    if args.do_train:
+        log.write_json("all_results.json", results)
+    else:  # an evaluation of a trained output_dir adds to its results, never drops them
+        for prefix in ("eval", "test"):
+            if getattr(args, f"do_{prefix}"):
+                log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
+                                                          if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
+        accelerator.on_main_process(merge_results)(args.output_dir / "all_results.json", results)
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()
     return results

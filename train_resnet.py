@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from accelerate.utils import set_seed
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from utils.checkpoint import (check_compatible, check_output_dir, clear_previous_run, read_training_state,
-                              resolve_resume, restore_training_state, save_checkpoint)
+from utils.checkpoint import (agree_on_resume, check_compatible, check_output_dir, check_resumable, clear_previous_run,
+                              merge_results, read_training_state, resolve_resume, restore_training_state,
+                              save_checkpoint)
 from utils.errors import UserError, run_cli
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
 from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
@@ -44,6 +44,8 @@ from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
+from utils.sharding import check_sharding_applies
+from utils.step_weights import StepWeights
 from utils.timing import seconds_since_process_start
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
@@ -243,7 +245,11 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
              "best_acc1": -1.0, "best_epoch": None}
-    state = restore_training_state(accelerator, resume_dir, compat, fresh, len(train_loader))
+    settings = {"--lr": args.lr, "--momentum": args.momentum, "--wd": args.weight_decay, "--epochs": args.epochs,
+                "--lr_scheduler": args.lr_scheduler, "--lr_step_epochs": args.lr_step_epochs,
+                "--warmup_epochs": args.warmup_epochs}
+    state = restore_training_state(accelerator, resume_dir, compat, fresh, len(train_loader), optimizer, scheduler,
+                                   settings, args.output_dir, exports=["model_best.pth"])
     log.open(resume_step=state["completed_steps"] if resume_dir else None)
     print_run_summary(accelerator, "Running training", {
         **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(compat["class_to_idx"]),
@@ -264,10 +270,13 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     start_time = window_start = tick = time.perf_counter()
     window_steps = window_batches = 0
     data_time = 0.0
+    # drop_last: every batch is full; only an epoch's last accumulation window can be short
+    weights = StepWeights(accelerator, len(train_set), args.batch_size, args.gradient_accumulation_steps,
+                          drop_last=True)
 
     def snapshot(epoch, batches_in_epoch):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"]}
+                "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"], "settings": settings}
 
     def check_health(check_weights=False):  # collectives: every rank calls this at the same points
         # the loss lags the weights by a step: check those too before anything is written from them
@@ -296,7 +305,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             with accelerator.accumulate(model):
                 logits = model(inputs)  # (B, C), B = this process's share of the batch
                 loss = classification_loss(logits, targets, args.label_smoothing)
-                accelerator.backward(loss)
+                # accelerate divides by the full accumulation count, also in an epoch's shorter last window
+                accelerator.backward(loss * weights.window_scale(batches_in_epoch))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -346,7 +356,9 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 accelerator.on_main_process(lambda: plot_training_curves(
                     log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
                     steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}"))()
-            checkpoint_now = completed_steps % args.checkpointing_steps == 0 if args.checkpointing_steps else epoch_done
+            # A finished run needs no resumable checkpoint unless --checkpointing_steps asks for this step.
+            checkpoint_now = completed_steps % args.checkpointing_steps == 0 if args.checkpointing_steps else (
+                epoch_done and completed_steps < total_steps)
             preempted = guard.should_stop()
             if checkpoint_now or preempted:
                 check_health(check_weights=True)
@@ -372,6 +384,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    check_sharding_applies(accelerator)
     set_seed(args.seed)
     check_global_batch(accelerator, args.batch_size, "--batch-size")
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
@@ -379,35 +392,40 @@ def main(args):
     if args.resume not in (None, "latest") and not Path(args.resume).exists():
         raise UserError(f"--resume {args.resume}: no such file or directory")
     legacy_file = args.resume is not None and Path(args.resume).is_file()
-    resume_dir = None if legacy_file else resolve_resume(args.resume, args.output_dir / "checkpoints")
+    resume_dir = None if legacy_file else agree_on_resume(accelerator, args.resume, args.output_dir / "checkpoints")
     if args.evaluate and args.resume and not legacy_file and resume_dir is None:
         raise UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
     resuming = resume_dir is not None or args.resume == "latest"
     if not args.evaluate:
         check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
+        check_resumable(args.output_dir, args.resume, args.overwrite_output_dir)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data[0].class_to_idx
     model = build_model(args, len(class_to_idx))
-    compat = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size}
+    compat = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
+              # another value would change what each step sees
+              "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--image_size": args.image_size}
     legacy = None
     if legacy_file:
         legacy = load_legacy_checkpoint(args.resume)
         check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
         load_weights(model, legacy["state_dict"], args.resume)
         accelerator.print(f"Loaded {args.resume} (epoch {legacy.get('epoch')}, best_acc1 {legacy.get('best_acc1')})")
-    elif args.evaluate and resume_dir is not None:
+    elif args.evaluate and resume_dir is not None:  # loaded by load_state once prepared (any FSDP/DeepSpeed layout)
         check_compatible(read_training_state(resume_dir), {"arch": args.arch, "class_to_idx": class_to_idx}, resume_dir)
-        load_weights(model, load_file(resume_dir / "model.safetensors"), resume_dir)
     model = place_model(model, args)
 
     log = RunLog(accelerator, args.output_dir)
     results = run_info(accelerator, args.batch_size)
     if args.evaluate:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        model, val_loader = accelerator.prepare(model, data[3])
+        model, val_loader = accelerator.prepare(model, data[3])  # with a loader: DeepSpeed refuses a model alone
+        if resume_dir is not None:
+            accelerator.load_state(str(resume_dir))
         metrics = evaluate(accelerator, model, val_loader, args)
         results.update({f"eval_{k}": v for k, v in metrics.items()})
         log.write_json("eval_results.json", {**results, "weights": str(args.resume or "pretrained")})
+        accelerator.on_main_process(merge_results)(args.output_dir / "all_results.json", results)
     else:
         if args.overwrite_output_dir and not resuming:
             accelerator.on_main_process(clear_previous_run)(args.output_dir)

@@ -26,7 +26,7 @@ def test_multi_label_metrics_at_the_threshold():
     expected_loss = -sum(math.log(p if t else 1 - p) for ps, ts in zip(probabilities.tolist(), targets.tolist())
                          for p, t in zip(ps, ts)) / 9
     assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-5)
-    assert training_loss(logits, targets, multi_label=True).item() == pytest.approx(expected_loss, rel=1e-5)
+    assert training_loss(logits, targets, multi_label=True).mean().item() == pytest.approx(expected_loss, rel=1e-5)
     assert metrics["confusion_matrix"] is None and metrics["samples"] == 3
     stricter = evaluation_metrics(logits, targets, LABELS, multi_label=True, threshold=0.8)
     assert stricter["micro_f1"] == pytest.approx(2 * 1 / (2 * 1 + 4))  # only a=0.9 is predicted

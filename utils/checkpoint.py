@@ -4,13 +4,20 @@ Layout: output_dir/checkpoints/step_<N>/ holds what `accelerator.save_state` wri
 scheduler, RNG states of every rank, sampler) plus training_state.json (where in training we were).
 A checkpoint is first written to `.tmp-step_<N>`, and renamed to `step_<N>` only once every rank has
 finished and training_state.json is on disk, so `latest` always resolves to a complete one.
+An --output_dir on each node's own disk (not shared) gets a complete copy on every node (accelerate's
+save_on_each_node): the first save finds out which it is.
 All functions that call save_state/load_state must run on every process.
 """
 import json
 import os
 import re
+import secrets
 import shutil
+import socket
+import time
 from pathlib import Path
+
+from accelerate.utils import broadcast_object_list, gather_object
 
 from .errors import UserError
 
@@ -46,6 +53,77 @@ def resolve_resume(resume, checkpoint_dir):
     return path
 
 
+def agree_on_resume(accelerator, resume, checkpoint_dir):
+    """The checkpoint every rank resumes from: the main process decides, and a node whose disk lacks it stops
+    every rank at once (a rank that resumed alone would wait in the first collective until --ddp_timeout).
+
+    `latest` is decided as a step_N name, looked up in each node's own checkpoint_dir (its --output_dir)."""
+    if not resume:
+        return None
+    decision = [None]
+    if accelerator.is_main_process:
+        try:
+            found = resolve_resume(resume, checkpoint_dir)
+            decision = [("ok", found.name if found is not None else None)]
+        except UserError as err:
+            decision = [("error", str(err))]
+    broadcast_object_list(decision)
+    kind, name = decision[0]
+    if kind == "error":
+        raise UserError(name)
+    if name is None:
+        return None
+    path = Path(checkpoint_dir) / name if resume == "latest" else Path(resume)
+    here = (socket.gethostname(), accelerator.process_index, str(path), (path / STATE_FILE).is_file())
+    missing = [(host, rank, where) for host, rank, where, ok in gather_object([here]) if not ok]
+    if missing:
+        host, rank, where = missing[0]
+        raise UserError(f"{where}: not on the disk of node {host} (rank {rank}), but the main process resumes from "
+                        f"{name}; copy that checkpoint to every node's --output_dir, or use a shared --output_dir")
+    return path
+
+
+def check_resumable(output_dir, resume, overwrite):
+    """`latest` in a directory that holds a finished run but no checkpoint would train it again from scratch, over
+    its results. (A run killed before its first checkpoint left no all_results.json: `latest` starts it afresh.)"""
+    results = Path(output_dir) / "all_results.json"
+    if resume != "latest" or overwrite or not results.is_file() or complete_checkpoints(Path(output_dir) / "checkpoints"):
+        return
+    try:
+        preempted = json.loads(results.read_text()).get("preempted", False)
+    except (OSError, json.JSONDecodeError):
+        preempted = False
+    if not preempted:
+        raise UserError(f"{output_dir}: holds a finished run (all_results.json) but no checkpoint to resume from "
+                        "(--checkpointing_steps longer than the run?); pass --overwrite_output_dir to train again")
+
+
+def start_new_branch(accelerator, path, output_dir, exports=()):
+    """Resuming from an older checkpoint abandons the later ones: move them aside, named so, before this run's own
+    step_N could pass for theirs. The best-model exports go aside too when the abandoned branch replaced them.
+    Returns whether it did (the resumed run then selects its best model afresh)."""
+    path = Path(path)
+    if path.parent.resolve() != (Path(output_dir) / "checkpoints").resolve():  # another run's: leave it alone
+        return False
+    step = int(_NAME.match(path.name).group(1))
+    later = [p for p in complete_checkpoints(path.parent) if int(_NAME.match(p.name).group(1)) > step]
+    if not later:
+        return False
+    suffix = f".abandoned_on_resume_from_step_{step}"
+    best_now = {k: v for k, v in read_training_state(path).items() if k.startswith("best_")}
+    best_then = {k: v for k, v in read_training_state(later[-1]).items() if k.startswith("best_")}
+    moved_exports = [Path(output_dir) / e for e in exports if (Path(output_dir) / e).exists()] \
+        if best_then != best_now else []
+    if _writes_here(accelerator, path.parent):
+        for old in later + moved_exports:
+            os.replace(old, old.with_name(old.name + suffix))
+    accelerator.wait_for_everyone()
+    names = ", ".join(p.name for p in later + moved_exports)
+    accelerator.print(f"resuming from {path.name} starts a new branch: the later {names} moved aside (*{suffix})"
+                      + ("; the best model is selected afresh from here" if moved_exports else ""))
+    return bool(moved_exports)
+
+
 def read_training_state(path):
     try:
         return json.loads((Path(path) / STATE_FILE).read_text())
@@ -54,30 +132,44 @@ def read_training_state(path):
 
 
 def check_compatible(saved, expected, path):
-    """A checkpoint from another model or label set must not be loaded silently."""
+    """A checkpoint from another model, label set or batch layout must not be loaded silently.
+
+    Keys starting with `--` are flags: the message names the flag and both values."""
     for key, value in expected.items():
         if key in saved and saved[key] != value:
+            if key.startswith("--"):
+                raise UserError(f"{key} {value!r}: {Path(path)} was trained with {key} {saved[key]!r}; resume with "
+                                "the same value (another value would change which samples each step sees)")
             raise UserError(
                 f"{Path(path) / STATE_FILE}: checkpoint has {key}={saved[key]!r}, this run has {value!r}"
             )
 
 
+def check_precision(accelerator, path):
+    """fp16 needs the loss scale the checkpoint's fp16 run kept (scaler.pt); a bf16/fp32 checkpoint has none."""
+    if accelerator.scaler is not None and not (Path(path) / "scaler.pt").is_file():
+        raise UserError(f"--mixed_precision fp16: {Path(path)} was not trained in fp16 (no scaler.pt with the loss "
+                        "scale); resume with the checkpoint's precision (bf16 or no)")
+
+
 def save_checkpoint(accelerator, checkpoint_dir, step, training_state, total_limit=None):
-    """Write checkpoint `step_<step>` atomically on all ranks; keep only the newest `total_limit`."""
+    """Write checkpoint `step_<step>` atomically on all ranks; keep only the newest `total_limit`.
+
+    An existing step_<step> (a SIGTERM right after resuming from it) is replaced, not kept: the log's
+    "saved" must be true of the file."""
     checkpoint_dir = Path(checkpoint_dir)
     final = checkpoint_dir / f"step_{step}"
     tmp = checkpoint_dir / f".tmp-step_{step}"
-    if final.exists():  # e.g. a SIGTERM right after resuming from this very step
-        return final
-    if accelerator.is_main_process:
+    writer = _writes_here(accelerator, checkpoint_dir)
+    if writer:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        _write_json_durably(tmp / STATE_FILE, training_state)
-        os.replace(tmp, final)
+    if writer:
+        _write_json_durably(tmp / STATE_FILE, {**training_state, "num_processes": accelerator.num_processes})
+        replace_dir_atomically(tmp, final)
         if total_limit:
             for old in complete_checkpoints(checkpoint_dir)[:-total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -85,33 +177,136 @@ def save_checkpoint(accelerator, checkpoint_dir, step, training_state, total_lim
     return final
 
 
+def _writes_here(accelerator, checkpoint_dir=None):
+    """Whether this process renames and rotates checkpoints: the main process on a shared --output_dir, each
+    node's local main process when every node has its own disk (found out once, at the first save)."""
+    if checkpoint_dir is not None and not getattr(accelerator, "_output_dir_checked", False):
+        _detect_node_local_disk(accelerator, Path(checkpoint_dir))
+    if accelerator.project_configuration.save_on_each_node:
+        return accelerator.is_local_main_process
+    return accelerator.is_main_process
+
+
+def _detect_node_local_disk(accelerator, checkpoint_dir):
+    """The main process leaves a token in checkpoint_dir; a rank that cannot read it has a disk of its own."""
+    accelerator._output_dir_checked = True
+    if accelerator.num_processes == 1:
+        return
+    token = [secrets.token_hex(8) if accelerator.is_main_process else None]
+    marker = checkpoint_dir / ".node-check"
+    if accelerator.is_main_process:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token[0])
+    broadcast_object_list(token)  # a collective: the marker is on disk before any rank looks
+    deadline = time.monotonic() + 2  # a network filesystem may take a moment to show another node's new file
+    while True:
+        try:
+            seen = marker.read_text() == token[0]
+        except OSError:
+            seen = False
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+        if checkpoint_dir.is_dir():
+            os.listdir(checkpoint_dir)  # a listing revalidates NFS's cached view of the directory
+    shared = all(gather_object([seen]))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink(missing_ok=True)
+    accelerator.project_configuration.save_on_each_node = not shared
+    if not shared:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        accelerator.print("--output_dir is not shared between the nodes: every node keeps its own complete copy "
+                          "of each checkpoint")
+
+
 def load_checkpoint(accelerator, path, expected):
     """Restore everything save_checkpoint wrote, after checking it belongs to this run; return its training state."""
     state = read_training_state(path)
     check_compatible(state, expected, path)  # before load_state, whose size-mismatch error is a traceback
+    check_precision(accelerator, path)
     accelerator.wait_for_everyone()
     accelerator.load_state(str(path))
     return state
 
 
-def restore_training_state(accelerator, path, expected, fresh_state, batches_per_epoch):
+def restore_training_state(accelerator, path, expected, fresh_state, batches_per_epoch, optimizer=None,
+                           scheduler=None, settings=None, output_dir=None, exports=()):
     """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects.
 
-    A checkpoint written at an epoch's end continues at the start of the next epoch.
+    A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
+    optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and
+    `settings` that differ from the checkpoint's are named in one line. A checkpoint older than the newest
+    starts a new branch (start_new_branch).
     """
     state = dict(fresh_state)
     if path is not None:
+        command_line = _hyperparameters(optimizer)
         state = load_checkpoint(accelerator, path, expected)
+        if output_dir is not None and start_new_branch(accelerator, path, output_dir, exports):
+            state.update({k: v for k, v in fresh_state.items() if k.startswith("best_")})
+        _apply_hyperparameters(optimizer, scheduler, command_line)
         accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
+        _report_changes(accelerator, path, state, settings or {})
     if state["batches_in_epoch"] >= batches_per_epoch:
         state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
     return state
 
 
+_HYPERPARAMETERS = ("lr", "initial_lr", "weight_decay", "momentum", "betas", "eps")
+
+
+def _hyperparameters(optimizer):
+    if optimizer is None:
+        return None
+    return [{k: group[k] for k in _HYPERPARAMETERS if k in group} for group in optimizer.param_groups]
+
+
+def _apply_hyperparameters(optimizer, scheduler, groups):
+    """load_state brings back the old run's param_groups and the scheduler's base_lrs: put the command line's
+    values back, and recompute the current learning rate from the (command-line) schedule at the restored step."""
+    if groups is None:
+        return
+    for group, values in zip(optimizer.param_groups, groups):
+        group.update(values)
+    if scheduler is not None:
+        inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps it
+        inner.base_lrs = [values.get("initial_lr", values["lr"]) for values in groups]
+        if hasattr(inner, "lr_lambdas"):
+            lrs = [base * factor(inner.last_epoch) for base, factor in zip(inner.base_lrs, inner.lr_lambdas)]
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+            inner._last_lr = lrs
+
+
+def _report_changes(accelerator, path, saved, settings):
+    """One line for the settings that differ from the checkpoint's (they apply), and one for the process count."""
+    saved_settings = saved.get("settings", {})
+    changed = [f"{flag} {saved_settings[flag]} -> {value}" for flag, value in settings.items()
+               if flag in saved_settings and saved_settings[flag] != value]
+    if changed:
+        accelerator.print(f"resumed with changed settings (applied from here on): {', '.join(changed)}")
+    before = saved.get("num_processes")
+    if before and before != accelerator.num_processes:
+        accelerator.print(f"resumed on {accelerator.num_processes} processes from a checkpoint of {before}: the "
+                          "global batch and the sample order are the same, so training continues identically")
+        if accelerator.num_processes > before:
+            accelerator.on_main_process(_warn)(
+                f"warning: ranks {before}-{accelerator.num_processes - 1} have no saved random state in {path}: "
+                "their dropout/augmentation draws start afresh (the run stays valid, but is not the bit-for-bit "
+                "continuation of the uninterrupted one)")
+
+
+def _warn(message):
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
+
+
 def replace_dir_atomically(tmp, final):
     """Swap a freshly written directory into place; a kill at any moment leaves one complete copy."""
     tmp, final = Path(tmp), Path(final)
-    old = final.with_name(final.name + ".old")
+    old = final.with_name(final.name + ".old")  # not a step_N name: never `latest`
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
@@ -138,6 +333,18 @@ def clear_previous_run(output_dir):
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def merge_results(path, results, prefixes=("eval_", "test_")):
+    """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
+    the training results there are kept, and the run information stays that of the training run."""
+    path = Path(path)
+    if not path.is_file():
+        merged = dict(results)
+    else:
+        merged = json.loads(path.read_text())
+        merged.update({k: v for k, v in results.items() if k.startswith(prefixes)})
+    path.write_text(json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
 
 
 def _write_json_durably(path, data):

@@ -12,10 +12,11 @@ from .metrics import classification_metrics
 
 
 def training_loss(logits, targets, multi_label, label_smoothing=0.0):
-    """Mean loss over this process's share of the batch (logits (B, C); targets (B,) ids or (B, C) multi-hot)."""
+    """Loss per sample, (B,), of this process's share of the batch (logits (B, C); targets (B,) ids or (B, C)
+    multi-hot; multi-label: the mean over the C labels' binary cross-entropies)."""
     if multi_label:
-        return F.binary_cross_entropy_with_logits(logits.float(), targets.float())
-    return F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
+        return F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none").mean(-1)
+    return F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing, reduction="none")
 
 
 def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5):

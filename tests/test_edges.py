@@ -1,0 +1,294 @@
+"""Nothing lost at the edges: nodes without a shared disk, going back to an earlier checkpoint, changed settings on
+resume, short accumulation windows, FSDP/DeepSpeed configs that cannot apply, finished runs (issue 16)."""
+import shutil
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_json, read_jsonl, run
+from safetensors.torch import load_file
+from test_resnet import main_here
+
+from utils.checkpoint import check_precision
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data
+from utils.errors import UserError
+
+SCRIPT = "train_bert_cls.py"
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def uneven_text(tmp_path_factory):
+    """88 training samples: 5 full global batches of 16 and a last one of 8, which does not divide."""
+    return write_text_classification_data(tmp_path_factory.mktemp("uneven"), n_train=88, n_val=40, n_test=40)
+
+
+def bert_args(data, out, *extra):
+    # No dropout: 1 and 2 processes draw different masks.
+    return ["--model_name_or_path", data / "model", "--from_scratch", "--config_overrides",
+            "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0", "--max_seq_len", "32",
+            "--train_batch_size", "16", "--eval_batch_size", "16", "--learning_rate", "1e-3", "--logging_steps", "1",
+            "--output_dir", out, *extra]
+
+
+def two_machines(node_args, timeout=120):
+    """Two `accelerate launch` "machines" on 127.0.0.1, each with its own arguments (its own --output_dir)."""
+    port = free_port()
+    common = ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", port, "--same_network", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    procs = [subprocess.Popen([str(c) for c in [*ACCELERATE, *common, "--machine_rank", rank, SCRIPT, "--cpu", *args]],
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank, args in enumerate(node_args)]
+    try:
+        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [proc.returncode for proc in procs], outputs
+
+
+def test_nodes_with_their_own_disks_train_resume_and_refuse_a_missing_checkpoint(uneven_text, tmp_path):
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    common = ["--data_dir", uneven_text, "--do_train", "--do_eval", "--eval_steps", "2", "--checkpointing_steps", "2"]
+    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--max_train_steps", "4") for out in outs])
+    assert codes == [0, 0], logs[1][-3000:]
+    assert "--output_dir is not shared between the nodes" in logs[0]
+    for rank, out in enumerate(outs):  # each node can resume on its own
+        step = out / "checkpoints" / "step_4"
+        assert (step / "training_state.json").is_file() and (step / "model.safetensors").is_file()
+        assert (step / f"random_states_{rank}.pkl").is_file()
+    # the best model was exported on the main node only, and node 1 never needed to read it
+    assert not (outs[1] / "best_model").exists() and read_json(outs[0] / "all_results.json")["eval_samples"] == 40
+
+    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--max_train_steps", "6",
+                                          "--resume_from_checkpoint", "latest") for out in outs])
+    assert codes == [0, 0], logs[1][-3000:]
+    assert f"Resumed from {outs[0] / 'checkpoints' / 'step_4'}" in logs[0]
+    assert read_json(outs[0] / "all_results.json")["train_steps"] == 6
+
+    shutil.rmtree(outs[1] / "checkpoints" / "step_6")  # node 1's disk lost the newest checkpoint
+    started = time.time()
+    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--max_train_steps", "8", "--ddp_timeout", "90",
+                                          "--resume_from_checkpoint", "latest") for out in outs])
+    assert codes[0] != 0 and codes[1] != 0
+    assert time.time() - started < 60  # every rank stops at once, not at the collective timeout
+    message = f"{outs[1] / 'checkpoints' / 'step_6'}: not on the disk of node"
+    assert message in logs[0] and message in logs[1], logs[0][-3000:]
+
+
+@pytest.fixture(scope="module")
+def first_branch(uneven_text, tmp_path_factory):
+    """8 steps on 1 process, checkpoints at 3 and 6 (none at the finished end: not asked for)."""
+    out = tmp_path_factory.mktemp("branch")
+    launch(SCRIPT, bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train", "--max_train_steps", "8",
+                             "--checkpointing_steps", "3", "--save_total_limit", "5", "--warmup_ratio", "0"))
+    return out
+
+
+def test_rollback_with_a_lower_learning_rate_starts_a_new_branch_on_more_processes(first_branch, uneven_text,
+                                                                                tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(first_branch, out)
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3", "step_6"]  # no final step_8
+    old_step_6 = load_file(checkpoints / "step_6" / "model.safetensors")
+    proc = launch(SCRIPT, bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train", "--max_train_steps",
+                                    "8", "--checkpointing_steps", "3", "--save_total_limit", "5", "--warmup_ratio",
+                                    "0", "--learning_rate", "1e-4", "--resume_from_checkpoint", checkpoints / "step_3"),
+                  num_processes=2)
+    assert "resumed with changed settings (applied from here on): --learning_rate 0.001 -> 0.0001" in proc.stdout
+    assert "starts a new branch: the later step_6" in proc.stdout
+    assert "resumed on 2 processes from a checkpoint of 1" in proc.stdout
+    assert "warning: ranks 1-1 have no saved random state" in proc.stderr
+    abandoned = checkpoints / "step_6.abandoned_on_resume_from_step_3"
+    assert_same(load_file(abandoned / "model.safetensors"), old_step_6)
+    new_step_6 = load_file(checkpoints / "step_6" / "model.safetensors")
+    assert any(not torch.equal(new_step_6[k], old_step_6[k]) for k in old_step_6)  # really this run's
+    lrs = {e["step"]: e["lr"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"}
+    assert lrs[4] == pytest.approx(1e-4 * (8 - 4) / 8)  # the new peak, on the schedule at the restored step
+    assert lrs[2] == pytest.approx(1e-3 * (8 - 2) / 8)  # the log before the checkpoint is the first branch's
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_another_batch_layout_and_a_scale_less_fp16(first_branch, uneven_text, tmp_path):
+    # (--gradient_accumulation_steps and --max_seq_len are checked the same way; ResNet's test below has one)
+    proc = run(["python", SCRIPT, "--cpu", *bert_args(uneven_text, first_branch, "--data_dir", uneven_text,
+                                                     "--do_train", "--max_train_steps", "12", "--train_batch_size",
+                                                     "32", "--resume_from_checkpoint", "latest")], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: --train_batch_size 32: {first_branch / 'checkpoints' / 'step_6'} was trained with " \
+           "--train_batch_size 16" in proc.stderr, proc.stderr[-2000:]
+    fp16 = SimpleNamespace(scaler=object())  # an fp16 run on a GPU has a GradScaler; a bf16 checkpoint no scale
+    with pytest.raises(UserError, match="--mixed_precision fp16: .* was not trained in fp16 .*no scaler.pt"):
+        check_precision(fp16, first_branch / "checkpoints" / "step_6")
+
+
+@pytest.fixture(scope="module")
+def accumulated(uneven_text, tmp_path_factory):
+    """The same 4 optimizer steps two ways: 2 processes x 4 micro-batches of 16, and 1 process x batches of 64.
+    88 samples: each epoch ends with a window of 2 micro-batches (16 + 8 real samples) against a batch of 24."""
+    runs = {}
+    for name, n, extra in (("micro", 2, ["--gradient_accumulation_steps", "4"]),
+                           ("whole", 1, ["--train_batch_size", "64", "--validation_file", uneven_text / "val.txt",
+                                         "--do_eval", "--eval_steps", "100"])):
+        runs[name] = tmp_path_factory.mktemp(name)
+        # the final model is the exported one (no validation, or one only after the last step); no checkpoint is
+        # asked for in 4 steps
+        runs[name, "log"] = launch(SCRIPT, bert_args(uneven_text, runs[name], "--train_file", uneven_text / "train.txt",
+                                                     "--do_train", "--max_train_steps", "4", "--checkpointing_steps",
+                                                     "100", *extra), num_processes=n).stdout
+    return runs
+
+
+def test_short_accumulation_window_and_padded_batch_take_a_full_mean_step(accumulated):
+    micro = load_file(accumulated["micro"] / "best_model" / "model.safetensors")
+    whole = load_file(accumulated["whole"] / "best_model" / "model.safetensors")
+    worst = max((micro[k] - whole[k]).abs().max().item() for k in micro)
+    assert worst < 1e-5, f"max abs weight difference {worst:.2e}"  # 3e-3 when the short window is a quarter step
+    assert read_json(accumulated["micro"] / "all_results.json")["train_steps"] == 4
+    # its only validation was of the final weights: reused for eval_*, not run a second time
+    assert "the best model is the last one evaluated (step 4): its validation results are reused" in \
+        accumulated["whole", "log"]
+    assert read_json(accumulated["whole"] / "all_results.json")["eval_samples"] == 40
+
+
+def test_finished_run_is_not_restarted_by_latest_and_test_only_results_merge(accumulated, uneven_text):
+    out = accumulated["whole"]
+    assert not (out / "checkpoints").exists()
+    proc = run(["python", SCRIPT, "--cpu", *bert_args(uneven_text, out, "--train_file", uneven_text / "train.txt",
+                                                     "--do_train", "--resume_from_checkpoint", "latest")],
+               check=False)
+    assert proc.returncode == 2 and "holds a finished run (all_results.json)" in proc.stderr, proc.stderr[-2000:]
+    assert "no checkpoint to resume from" in proc.stderr and "--overwrite_output_dir" in proc.stderr
+    before = read_json(out / "all_results.json")
+    launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--test_file", uneven_text / "test.txt", "--do_test",
+                    "--max_seq_len", "32", "--eval_batch_size", "16", "--output_dir", out])
+    after = read_json(out / "all_results.json")
+    assert {k: after[k] for k in before} == before  # nothing dropped or replaced
+    assert after["test_samples"] == 40 and read_json(out / "test_results.json")["test_samples"] == 40
+
+
+def test_fsdp_config_with_cpu_is_refused(uneven_text, tmp_path):
+    proc = run([*ACCELERATE, "--config_file", "accelerate_configs/fsdp.yaml", "--num_processes", "2",
+                "--main_process_port", free_port(), SCRIPT, "--cpu",
+                *bert_args(uneven_text, tmp_path / "out", "--data_dir", uneven_text, "--do_train")], check=False)
+    assert proc.returncode != 0
+    assert "error: the accelerate config asks for FSDP (distributed_type: FSDP), which does not run on CPU" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+# ---- train_resnet.py: the same paths, in this process (1 process) ----
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """120 training images: 3 batches of 40 per epoch."""
+    return write_digits_imagefolder(tmp_path_factory.mktemp("digits"), size=16, limit=160)
+
+
+def resnet_args(data, out, *extra):
+    return ["--cpu", data, "--image_size", "16", "--val_resize", "16", "-b", "40", "-j", "0", "-p", "1", "--lr",
+            "0.05", "--output_dir", out, *extra]
+
+
+def test_resnet_rollback_changed_settings_and_finished_runs(digits, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    main_here(resnet_args(digits, out, "--epochs", "3", "--checkpointing_steps", "4", "--save_total_limit", "0"))
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4", "step_8"]  # none at the finished step 9
+    with pytest.raises(UserError, match=r"--gradient_accumulation_steps 3: \S+step_8 was trained with "
+                                        r"--gradient_accumulation_steps 1"):
+        main_here(resnet_args(digits, out, "--epochs", "3", "--resume", "latest", "--gradient_accumulation_steps", "3"))
+    capsys.readouterr()
+    main_here(resnet_args(digits, out, "--epochs", "4", "--lr", "0.01", "--resume", checkpoints / "step_4"))
+    printed = capsys.readouterr().out
+    assert "resumed with changed settings (applied from here on): --lr 0.05 -> 0.01, --epochs 3 -> 4" in printed
+    assert (checkpoints / "step_8.abandoned_on_resume_from_step_4" / "training_state.json").is_file()
+    lrs = {e["step"]: e["lr"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"}
+    assert lrs[5] == pytest.approx(0.01) and lrs[4] == pytest.approx(0.05)  # step schedule: no decay yet
+    assert read_json(out / "all_results.json")["train_steps"] == 12
+
+    shutil.rmtree(checkpoints)  # a finished run without checkpoints: `latest` would start it again from scratch
+    with pytest.raises(UserError, match=r"holds a finished run \(all_results.json\) but no checkpoint to resume from"):
+        main_here(resnet_args(digits, out, "--epochs", "4", "--resume", "latest"))
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp.yaml` sets
+    with pytest.raises(UserError, match=r"asks for FSDP .*does not run on CPU \(--cpu\): this run would be plain NO"):
+        main_here(resnet_args(digits, tmp_path / "fsdp", "--epochs", "1"))
+
+
+def test_step_weights_give_every_real_sample_one_share_of_its_step():
+    """88 samples, global batch 16 on 2 processes (8 each), 4 micro-batches per step: the second step of an epoch is
+    batches 4 and 5 (16 + 8 real samples); rank 1's part of batch 5 is all padding."""
+    from utils.step_weights import StepWeights
+
+    ranks = [StepWeights(SimpleNamespace(num_processes=2, process_index=r), 88, 16, 4) for r in (0, 1)]
+    assert ranks[0].batches_per_epoch == 6 and ranks[0].window_real(5) == 24 and ranks[0].window_real(0) == 64
+    assert [w.local_real(5, 8) for w in ranks] == [8, 0] and [w.local_real(4, 8) for w in ranks] == [8, 8]
+    losses = torch.ones(8)
+    # DDP averages the 2 ranks, accelerate divides by 4: every real sample of the step weighs 1/24
+    gradient_weight = sum(w.loss(losses, 5)[0] + w.loss(losses, 4)[0] for w in ranks) / 2 / 4
+    assert gradient_weight.item() == pytest.approx(1.0)  # 24 real samples x 1/24
+    assert ranks[0].window_scale(5) == 2.0 and ranks[0].window_scale(3) == 1.0
+
+
+FSDP2_CHECK = """
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, sys.argv[1])
+from utils.sharding import BestWeights, load_full_weights
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+full = {k: v.clone() for k, v in model.state_dict().items()}
+fully_shard(model[0])
+fully_shard(model)
+assert type(next(model.parameters())).__name__ == "DTensor"
+
+
+def gathered():
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+best = BestWeights()
+best.keep(model)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+best.restore(model)
+assert all(torch.equal(gathered()[k], full[k]) for k in full), "in-memory best weights"
+if rank == 0:
+    save_file(full, sys.argv[2])
+dist.barrier()
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()
+load_full_weights(SimpleNamespace(num_processes=2, is_main_process=rank == 0), model, sys.argv[2])
+assert all(torch.equal(gathered()[k], full[k]) for k in full), "export read on rank 0 and broadcast"
+print("rank", rank, "ok")
+dist.destroy_process_group()
+"""
+
+
+def test_best_weights_and_export_reload_work_on_fsdp2_shards(tmp_path):
+    """accelerate turns every config into plain DDP with --cpu, but torch's FSDP2 itself runs on CPU (gloo): the
+    best-model copy and the export reload, on real DTensor shards of 2 processes."""
+    script = tmp_path / "fsdp2_check.py"
+    script.write_text(FSDP2_CHECK)
+    proc = run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), script, ROOT,
+                tmp_path / "export.safetensors"])
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
