@@ -87,8 +87,12 @@ def test_unk_check_stops_every_process_with_one_line(text_data, tmp_path):
                                         "--do_train", "--max_train_steps", "1", "--output_dir", tmp_path / "o"],
                   num_processes=2, check=False, timeout=120)
     assert proc.returncode != 0
-    assert f"error: {model}: the tokenizer maps 100% of the training text to [UNK]" in proc.stderr, proc.stderr[-3000:]
+    line = f"error: {model}: the tokenizer maps 100% of the training text to [UNK]"
+    assert line in proc.stderr, proc.stderr[-3000:]
     assert 'train_bert_cls.py", line' not in proc.stderr  # no traceback from our code on either rank
+    # printed once (not once per process), and repeated by the launcher's failure summary, its last words
+    assert [text.startswith(line) for text in proc.stderr.splitlines()].count(True) == 1, proc.stderr[-3000:]
+    assert line in "\n".join(proc.stderr.splitlines()[-12:]), proc.stderr[-3000:]
     assert not (tmp_path / "o").exists()
 
 
