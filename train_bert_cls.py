@@ -29,10 +29,12 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
 from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_atomically, resolve_resume,
                               restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
+from utils.export import export_state_dict, on_meta_device
 from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import classification_metrics, save_confusion_matrix
 from utils.preemption import PreemptionGuard
+from utils.pretrained import load_classifier
 from utils.run_log import RunLog, format_step_line, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
@@ -159,9 +161,7 @@ def build_model(args, labels):
                 config.update_from_string(args.config_overrides)
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=args.trust_remote_code)
         else:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                args.model_name_or_path, config=config, ignore_mismatched_sizes=True,
-                trust_remote_code=args.trust_remote_code)
+            model = load_classifier(args.model_name_or_path, config, args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(f"{args.model_name_or_path}: cannot load model ({str(err).splitlines()[0]})") from None
     if args.init_from_legacy:
@@ -243,8 +243,10 @@ def evaluate(accelerator, model, dataloader, labels, desc):
 def save_best_model(accelerator, model, tokenizer, best_dir):
     """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
-    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: all ranks
-    accelerator.on_main_process(accelerator.unwrap_model(model).save_pretrained)(tmp, state_dict=state_dict)
+    bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
+    # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
+    accelerator.on_main_process(bare.save_pretrained)(tmp, state_dict=state_dict, save_original_format=False)
     accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
     accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
     accelerator.wait_for_everyone()
@@ -433,7 +435,8 @@ def main(args):
             log.end()
             return results
         # Evaluate the selected model, never the last one: reload the best weights on every rank.
-        load_model(accelerator.unwrap_model(model), args.output_dir / "best_model" / "model.safetensors")
+        load_model(accelerator.unwrap_model(model, keep_torch_compile=False),
+                   args.output_dir / "best_model" / "model.safetensors")
     else:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         model = accelerator.prepare(model)
