@@ -29,6 +29,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
 from utils.checkpoint import (check_output_dir, clear_previous_run, replace_dir_atomically, resolve_resume,
                               restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
+from utils.evaluate_metrics import compute_metrics, load_metrics
 from utils.export import export_state_dict, on_meta_device
 from utils.legacy import load_legacy_bert
 from utils.loss_meter import LossMeter, parameters_finite
@@ -91,6 +92,9 @@ def parse_args(argv=None):
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
     output.add_argument("--save_total_limit", type=int, default=2, help="resumable checkpoints kept")
     output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
+    output.add_argument("--metric", action="append", default=[], metavar="NAME_OR_PATH",
+                        help="an `evaluate` module (hub id, or a local script offline) for the best model's "
+                             "validation/test results beside accuracy and F1; repeatable")
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
@@ -232,11 +236,12 @@ def predict_logits(accelerator, model, dataloader, desc):
     return torch.cat(all_logits), labels
 
 
-def evaluate(accelerator, model, dataloader, labels, desc):
-    """Accuracy, micro/macro F1, mean loss per sample, report and confusion matrix."""
+def evaluate(accelerator, model, dataloader, labels, desc, metric_modules=()):
+    """Accuracy, micro/macro F1, mean loss per sample, report and confusion matrix; `extra`: --metric's results."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc)
     metrics = classification_metrics(targets.numpy(), logits.argmax(-1).numpy(), labels)
     metrics["loss"] = F.cross_entropy(logits, targets).item()  # mean over samples
+    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
     return metrics
 
 
@@ -378,7 +383,8 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
     accelerator.print(f"{prefix}: accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
                       f"micro_f1 {metrics['micro_f1']:.4f} | loss {metrics['loss']:.4f} | "
                       f"{metrics['samples']} samples")
-    return {f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")}
+    return {**{f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")},
+            **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
 
 
 def write_predictions(accelerator, log, model, loader, texts, labels, output_dir):
@@ -405,6 +411,7 @@ def main(args):
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     texts_to_predict = read_texts(args.predict_file) if args.do_predict else None
+    metric_modules = load_metrics(args.metric, len(labels))
     tokenizer, model = build_model(args, labels)
     compat = {"labels": labels, "model": {k: getattr(model.config, k, None) for k in
                                           ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}}
@@ -442,10 +449,10 @@ def main(args):
         model = accelerator.prepare(model)
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if getattr(args, f"do_{prefix}") and split in loaders:
-            metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split)
+            metrics = evaluate(accelerator, model, accelerator.prepare(loaders[split]), labels, split, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
-            log.log(f"best_model_{prefix}", results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
-                                                                                    "micro_f1", "samples")})
+            log.log(f"best_model_{prefix}", results.get("train_steps", 0), {
+                **{k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}, **metrics["extra"]})
     if args.do_predict:
         write_predictions(accelerator, log, model, accelerator.prepare(loaders["predict"]), texts_to_predict, labels,
                           args.output_dir)

@@ -14,8 +14,7 @@ from checkpoint_layouts import bert_base_chinese_layout
 from conftest import ACCELERATE, read_json, read_jsonl, run
 from safetensors.torch import load_file
 
-import utils.export
-from utils.export import export_state_dict
+from utils.export import export_state_dict, on_meta_device
 
 # dynamo's INFO log names each compilation: the proof that the run was compiled at all
 COMPILED = "Step 2: calling compiler function"
@@ -117,11 +116,18 @@ def test_export_strips_the_compile_wrapper_and_refuses_foreign_keys():
     from accelerate import Accelerator
     from accelerate.utils import TorchDynamoPlugin
 
-    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
-    prepared = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)))
-    fresh = utils.export.on_meta_device(lambda: torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)))
-    assert all(k.startswith("_orig_mod.") for k in accelerator.get_state_dict(prepared))  # why export_state_dict exists
-    assert set(export_state_dict(accelerator, prepared, fresh)) == set(fresh.state_dict())
-    other = torch.nn.Sequential(torch.nn.Linear(2, 3))
-    with pytest.raises(RuntimeError, match="refusing to export"):
-        export_state_dict(accelerator, prepared, other)
+    from accelerate.state import AcceleratorState
+
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+
+    try:
+        accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+        prepared = accelerator.prepare(build())
+        assert all(k.startswith("_orig_mod.") for k in accelerator.get_state_dict(prepared))  # why this exists
+        fresh = on_meta_device(build)
+        assert set(export_state_dict(accelerator, prepared, fresh)) == set(fresh.state_dict())
+        with pytest.raises(RuntimeError, match="refusing to export"):
+            export_state_dict(accelerator, prepared, torch.nn.Sequential(torch.nn.Linear(2, 3)))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
