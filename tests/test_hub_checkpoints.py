@@ -11,6 +11,7 @@ import torch
 from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, sharded_bert_layout,
                                 vocab_size)
 from conftest import assert_same_weights, launch, read_json, read_jsonl
+from launch_options import default_config, launch_with_config, launch_with_precision
 from safetensors.torch import load_file
 
 import train_bert_cls
@@ -68,15 +69,25 @@ def finetune_args(data, model_dir, out, predict_file, *extra):
 
 @pytest.fixture(scope="module")
 def finetuned(layouts, text_data, tmp_path_factory):
-    """Each layout fine-tuned once (the gamma/beta one on 2 processes), predicting three texts."""
+    """Each layout fine-tuned once, predicting three texts, each launched another way users launch: the gamma/beta
+    one on 2 processes with fp16 requested (CPU trains it in fp32), ELECTRA with `accelerate config default`'s file."""
     root = tmp_path_factory.mktemp("finetuned")
     predict_file = root / "texts.txt"
     predict_file.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
-    outs = {}
-    for name, processes in (("bin_gamma_beta", 2), ("sharded_tokenizer_json", 1), ("electra", 1)):
-        outs[name] = root / name
-        launch(SCRIPT, finetune_args(text_data, layouts[name], outs[name], predict_file), num_processes=processes)
+    outs = {name: root / name for name in LAYOUTS}
+    args = {name: finetune_args(text_data, layouts[name], outs[name], predict_file) for name in LAYOUTS}
+    launch_with_precision("fp16", SCRIPT, args["bin_gamma_beta"], num_processes=2)
+    launch(SCRIPT, args["sharded_tokenizer_json"])
+    launch_with_config(default_config(root / "default_config.json"), SCRIPT, args["electra"])
     return outs, predict_file
+
+
+def test_runs_report_how_they_were_launched(finetuned):
+    launched = {name: read_json(out / "all_results.json") for name, out in finetuned[0].items()}
+    assert launched["bin_gamma_beta"]["num_processes"] == 2
+    assert (launched["bin_gamma_beta"]["mixed_precision_requested"], launched["bin_gamma_beta"]["mixed_precision"]) \
+        == ("fp16", "no")
+    assert (launched["electra"]["num_processes"], launched["electra"]["mixed_precision"]) == (1, "no")
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -103,8 +114,8 @@ def test_gamma_beta_run_resumes_from_latest(finetuned, layouts, text_data):
     reference = load_file(out / "checkpoints" / "step_6" / "model.safetensors")
     resumed = out.with_name("resumed")
     shutil.copytree(out, resumed, ignore=lambda folder, names: ["step_6"] if folder.endswith("checkpoints") else [])
-    launch(SCRIPT, finetune_args(text_data, layouts["bin_gamma_beta"], resumed, predict_file,
-                                 "--resume_from_checkpoint", "latest"), num_processes=2)
+    launch_with_precision("fp16", SCRIPT, finetune_args(text_data, layouts["bin_gamma_beta"], resumed, predict_file,
+                                                        "--resume_from_checkpoint", "latest"), num_processes=2)
     assert_same_weights(reference, load_file(resumed / "checkpoints" / "step_6" / "model.safetensors"))
     assert read_json(resumed / "all_results.json")["test_accuracy"] == read_json(out / "all_results.json")[
         "test_accuracy"]

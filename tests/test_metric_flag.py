@@ -2,7 +2,10 @@
 import csv
 
 import pytest
-from conftest import launch, read_json, read_jsonl, run
+import torch
+from conftest import read_json, read_jsonl, run
+from launch_options import default_config, launch_with_config
+from safetensors.torch import load_file
 
 from utils.errors import UserError
 from utils.evaluate_metrics import load_metrics
@@ -43,16 +46,28 @@ def write_module(path, cls, body):
 
 @pytest.fixture(scope="module")
 def metric_run(text_data, tmp_path_factory):
+    """2 processes (gathered predictions), launched with `accelerate config default --mixed_precision bf16`'s file."""
     root = tmp_path_factory.mktemp("metric")
     script = write_module(root / "balanced_accuracy.py", "BalancedAccuracy", BALANCED_ACCURACY)
     folder = write_module(root / "error_count" / "error_count.py", "ErrorCount", ERROR_COUNT).parent
     out = root / "out"
-    launch("train_bert_cls.py", [
+    launch_with_config(default_config(root / "bf16.json", "bf16"), "train_bert_cls.py", [
         "--data_dir", text_data, "--model_name_or_path", text_data / "model", "--from_scratch", "--config_overrides",
         "num_hidden_layers=1,hidden_size=32,intermediate_size=64", "--do_train", "--do_eval", "--do_test",
         "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "32", "--learning_rate", "1e-3",
         "--max_train_steps", "4", "--metric", script, "--metric", folder, "--output_dir", out], num_processes=2)
     return out
+
+
+def test_bf16_run_from_a_default_config_file_exports_fp32_that_pipeline_loads(metric_run):
+    from transformers import AutoModelForSequenceClassification
+
+    results = read_json(metric_run / "all_results.json")
+    assert (results["num_processes"], results["mixed_precision"]) == (2, "bf16")
+    _, info = AutoModelForSequenceClassification.from_pretrained(metric_run / "best_model", output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    weights = load_file(metric_run / "best_model" / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}  # autocast: the weights themselves stay fp32
 
 
 def balanced_accuracy_from_confusion_matrix(path):
