@@ -119,3 +119,19 @@ def test_gamma_beta_run_resumes_from_latest(finetuned, layouts, text_data):
     assert_same_weights(reference, load_file(resumed / "checkpoints" / "step_6" / "model.safetensors"))
     assert read_json(resumed / "all_results.json")["test_accuracy"] == read_json(out / "all_results.json")[
         "test_accuracy"]
+
+
+def test_export_of_a_gamma_beta_checkpoint_uses_the_models_names(layouts, text_data, tmp_path):
+    """In process, the crash itself: transformers 5 wrote `LayerNorm.gamma` back and loading best_model failed."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_model
+
+    tokenizer, model = build(text_data, layouts["bin_gamma_beta"])
+    try:
+        accelerator = Accelerator(cpu=True)
+        train_bert_cls.save_best_model(accelerator, accelerator.prepare(model), tokenizer, tmp_path / "best_model")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert load_file(tmp_path / "best_model" / "model.safetensors").keys() == model.state_dict().keys()
+    load_model(model, tmp_path / "best_model" / "model.safetensors")  # strict
