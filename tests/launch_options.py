@@ -1,4 +1,4 @@
-"""Launching as users configure it: a file from `accelerate config default`, and launcher flags other than conftest's."""
+"""Launching as users configure it: a file from `accelerate config default`, and other launcher flags."""
 import sys
 
 from conftest import ACCELERATE, free_port, run
