@@ -204,6 +204,7 @@ def train_line(epoch, batch, num_batches, v):
 
 def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc1, is_best):
     """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision."""
+    # the names plain torchvision loads: a fresh model of this arch (without --pretrained: names only, no download)
     fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False}),
                                                len(class_to_idx)))
     state_dict = export_state_dict(accelerator, model, fresh)  # a collective under FSDP/DeepSpeed: all ranks
