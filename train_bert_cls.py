@@ -25,12 +25,15 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from utils.checkpoint import (agree_on_resume, check_output_dir, check_resumable, clear_previous_run, merge_results,
                               replace_dir_atomically, resolve_resume, restore_training_state, save_checkpoint)
 from utils.errors import UserError, run_cli
+from utils.evaluate_metrics import compute_metrics, load_metrics
+from utils.export import export_state_dict, on_meta_device
 from utils.label_modes import check_problem_type, evaluation_metrics, prediction_rows, training_loss
 from utils.legacy import load_legacy_bert
 from utils.loaders import loader_settings
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import save_confusion_matrix
 from utils.preemption import PreemptionGuard
+from utils.pretrained import load_classifier
 from utils.run_log import RunLog, format_step_line, progress, provenance
 from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
                            maybe_data_parallel, print_run_summary, run_info)
@@ -99,6 +102,9 @@ def parse_args(argv=None):
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
     output.add_argument("--save_total_limit", type=int, default=2, help="resumable checkpoints kept")
     output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
+    output.add_argument("--metric", action="append", default=[], metavar="NAME_OR_PATH",
+                        help="an `evaluate` module (hub id, or a local script offline) for the best model's "
+                             "validation/test results beside accuracy and F1; repeatable")
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
@@ -109,6 +115,9 @@ def parse_args(argv=None):
         parser.error(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
     if args.multi_label and args.label_smoothing:
         parser.error("--label_smoothing applies to single-label cross-entropy, not to --multi_label")
+    if args.metric and args.multi_label:
+        parser.error("--metric passes one class id per sample to the evaluate module; with --multi_label use the "
+                     "built-in exact-match accuracy and micro/macro F1")
     if not 0.0 < args.threshold < 1.0:
         parser.error(f"--threshold {args.threshold}: must be in (0, 1)")
     for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
@@ -177,9 +186,7 @@ def build_model(args, labels):
                 config.update_from_string(args.config_overrides)
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=args.trust_remote_code)
         else:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                args.model_name_or_path, config=config, ignore_mismatched_sizes=True,
-                trust_remote_code=args.trust_remote_code)
+            model = load_classifier(args.model_name_or_path, config, args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(f"{args.model_name_or_path}: cannot load model ({str(err).splitlines()[0]})") from None
     if args.init_from_legacy:
@@ -239,17 +246,22 @@ def predict_logits(accelerator, model, dataloader, desc):
     return torch.cat(all_logits), labels
 
 
-def evaluate(accelerator, model, dataloader, labels, desc, args):
-    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix."""
+def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
+    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
+    `extra`: --metric's results."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc)
-    return evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold)
+    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold)
+    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
+    return metrics
 
 
 def save_best_model(accelerator, model, tokenizer, best_dir):
     """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
-    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: all ranks
-    accelerator.on_main_process(accelerator.unwrap_model(model).save_pretrained)(tmp, state_dict=state_dict)
+    bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
+    # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
+    accelerator.on_main_process(bare.save_pretrained)(tmp, state_dict=state_dict, save_original_format=False)
     accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
     accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
     accelerator.wait_for_everyone()
@@ -406,7 +418,8 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
     accelerator.print(f"{prefix}: accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
                       f"micro_f1 {metrics['micro_f1']:.4f} | loss {metrics['loss']:.4f} | "
                       f"{metrics['samples']} samples")
-    return {f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")}
+    return {**{f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")},
+            **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
 
 
 def write_predictions(accelerator, log, model, loader, examples, labels, args):
@@ -429,6 +442,7 @@ def main(args):
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
+    metric_modules = load_metrics(args.metric, len(labels))
     tokenizer, model = build_model(args, labels)
     compat = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
               "model": {k: getattr(model.config, k, None) for k in
@@ -471,11 +485,12 @@ def main(args):
         model, prepared = prepare_for_inference(accelerator, model, loaders)
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if getattr(args, f"do_{prefix}") and split in loaders:
-            reuse = best_eval if split == "validation" else None  # the best model's last validation, if it was
-            metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args)
+            # the best model's last validation, if it was measured (without --metric's modules)
+            reuse = best_eval if split == "validation" and not metric_modules else None
+            metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
-            log.log(f"best_model_{prefix}", results.get("train_steps", 0), {k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
-                                                                                    "micro_f1", "samples")})
+            log.log(f"best_model_{prefix}", results.get("train_steps", 0), {
+                **{k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}, **metrics["extra"]})
     if args.do_predict:
         write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
     if args.do_train:

@@ -34,6 +34,7 @@ from utils.checkpoint import (agree_on_resume, check_compatible, check_output_di
                               merge_results, read_training_state, resolve_resume, restore_training_state,
                               save_checkpoint)
 from utils.errors import UserError, run_cli
+from utils.export import export_state_dict, on_meta_device
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
 from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
 from utils.loaders import loader_settings
@@ -207,7 +208,10 @@ def train_line(epoch, batch, num_batches, v):
 
 def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc1, is_best):
     """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision."""
-    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed: all ranks
+    # the names plain torchvision loads: a fresh model of this arch (without --pretrained: names only, no download)
+    fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False}),
+                                               len(class_to_idx)))
+    state_dict = export_state_dict(accelerator, model, fresh)  # a collective under FSDP/DeepSpeed: all ranks
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, acc1=acc1, best_acc1=best_acc1)
     for name in ("checkpoint.pth", "model_best.pth") if is_best else ("checkpoint.pth",):
         accelerator.on_main_process(save_exported_checkpoint)(args.output_dir / name, state_dict, **fields)

@@ -116,7 +116,7 @@ def resolve_launch_args(argv):
 
 
 def test_config_dir_is_not_empty():
-    assert len(CONFIG_FILES) >= 12, CONFIG_FILES
+    assert len(CONFIG_FILES) >= 13, CONFIG_FILES
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
@@ -167,6 +167,7 @@ EXPECTED = {
     "deepspeed_zero2.yaml": (DistributedType.DEEPSPEED, 4, "bf16", False),
     "cpu.yaml": (DistributedType.NO, 1, "no", True),
     "cpu_ddp.yaml": (DistributedType.MULTI_GPU, 2, "no", True),
+    "single_gpu_compile.yaml": (DistributedType.NO, 1, "bf16", False),
 }
 
 
@@ -179,6 +180,12 @@ def test_config_values(name):
     assert config.mixed_precision == mixed_precision
     assert config.use_cpu is use_cpu
     assert config.compute_environment.value == "LOCAL_MACHINE"
+
+
+def test_compile_config_reaches_the_launcher_as_inductor_with_dynamic_shapes():
+    """The dynamo section must survive accelerate's parsing: a typo in it would quietly train uncompiled."""
+    args = resolve_launch_args(["--config_file", str(CONFIG_DIR / "single_gpu_compile.yaml"), "x.py"])
+    assert (args.dynamo_backend, args.dynamo_use_dynamic, args.mixed_precision) == ("INDUCTOR", True, "bf16")
 
 
 def test_gpu_subset_has_one_process_per_listed_gpu():

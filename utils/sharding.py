@@ -65,6 +65,7 @@ def load_full_weights(accelerator, model, path):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    model = getattr(model, "_orig_mod", model)  # under torch.compile: the export's names carry no `_orig_mod.`
     if accelerator.num_processes == 1:
         accelerator.unwrap_model(model).load_state_dict(load_file(path))
         return

@@ -1,0 +1,137 @@
+"""Fine-tuning starts from the checkpoint layouts users download, and exports what pipeline() loads.
+
+The layouts are built here (tests/checkpoint_layouts.py): bert-base-chinese's pytorch_model.bin with
+LayerNorm gamma/beta names and MLM + NSP heads, sharded safetensors with an index and tokenizer.json only,
+and an ELECTRA discriminator through the Auto classes.
+"""
+import shutil
+
+import pytest
+import torch
+from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, sharded_bert_layout,
+                                vocab_size)
+from conftest import assert_same_weights, launch, read_json, read_jsonl
+from launch_options import default_config, launch_with_config, launch_with_precision
+from safetensors.torch import load_file
+
+import train_bert_cls
+from utils.errors import UserError
+
+SCRIPT = "train_bert_cls.py"
+LAYOUTS = {"bin_gamma_beta": bert_base_chinese_layout, "sharded_tokenizer_json": sharded_bert_layout,
+           "electra": electra_layout}
+TEXTS = ["球队比赛冠军进球今天", "股市银行利率上涨", "电影明星导演票房"]
+
+
+@pytest.fixture(scope="module")
+def layouts(text_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    return {name: build(text_data / "model", root / name) for name, build in LAYOUTS.items()}
+
+
+def labels_of(text_data):
+    return sorted({line.split("\t")[0] for line in (text_data / "train.txt").read_text().splitlines()})
+
+
+def build(text_data, model_dir):
+    args = train_bert_cls.parse_args(["--model_name_or_path", str(model_dir), "--data_dir", str(text_data),
+                                      "--do_train"])
+    return train_bert_cls.build_model(args, labels_of(text_data))
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_encoder_starts_from_the_checkpoint_and_only_the_head_is_new(layouts, text_data, name):
+    tokenizer, model = build(text_data, layouts[name])
+    checkpoint = checkpoint_weights(layouts[name])
+    loaded = model.state_dict()
+    new = sorted(key for key in loaded if key not in checkpoint)
+    assert new and all(key.startswith("classifier.") for key in new), new
+    different = [key for key in loaded if key not in new and not torch.equal(loaded[key], checkpoint[key])]
+    assert not different, f"not the checkpoint's values: {different[:3]}"
+    assert len(tokenizer) == vocab_size(text_data / "model")
+
+
+def test_checkpoint_of_another_architecture_is_refused(layouts, text_data, tmp_path):
+    """ELECTRA weights under a BERT config.json: every encoder weight would start from random."""
+    wrong = tmp_path / "wrong"
+    shutil.copytree(layouts["electra"], wrong)
+    shutil.copy(layouts["bin_gamma_beta"] / "config.json", wrong / "config.json")
+    with pytest.raises(UserError, match="encoder weights are not in the checkpoint"):
+        build(text_data, wrong)
+
+
+def finetune_args(data, model_dir, out, predict_file, *extra):
+    return ["--model_name_or_path", model_dir, "--data_dir", data, "--do_train", "--do_eval", "--do_test",
+            "--do_predict", "--predict_file", predict_file, "--max_seq_len", "32", "--train_batch_size", "16",
+            "--eval_batch_size", "32", "--learning_rate", "1e-3", "--max_train_steps", "6", "--checkpointing_steps",
+            "3", "--eval_steps", "3", "--logging_steps", "3", "--output_dir", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def finetuned(layouts, text_data, tmp_path_factory):
+    """Each layout fine-tuned once, predicting three texts, each launched another way users launch: the gamma/beta
+    one on 2 processes with fp16 requested (CPU trains it in fp32), ELECTRA with `accelerate config default`'s file."""
+    root = tmp_path_factory.mktemp("finetuned")
+    predict_file = root / "texts.txt"
+    predict_file.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    outs = {name: root / name for name in LAYOUTS}
+    args = {name: finetune_args(text_data, layouts[name], outs[name], predict_file) for name in LAYOUTS}
+    launch_with_precision("fp16", SCRIPT, args["bin_gamma_beta"], num_processes=2)
+    launch(SCRIPT, args["sharded_tokenizer_json"])
+    launch_with_config(default_config(root / "default_config.json"), SCRIPT, args["electra"])
+    return outs, predict_file
+
+
+def test_runs_report_how_they_were_launched(finetuned):
+    launched = {name: read_json(out / "all_results.json") for name, out in finetuned[0].items()}
+    assert launched["bin_gamma_beta"]["num_processes"] == 2
+    assert (launched["bin_gamma_beta"]["mixed_precision_requested"], launched["bin_gamma_beta"]["mixed_precision"]) \
+        == ("fp16", "no")
+    assert (launched["electra"]["num_processes"], launched["electra"]["mixed_precision"]) == (1, "no")
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_export_loads_in_pipeline_with_no_missing_weight(finetuned, name):
+    from transformers import AutoModelForSequenceClassification, pipeline
+
+    best = finetuned[0][name] / "best_model"
+    keys = set(load_file(best / "model.safetensors"))
+    _, info = AutoModelForSequenceClassification.from_pretrained(best, output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not [k for k in keys if "gamma" in k or "beta" in k or k.startswith(("module.", "_orig_mod."))]
+    classifier = pipeline("text-classification", model=str(best), device="cpu")
+    rows = read_jsonl(finetuned[0][name] / "predictions.jsonl")
+    for row, got in zip(rows, classifier(TEXTS)):
+        assert got["label"] == row["label"]
+        assert got["score"] == pytest.approx(row["score"], abs=1e-5)
+    results = read_json(finetuned[0][name] / "all_results.json")
+    assert results["train_steps"] == 6 and results["test_samples"] == 99
+
+
+def test_gamma_beta_run_resumes_from_latest(finetuned, layouts, text_data):
+    """Killed after step 3 (the step-6 checkpoint never written), `latest` resumes to the same weights and results."""
+    out, predict_file = finetuned[0]["bin_gamma_beta"], finetuned[1]
+    reference = load_file(out / "checkpoints" / "step_6" / "model.safetensors")
+    resumed = out.with_name("resumed")
+    shutil.copytree(out, resumed, ignore=lambda folder, names: ["step_6"] if folder.endswith("checkpoints") else [])
+    launch_with_precision("fp16", SCRIPT, finetune_args(text_data, layouts["bin_gamma_beta"], resumed, predict_file,
+                                                        "--resume_from_checkpoint", "latest"), num_processes=2)
+    assert_same_weights(reference, load_file(resumed / "checkpoints" / "step_6" / "model.safetensors"))
+    assert read_json(resumed / "all_results.json")["test_accuracy"] == read_json(out / "all_results.json")[
+        "test_accuracy"]
+
+
+def test_export_of_a_gamma_beta_checkpoint_uses_the_models_names(layouts, text_data, tmp_path):
+    """In process, the crash itself: transformers 5 wrote `LayerNorm.gamma` back and loading best_model failed."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_model
+
+    tokenizer, model = build(text_data, layouts["bin_gamma_beta"])
+    try:
+        accelerator = Accelerator(cpu=True)
+        train_bert_cls.save_best_model(accelerator, accelerator.prepare(model), tokenizer, tmp_path / "best_model")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert load_file(tmp_path / "best_model" / "model.safetensors").keys() == model.state_dict().keys()
+    load_model(model, tmp_path / "best_model" / "model.safetensors")  # strict
