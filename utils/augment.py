@@ -39,7 +39,7 @@ def add_augment_args(parser):
     group.add_argument("--random_erase", "--random-erase", type=float, default=0.0,
                        help="probability of RandomErasing (after normalisation)")
     group.add_argument("--interpolation", choices=["bilinear", "bicubic", "nearest"], default="bilinear",
-                       help="resampling of crops, resizes and auto-augment")
+                       help="resampling of crops and resizes (auto-augment's rotations and shears: bilinear for bicubic)")
     group.add_argument("--ra_sampler", "--ra-sampler", action="store_true",
                        help="repeated augmentation: each image --ra_reps times per batch, differently augmented")
     group.add_argument("--ra_reps", "--ra-reps", type=int, default=3, help="copies per image with --ra_sampler")
@@ -65,6 +65,8 @@ def train_transform(args):
     mode = v2.InterpolationMode(args.interpolation)
     steps = [v2.RandomResizedCrop(args.train_crop_size, scale=(args.crop_scale, 1.0), ratio=tuple(args.crop_ratio),
                                   interpolation=mode, antialias=True)]
+    # on tensors, rotations and shears resample with nearest or bilinear only (torchvision raises for bicubic)
+    mode = mode if mode != v2.InterpolationMode.BICUBIC else v2.InterpolationMode.BILINEAR
     if args.hflip > 0:
         steps.append(v2.RandomHorizontalFlip(args.hflip))
     if args.auto_augment == "ta_wide":

@@ -68,21 +68,23 @@ def add_replaced_flags(parser, replacements=MAIN_PY_FLAGS, source="pytorch/examp
 
 
 def torchvision_batch_size(argv, parsed_batch_size, world_size):
-    """(global batch, note or None). torchvision's --batch-size is PER PROCESS, main.py's and ours GLOBAL.
+    """(global batch, note or None). torchvision's -b/--batch-size is PER PROCESS, main.py's and ours GLOBAL.
 
-    The spelling decides: a command that names torchvision's --model or --data-path is a torchvision command,
-    and its --batch-size is multiplied by the number of processes (and said so at start). -b and --batch_size
-    are always global; a command mixing a per-process --batch-size with -b is refused.
+    The command decides: one that names torchvision's --model or --data-path is a torchvision command, and its
+    -b/--batch-size is multiplied by the number of processes (and said so at start). --batch_size (underscore)
+    is always global; a command mixing it with a per-process -b/--batch-size is refused.
     """
     flags = {arg.split("=")[0] for arg in argv if arg.startswith("-")}
-    if "--batch-size" not in flags or not flags & {"--model", "--data-path"}:
+    flags |= {"-b" for arg in argv if arg.startswith("-b") and not arg.startswith("--")}  # -b64
+    if not flags & {"-b", "--batch-size"} or not flags & {"--model", "--data-path"}:
         return parsed_batch_size, None
-    if flags & {"-b", "--batch_size"}:
-        raise UserError("--batch-size (torchvision's, per process) and -b/--batch_size (global) both given; "
-                        "pass one of them")
+    if "--batch_size" in flags:
+        raise UserError("-b/--batch-size (torchvision's, per process, in a command with --model/--data-path) and "
+                        "--batch_size (global) both given; pass one of them")
     total = parsed_batch_size * world_size
-    return total, (f"--batch-size {parsed_batch_size} is torchvision's per-process batch: global batch "
-                   f"{parsed_batch_size} x {world_size} processes = {total} (-b sets the global batch directly)")
+    return total, (f"-b/--batch-size {parsed_batch_size} is torchvision's per-process batch (the command uses "
+                   f"--model/--data-path): global batch {parsed_batch_size} x {world_size} processes = {total}; "
+                   "--batch_size sets the global batch directly")
 
 
 def strip_module_prefix(state_dict):
