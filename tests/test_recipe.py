@@ -12,7 +12,7 @@ import train_resnet
 from utils.augment import RepeatedAugmentationSampler, train_transform, val_transform
 from utils.ema import ExponentialMovingAverage, adjusted_decay, update_ema
 from utils.image_data import RGBImageFolder
-from utils.mixing import BatchMixer, dominant_labels, soft_cross_entropy
+from utils.mixing import BatchMixer, build_mixer, dominant_labels, soft_cross_entropy
 from utils.optim import build_optimizer, lr_lambda, parameter_groups
 
 # torchvision's classification README, ResNet-50 V2 (80.858% top-1), as a user pastes it after `accelerate launch`
@@ -92,6 +92,13 @@ def test_mixed_targets_sum_to_one_and_do_not_depend_on_the_process_split():
     assert torch.equal(torch.cat([h[1] for h in halves]), soft)
     assert not torch.equal(mixer(one, inputs, targets, epoch=2, batch=6)[0], mixed)  # the next batch: new draws
     assert torch.equal(dominant_labels(soft, targets), soft.argmax(dim=1))
+
+
+def test_mixing_flags():
+    assert build_mixer(parse(), 10, 32) is None  # off by default
+    assert build_mixer(parse("--cutmix-alpha", "1.0", "--mixup_mode", "batch"), 10, 7).mode == "batch"
+    with pytest.raises(Exception, match=r"per-process batch \(7\) must be even"):
+        build_mixer(parse("--mixup-alpha", "0.2"), 10, 7)
 
 
 def test_unreadable_images_are_never_mixed():
@@ -181,6 +188,12 @@ def test_torchvision_recipe_command_parses_with_per_process_batch(monkeypatch, c
         train_resnet.parse_args(["--model", "resnet50", "--data-path", "x", "-b", "8", "--batch_size", "64"])
     assert "both given; pass one of them" in capsys.readouterr().err
     assert train_resnet.parse_args(["--dummy", "--test-only", "--pretrained"]).evaluate
+    for conflicting, message in ((["--dummy", "--test-only", "--pretrained", "--model-ema"],
+                                  "for the EMA, --resume checkpoint_ema.pth"),
+                                 (["x", "--data-path", "y"], "two data paths: x and --data-path y")):
+        with pytest.raises(SystemExit):
+            train_resnet.parse_args(conflicting)
+        assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_resnet.parse_args(["--dummy", "--amp"])
     assert "--amp  ->  accelerate launch --mixed_precision" in capsys.readouterr().err
