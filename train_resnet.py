@@ -43,7 +43,7 @@ from utils.legacy import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_co
                           save_exported_checkpoint, strip_module_prefix, torchvision_batch_size)
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import topk_correct
-from utils.mixing import BatchMixer, add_mixing_args, dominant_labels, soft_cross_entropy
+from utils.mixing import add_mixing_args, build_mixer, dominant_labels, soft_cross_entropy
 from utils.optim import add_optim_args, build_optimizer, lr_lambda, load_optimizer_state
 from utils.plots import plot_training_curves
 from utils.preemption import PreemptionGuard
@@ -100,6 +100,8 @@ def parse_args(argv=None):
     add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
+    if args.data and args.data_path and args.data != args.data_path:
+        parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
     args.data = args.data or args.data_path
     if args.data is None and args.dummy is None:
         parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
@@ -117,6 +119,9 @@ def parse_args(argv=None):
         close = difflib.get_close_matches(args.arch, MODEL_NAMES, n=3)
         parser.error(f"--arch {args.arch}: not a torchvision classification model"
                      + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}"))
+    if args.evaluate and args.model_ema:
+        parser.error("--evaluate/--test-only evaluates one model: for the EMA, --resume checkpoint_ema.pth or "
+                     "model_best_ema.pth (its own export), without --model_ema")
     if args.evaluate and not (args.resume or args.weights):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
     return args
@@ -173,6 +178,9 @@ def build_model(args, num_classes):
         raise UserError(f"{flag}: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
                         f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
     head_name, head = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+    if head.out_features != num_classes and args.evaluate:
+        raise UserError(f"{flag}: its head predicts {head.out_features} classes, the data has {num_classes}; "
+                        "a new head would be random: evaluate a model trained on these classes (--resume PATH)")
     if head.out_features != num_classes:
         model.set_submodule(head_name, torch.nn.Linear(head.in_features, num_classes))
     return model
@@ -290,8 +298,10 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps),
                                                   last_epoch=start_epoch * steps_per_epoch - 1)
     ema = build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
-    mixer = BatchMixer(args.mixup_alpha, args.cutmix_alpha, len(compat["class_to_idx"]), args.seed,
-                       args.mixup_mode) if args.mixup_alpha > 0 or args.cutmix_alpha > 0 else None
+    if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
+        load_weights(ema.module, strip_module_prefix(legacy["model_ema"]), args.resume)
+        ema.n_averaged.fill_(1)  # an average, not a fresh copy: the next update moves it
+    mixer = build_mixer(args, len(compat["class_to_idx"]), args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler)
     if ema:
@@ -379,7 +389,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
-            update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * steps_per_epoch, epoch, args)
+            update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * steps_per_epoch, epoch, args,
+                       accelerator)
             window_steps += 1
             bar.update(1)
             epoch_done = batches_in_epoch == len(train_loader)

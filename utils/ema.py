@@ -7,6 +7,7 @@ steps; during warmup epochs it copies the weights instead. world_size * batch_si
 batch (times --gradient_accumulation_steps: the images behind one optimizer step).
 """
 import torch
+from accelerate.utils import broadcast
 from torch.optim.swa_utils import AveragedModel
 
 from .errors import UserError
@@ -52,7 +53,7 @@ def build_ema(args, model, device, images_per_step):
 
 
 @torch.no_grad()
-def update_ema(ema, model, step_in_epoch, epoch, args):
+def update_ema(ema, model, step_in_epoch, epoch, args, accelerator=None):
     """torchvision's train_one_epoch: update every model_ema_steps batches of the epoch (the first included),
     and reset to a copy of the weights while the epoch is a warmup epoch."""
     if ema is None or step_in_epoch % args.model_ema_steps:
@@ -60,3 +61,9 @@ def update_ema(ema, model, step_in_epoch, epoch, args):
     ema.update_parameters(model)
     if epoch < args.warmup_epochs:
         ema.n_averaged.fill_(0)  # torchvision: "keep copying weights during warmup period"
+    if accelerator is not None and accelerator.num_processes > 1:
+        # DDP keeps the weights equal on every process but not the BatchNorm statistics (each process updates them
+        # from its own share until the next forward broadcasts rank 0's). Every process keeps rank 0's average,
+        # the one saved in checkpoints: validation then uses one EMA, and a resumed run continues exactly.
+        for buffer in ema.module.buffers():
+            broadcast(buffer, from_process=0)

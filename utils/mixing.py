@@ -29,6 +29,16 @@ def add_mixing_args(parser):
     return group
 
 
+def build_mixer(args, num_classes, per_process_batch):
+    """The BatchMixer of --mixup_alpha/--cutmix_alpha, or None; an odd per-process batch cannot be paired."""
+    if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
+        return None
+    if args.mixup_mode == "pair" and per_process_batch % 2:
+        raise UserError(f"--mixup_mode pair mixes pairs of images: the per-process batch ({per_process_batch}) must "
+                        "be even (change -b, or pass --mixup_mode batch)")
+    return BatchMixer(args.mixup_alpha, args.cutmix_alpha, num_classes, args.seed, args.mixup_mode)
+
+
 class BatchMixer:
     """Called on every process with its share of the global batch; returns mixed inputs and soft targets."""
 
@@ -42,8 +52,6 @@ class BatchMixer:
         """inputs (B, 3, H, W), targets (B,) -> inputs (B, 3, H, W), targets (B, num_classes), rows summing to
         1 (0 for placeholders). `batch`: the loader batch's index in the epoch."""
         size = 2 if self.mode == "pair" else inputs.shape[0]
-        if inputs.shape[0] % size:
-            raise UserError(f"--mixup_mode pair needs an even per-process batch, this one holds {inputs.shape[0]}")
         offset = accelerator.process_index * inputs.shape[0]  # this share's place in the global batch
         soft = F.one_hot(targets.clamp(min=0), self.num_classes).float() * (targets >= 0)[:, None]
         mixed_inputs, mixed_targets = inputs.clone(), soft
