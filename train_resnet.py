@@ -14,6 +14,7 @@ A tiny CPU run (2 processes of gloo DDP) on scikit-learn's handwritten digits wr
 -b is the GLOBAL batch (main.py's "total batch size of all GPUs"): the same command trains the same way on any
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
+torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
 Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), checkpoints/step_N
 (exact resume), metrics.jsonl, all_results.json (eval_results.json with -e), training_curves.png.
 """
@@ -70,7 +71,8 @@ def parse_args(argv=None):
     model.add_argument("-a", "--arch", "--model", default="resnet18",
                        help="any torchvision classification model name, or timm:NAME for a timm model")
     model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
-    model.add_argument("--weights", default=None, help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2")
+    model.add_argument("--weights", default=None,
+                       help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2")
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
     train = parser.add_argument_group("training")
@@ -133,12 +135,9 @@ def check_timm_model(parser, args):
         import timm
     except ImportError:
         parser.error(f"-a {args.arch}: timm is not installed (pip install timm)")
-    name = args.arch[len("timm:"):]
-    if name not in timm.list_models():
-        close = difflib.get_close_matches(name, timm.list_models(), n=3)
-        parser.error(f"-a {args.arch}: not a timm model" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-    if args.weights:
-        parser.error(f"-a {args.arch}: --weights/--pretrained name torchvision weights; timm models start random")
+    if args.arch[len("timm:"):] not in timm.list_models() or args.weights:
+        parser.error(f"-a {args.arch}: not a timm model (timm.list_models())" if not args.weights else
+                     f"-a {args.arch}: --weights/--pretrained name torchvision weights; timm models start random")
 
 
 def build_dataloaders(accelerator, args):
@@ -429,9 +428,9 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             break
     bar.close()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
-        last_metrics = evaluate(accelerator, model, val_loader, args)
-        if ema:
-            last_metrics.update({f"ema_{k}": v for k, v in evaluate(accelerator, ema.module, val_loader, args).items()})
+        last_metrics = {**evaluate(accelerator, model, val_loader, args),
+                        **({f"ema_{k}": v for k, v in evaluate(accelerator, ema.module, val_loader, args).items()}
+                           if ema else {})}
     runtime = time.perf_counter() - start_time
     results = {"train_runtime": runtime, "train_images_per_second": images_seen / runtime,
                "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,

@@ -250,7 +250,8 @@ def test_torchvision_recipe_command_runs(tmp_path):
     assert results["global_batch_size"] == 4 and results["train_steps"] == 2 and "eval_ema_acc1" in results
     run_config = read_json(out / "run_config.json")
     assert run_config["args"]["train_crop_size"] == 176 and run_config["args"]["val_resize"] == 232, run_config
-    torchvision.models.resnet50().load_state_dict(torch.load(out / "checkpoint_ema.pth", weights_only=True)["state_dict"])
+    ema_export = torch.load(out / "checkpoint_ema.pth", weights_only=True)
+    torchvision.models.resnet50().load_state_dict(ema_export["state_dict"])  # 1000 classes, as torchvision's
 
 
 def test_parse_keeps_our_flags_apart_from_main_py_ones():

@@ -39,7 +39,8 @@ def add_augment_args(parser):
     group.add_argument("--random_erase", "--random-erase", type=float, default=0.0,
                        help="probability of RandomErasing (after normalisation)")
     group.add_argument("--interpolation", choices=["bilinear", "bicubic", "nearest"], default="bilinear",
-                       help="resampling of crops and resizes (auto-augment's rotations and shears: bilinear for bicubic)")
+                       help="resampling of crops and resizes (auto-augment's rotations and shears: bilinear "
+                            "for bicubic)")
     group.add_argument("--ra_sampler", "--ra-sampler", action="store_true",
                        help="repeated augmentation: each image --ra_reps times per batch, differently augmented")
     group.add_argument("--ra_reps", "--ra-reps", type=int, default=3, help="copies per image with --ra_sampler")
