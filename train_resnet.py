@@ -14,6 +14,7 @@ A tiny CPU run (2 processes of gloo DDP) on scikit-learn's handwritten digits wr
 -b is the GLOBAL batch (main.py's "total batch size of all GPUs"): the same command trains the same way on any
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
+torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
 Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), checkpoints/step_N
 (exact resume), metrics.jsonl, all_results.json (eval_results.json with -e), training_curves.png.
 """
@@ -21,6 +22,7 @@ import argparse
 import difflib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -34,17 +36,23 @@ from utils.checkpoint import (agree_on_resume, check_compatible, check_output_di
                               merge_results, read_training_state, resolve_resume, restore_training_state,
                               save_checkpoint)
 from utils.errors import UserError, run_cli
-from utils.export import export_state_dict, on_meta_device
+from utils.augment import (RepeatedAugmentationSampler, add_augment_args, resolve_augment_args, train_transform,
+                           val_transform)
+from utils.ema import add_ema_args, build_ema, update_ema
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
-from utils.legacy import add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint, save_exported_checkpoint
+from utils.legacy import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint,
+                          save_exported_checkpoint, strip_module_prefix, torchvision_batch_size)
+from utils.export import check_same_keys, export_state_dict, on_meta_device
 from utils.loaders import loader_settings
 from utils.loss_meter import LossMeter, parameters_finite
 from utils.metrics import topk_correct
+from utils.mixing import add_mixing_args, build_mixer, dominant_labels, soft_cross_entropy
+from utils.optim import add_optim_args, build_optimizer, lr_lambda, load_optimizer_state
 from utils.plots import plot_training_curves
 from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, progress, provenance
-from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
-                           maybe_data_parallel, print_run_summary, run_info)
+from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, launched_world_size,
+                           loader_generator, maybe_data_parallel, print_run_summary, run_info)
 from utils.sharding import check_sharding_applies
 from utils.step_weights import StepWeights
 from utils.timing import seconds_since_process_start
@@ -59,35 +67,30 @@ def parse_args(argv=None):
                                      allow_abbrev=False)
     data = parser.add_argument_group("data")
     data.add_argument("data", nargs="?", type=Path, help="ImageFolder root holding train/<class>/ and val/<class>/")
+    data.add_argument("--data-path", "--data_path", type=Path, dest="data_path", help="torchvision's: the same")
     data.add_argument("-j", "--workers", type=int, default=4, help="DataLoader worker processes per process")
-    data.add_argument("--image_size", type=int, default=224, help="pixels: training crop and validation center crop")
-    data.add_argument("--val_resize", type=int, default=256, help="pixels: shorter side before the center crop")
-    data.add_argument("--crop_scale", type=float, default=0.08,
-                      help="smallest fraction of the image area a training crop covers (timm's --scale)")
     data.add_argument("--dummy", nargs="?", type=int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
                       help="random images instead of data (main.py's FakeData); default: ImageNet's count")
     data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
     model = parser.add_argument_group("model")
-    model.add_argument("-a", "--arch", default="resnet18", help="any torchvision classification model name")
+    model.add_argument("-a", "--arch", "--model", default="resnet18",
+                       help="any torchvision classification model name, or timm:NAME for a timm model")
     model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
-    model.add_argument("--sync_bn", action="store_true", help="BatchNorm statistics over all processes (GPUs)")
+    model.add_argument("--weights", default=None,
+                       help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2")
+    model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=90)
     train.add_argument("--start-epoch", type=int, default=0, help="epochs already done (schedule starts there)")
-    train.add_argument("-b", "--batch-size", type=int, default=256, help="GLOBAL images per step, split over processes")
-    train.add_argument("--lr", "--learning-rate", type=float, default=0.1, help="peak SGD learning rate")
-    train.add_argument("--momentum", type=float, default=0.9)
-    train.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    train.add_argument("--lr_scheduler", choices=["step", "cosine"], default="step",
-                       help="step: x0.1 every --lr_step_epochs (main.py); cosine: to 0 at the last step")
-    train.add_argument("--lr_step_epochs", type=int, default=30, help="epochs between x0.1 decays of 'step'")
-    train.add_argument("--warmup_epochs", type=float, default=0.0, help="epochs of linear warmup from 0")
-    train.add_argument("--label_smoothing", type=float, default=0.0, help="training loss only")
+    train.add_argument("-b", "--batch-size", "--batch_size", type=int, default=256,
+                       help="GLOBAL images per step, split over processes (torchvision's per-process --batch-size: "
+                            "see docs/resnet_recipes.md)")
+    train.add_argument("--label_smoothing", "--label-smoothing", type=float, default=0.0, help="training loss only")
     train.add_argument("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
     train.add_argument("--seed", type=int, default=42, help="model init, shuffling and augmentation")
     output = parser.add_argument_group("output")
-    output.add_argument("--output_dir", type=Path, default=Path("outputs/resnet"))
+    output.add_argument("--output_dir", "--output-dir", type=Path, default=Path("outputs/resnet"))
     output.add_argument("--overwrite_output_dir", action="store_true")
     output.add_argument("-p", "--print-freq", type=int, default=10, help="optimizer steps between log lines")
     output.add_argument("--checkpointing_steps", type=int, default=None,
@@ -96,32 +99,66 @@ def parse_args(argv=None):
     output.add_argument("--resume", default=None, metavar="PATH",
                         help="'latest' or checkpoints/step_N (exact resume), or a .pth/.pth.tar file (main.py's, "
                              "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
-    output.add_argument("-e", "--evaluate", action="store_true",
-                        help="evaluate --resume's (or --pretrained) weights on val/, no training")
-    add_runtime_args(parser)
+    output.add_argument("-e", "--evaluate", "--test-only", "--test_only", action="store_true",
+                        help="evaluate --resume's (or --weights) weights on val/, no training")
+    for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
+        add_group(parser)
     add_replaced_flags(parser)
+    add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
+    if args.data and args.data_path and args.data != args.data_path:
+        parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
+    args.data = args.data or args.data_path
     if args.data is None and args.dummy is None:
         parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
-    if args.arch not in MODEL_NAMES:
+    try:
+        args.batch_size, args.batch_size_note = torchvision_batch_size(argv, args.batch_size, launched_world_size())
+        resolve_augment_args(args)
+    except UserError as err:
+        parser.error(str(err))
+    if args.pretrained and args.weights:
+        parser.error("--pretrained means --weights DEFAULT: pass one of them")
+    args.weights = "DEFAULT" if args.pretrained else args.weights
+    if args.arch.startswith("timm:"):
+        check_timm_model(parser, args)
+    elif args.arch not in MODEL_NAMES:
         close = difflib.get_close_matches(args.arch, MODEL_NAMES, n=3)
         parser.error(f"--arch {args.arch}: not a torchvision classification model"
                      + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}"))
-    if args.evaluate and not (args.resume or args.pretrained):
-        parser.error("--evaluate needs weights: --resume PATH or --pretrained")
+    if args.evaluate and args.model_ema:
+        parser.error("--evaluate/--test-only evaluates one model: for the EMA, --resume checkpoint_ema.pth or "
+                     "model_best_ema.pth (its own export), without --model_ema")
+    if args.evaluate and not (args.resume or args.weights):
+        parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
     return args
+
+
+def check_timm_model(parser, args):
+    """-a timm:NAME: timm is optional; its weights come from the Hub, so --weights/--pretrained are refused."""
+    try:
+        import timm
+    except ImportError:
+        parser.error(f"-a {args.arch}: timm is not installed (pip install timm)")
+    if args.arch[len("timm:"):] not in timm.list_models() or args.weights:
+        parser.error(f"-a {args.arch}: not a timm model (timm.list_models())" if not args.weights else
+                     f"-a {args.arch}: --weights/--pretrained name torchvision weights; timm models start random")
 
 
 def build_dataloaders(accelerator, args):
     """(train, val) datasets and their unprepared loaders; batch size = GLOBAL batch."""
     if args.dummy is not None:
-        train_set, val_set = build_dummy_datasets(args.dummy, args.image_size)
+        train_set, val_set = build_dummy_datasets(args.dummy, args.train_crop_size, args.val_crop_size)
     else:
-        train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed, args.crop_scale)
+        transforms = (train_transform(args), val_transform(args), args.train_crop_size, args.val_crop_size)
+        train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed,
+                                            transforms=transforms)
     common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
+    # a sampler seeded by (seed, epoch) itself; otherwise accelerate's seedable sampler shuffles
+    order = (dict(sampler=RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps, args.seed))
+             if args.ra_sampler else dict(shuffle=True))
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
-    train_loader = DataLoader(train_set, shuffle=True, drop_last=True, generator=loader_generator(args.seed),
-                              **common)
+    train_loader = DataLoader(train_set, drop_last=True, generator=loader_generator(args.seed), **order, **common)
     if len(train_loader) == 0 and not args.evaluate:
         raise UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch "
                         f"(-b {args.batch_size})")
@@ -129,16 +166,25 @@ def build_dataloaders(accelerator, args):
 
 
 def build_model(args, num_classes):
-    """A torchvision model; with --pretrained, its ImageNet weights and, for another class count, a new head."""
+    """A torchvision (or timm) model; with --weights, torchvision's weights and, for another class count, a new head."""
+    if args.arch.startswith("timm:"):
+        import timm
+        return timm.create_model(args.arch[len("timm:"):], pretrained=False, num_classes=num_classes)
     kwargs = {"aux_logits": False} if args.arch in AUX_HEAD_MODELS else {}
-    if not args.pretrained:
+    if not args.weights:
         return torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
+    flag = "--pretrained" if args.pretrained else f"--weights {args.weights}"
     try:
-        model = torchvision.models.get_model(args.arch, weights="DEFAULT", **kwargs)
+        model = torchvision.models.get_model(args.arch, weights=args.weights, **kwargs)
+    except (KeyError, ValueError) as err:  # no such enum, or weights of another architecture
+        raise UserError(f"{flag}: not weights of torchvision's {args.arch} ({err})") from None
     except (OSError, RuntimeError) as err:  # URLError offline, a broken file in the cache
-        raise UserError(f"--pretrained: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
+        raise UserError(f"{flag}: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
                         f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
     head_name, head = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+    if head.out_features != num_classes and args.evaluate:
+        raise UserError(f"{flag}: its head predicts {head.out_features} classes, the data has {num_classes}; "
+                        "a new head would be random: evaluate a model trained on these classes (--resume PATH)")
     if head.out_features != num_classes:
         model.set_submodule(head_name, torch.nn.Linear(head.in_features, num_classes))
     return model
@@ -206,15 +252,47 @@ def train_line(epoch, batch, num_batches, v):
             f"Acc@5 {v['acc5']:6.2f} | lr {v['lr']:.2e} | {v['images_per_second']:,.0f} images/s")
 
 
-def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc1, is_best):
-    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision."""
-    # the names plain torchvision loads: a fresh model of this arch (without --pretrained: names only, no download)
-    fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False}),
-                                               len(class_to_idx)))
+def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc1, is_best, ema_state=None,
+                   suffix=""):
+    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision.
+    checkpoint.pth also holds the EMA's weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
+    # the names plain torchvision loads: a fresh model of this arch (no weights: names only, no download)
+    fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False,
+                                                                     "weights": None}), len(class_to_idx)))
     state_dict = export_state_dict(accelerator, model, fresh)  # a collective under FSDP/DeepSpeed: all ranks
+    if ema_state is not None:
+        ema_state = strip_module_prefix(ema_state)
+        check_same_keys(ema_state, fresh)
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, acc1=acc1, best_acc1=best_acc1)
-    for name in ("checkpoint.pth", "model_best.pth") if is_best else ("checkpoint.pth",):
-        accelerator.on_main_process(save_exported_checkpoint)(args.output_dir / name, state_dict, **fields)
+    extra = {"model_ema": strip_module_prefix(ema_state)} if ema_state is not None else {}
+    names = ("checkpoint", "model_best") if is_best else ("checkpoint",)
+    for name in names:
+        accelerator.on_main_process(save_exported_checkpoint)(args.output_dir / f"{name}{suffix}.pth", state_dict,
+                                                              **fields, **(extra if name == "checkpoint" else {}))
+
+
+def end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch, completed_steps, compat):
+    """main.py validates and exports after every epoch; the EMA is validated and exported beside the model."""
+    metrics = evaluate(accelerator, model, val_loader, args)
+    ema_metrics = evaluate(accelerator, ema.module, val_loader, args) if ema else {}
+    is_best, ema_best = metrics["acc1"] > state["best_acc1"], ema and ema_metrics["acc1"] > state["best_ema_acc1"]
+    if is_best:
+        state.update(best_acc1=metrics["acc1"], best_epoch=epoch)
+    if ema_best:
+        state.update(best_ema_acc1=ema_metrics["acc1"])
+    log.log("eval", completed_steps, {"epoch": epoch, **metrics, **{f"ema_{k}": v for k, v in ema_metrics.items()},
+                                      "train_seconds": time.perf_counter() - state["start_time"]})
+    ema_text = f" | EMA Acc@1 {ema_metrics['acc1']:.3f} Acc@5 {ema_metrics['acc5']:.3f}" if ema else ""
+    log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
+                f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "
+                f"(epoch {state['best_epoch']}){ema_text}")
+    ema_state = ema.module.state_dict() if ema else None
+    export_weights(accelerator, model, args, compat["class_to_idx"], epoch, metrics["acc1"], state["best_acc1"],
+                   is_best, ema_state)
+    if ema:
+        export_weights(accelerator, ema.module, args, compat["class_to_idx"], epoch, ema_metrics["acc1"],
+                       state["best_ema_acc1"], ema_best, suffix="_ema")
+    return {**metrics, **{f"ema_{k}": v for k, v in ema_metrics.items()}}
 
 
 def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
@@ -222,38 +300,35 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     train_set, val_set, train_loader, val_loader = data
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
     total_steps = args.epochs * steps_per_epoch
-    warmup_steps = round(args.warmup_epochs * steps_per_epoch)
     start_epoch = legacy.get("epoch", args.start_epoch) if legacy else args.start_epoch  # main.py: epochs done
-    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    optimizer = build_optimizer(model, args)
     if legacy and "optimizer" in legacy:
-        try:
-            optimizer.load_state_dict(legacy["optimizer"])  # brings the momentum buffers
-        except (ValueError, KeyError) as err:
-            raise UserError(f"{args.resume}: optimizer state does not fit this model ({err})") from None
-    for group in optimizer.param_groups:  # the command line, not the checkpoint, sets the hyperparameters
-        group.update(lr=args.lr, initial_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-
-    def lr_factor(step):  # multiplies --lr after `step` optimizer steps
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if args.lr_scheduler == "step":
-            return 0.1 ** (step // steps_per_epoch // args.lr_step_epochs)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
-
+        load_optimizer_state(optimizer, legacy["optimizer"], args.resume)  # brings the momentum buffers
     # Per optimizer step, sized from the UNprepared loader; with split_batches the prepared one steps once per step.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor, last_epoch=start_epoch * steps_per_epoch - 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps),
+                                                  last_epoch=start_epoch * steps_per_epoch - 1)
+    ema = build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
+    if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
+        load_weights(ema.module, strip_module_prefix(legacy["model_ema"]), args.resume)
+        ema.n_averaged.fill_(1)  # an average, not a fresh copy: the next update moves it
+    mixer = build_mixer(args, len(compat["class_to_idx"]), args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler)
+    if ema:
+        accelerator.register_for_checkpointing(ema)  # saved and restored with the resumable checkpoints
 
     checkpoint_dir = args.output_dir / "checkpoints"
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
-             "best_acc1": -1.0, "best_epoch": None}
+             "best_acc1": -1.0, "best_epoch": None, "best_ema_acc1": -1.0}
     settings = {"--lr": args.lr, "--momentum": args.momentum, "--wd": args.weight_decay, "--epochs": args.epochs,
                 "--lr_scheduler": args.lr_scheduler, "--lr_step_epochs": args.lr_step_epochs,
-                "--warmup_epochs": args.warmup_epochs}
+                "--warmup_epochs": args.warmup_epochs, "--lr_warmup_method": args.lr_warmup_method,
+                "--lr_warmup_decay": args.lr_warmup_decay, "--lr_min": args.lr_min}
     state = restore_training_state(accelerator, resume_dir, compat, fresh, len(train_loader), optimizer, scheduler,
-                                   settings, args.output_dir, exports=["model_best.pth"])
+                                   settings, args.output_dir,
+                                   exports=["model_best.pth", "model_best_ema.pth", "checkpoint_ema.pth"])
+    state["start_time"] = start_time = time.perf_counter()
     log.open(resume_step=state["completed_steps"] if resume_dir else None)
     print_run_summary(accelerator, "Running training", {
         **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(compat["class_to_idx"]),
@@ -261,7 +336,9 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "images_per_optimizer_step": args.batch_size * args.gradient_accumulation_steps,
         "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "total_steps": total_steps,
-        "start_step": state["completed_steps"]})
+        "start_step": state["completed_steps"], "batch_size": args.batch_size_note or "-b (global)",
+        "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
+        "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
 
     guard = PreemptionGuard(accelerator)
     meter = LossMeter(accelerator.device)
@@ -271,7 +348,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     completed_steps, images_seen, preempted = state["completed_steps"], 0, False
     startup_seconds = None  # process start to the end of this process's first step
     bar = progress(accelerator, total=total_steps, initial=completed_steps)
-    start_time = window_start = tick = time.perf_counter()
+    window_start = tick = time.perf_counter()
     window_steps = window_batches = 0
     data_time = 0.0
     # drop_last: every batch is full; only an epoch's last accumulation window can be short
@@ -280,7 +357,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
 
     def snapshot(epoch, batches_in_epoch):
         return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"], "settings": settings}
+                "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"],
+                "best_ema_acc1": state.get("best_ema_acc1", -1.0), "settings": settings}
 
     def check_health(check_weights=False):  # collectives: every rank calls this at the same points
         # the loss lags the weights by a step: check those too before anything is written from them
@@ -304,13 +382,19 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
         batches_in_epoch = skip
         for inputs, targets in batches:
             data_time += time.perf_counter() - tick
+            if mixer:  # soft targets (B, classes); accuracy against each row's largest-weight label
+                inputs, soft_targets = mixer(accelerator, inputs, targets, epoch, batches_in_epoch)
+                targets = dominant_labels(soft_targets, targets)
             if args.channels_last:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(model):
                 logits = model(inputs)  # (B, C), B = this process's share of the batch
-                loss = classification_loss(logits, targets, args.label_smoothing)
+                loss = (soft_cross_entropy(logits, soft_targets, args.label_smoothing) if mixer
+                        else classification_loss(logits, targets, args.label_smoothing))
                 # accelerate divides by the full accumulation count, also in an epoch's shorter last window
                 accelerator.backward(loss * weights.window_scale(batches_in_epoch))
+                if args.clip_grad_norm and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -326,6 +410,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
+            update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * steps_per_epoch, epoch, args,
+                       accelerator)
             window_steps += 1
             startup_seconds = startup_seconds or seconds_since_process_start()
             bar.update(1)
@@ -343,20 +429,10 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 log.log("train", completed_steps, values)
                 window.zero_()
                 window_start, window_steps, window_batches, data_time = time.perf_counter(), 0, 0, 0.0
-            if epoch_done:  # main.py validates after every epoch
+            if epoch_done:
                 check_health(check_weights=True)
-                last_metrics = evaluate(accelerator, model, val_loader, args)
-                is_best = last_metrics["acc1"] > state["best_acc1"]
-                if is_best:
-                    state.update(best_acc1=last_metrics["acc1"], best_epoch=epoch + 1)
-                log.log("eval", completed_steps, {"epoch": epoch + 1, **last_metrics,
-                                                  "train_seconds": time.perf_counter() - start_time})
-                log.console(f" * Epoch {epoch + 1} | Acc@1 {last_metrics['acc1']:.3f} | "
-                            f"Acc@5 {last_metrics['acc5']:.3f} | Loss {last_metrics['loss']:.4f} | "
-                            f"{last_metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "
-                            f"(epoch {state['best_epoch']})")
-                export_weights(accelerator, model, args, compat["class_to_idx"], epoch + 1, last_metrics["acc1"],
-                               state["best_acc1"], is_best)
+                last_metrics = end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch + 1,
+                                            completed_steps, compat)
                 accelerator.on_main_process(lambda: plot_training_curves(
                     log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
                     steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}"))()
@@ -377,12 +453,15 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             break
     bar.close()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
-        last_metrics = evaluate(accelerator, model, val_loader, args)
+        last_metrics = {**evaluate(accelerator, model, val_loader, args),
+                        **({f"ema_{k}": v for k, v in evaluate(accelerator, ema.module, val_loader, args).items()}
+                           if ema else {})}
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": startup_seconds,
                "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
                "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
-               "best_epoch": state["best_epoch"], "train_skipped_images": skipped_total}
+               "best_epoch": state["best_epoch"], "train_skipped_images": skipped_total,
+               **({"best_ema_acc1": state["best_ema_acc1"]} if ema else {})}
     return model, last_metrics, results, preempted
 
 
@@ -408,7 +487,10 @@ def main(args):
     model = build_model(args, len(class_to_idx))
     compat = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
               # another value would change what each step sees
-              "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--image_size": args.image_size}
+              "--gradient_accumulation_steps": args.gradient_accumulation_steps,
+              "--train_crop_size": args.train_crop_size,
+              "--opt": args.opt,  # another optimizer cannot take the checkpoint's state
+              "model_ema": args.model_ema}  # an EMA in the checkpoint must be restored into an EMA
     legacy = None
     if legacy_file:
         legacy = load_legacy_checkpoint(args.resume)
@@ -428,7 +510,7 @@ def main(args):
             accelerator.load_state(str(resume_dir))
         metrics = evaluate(accelerator, model, val_loader, args)
         results.update({f"eval_{k}": v for k, v in metrics.items()})
-        log.write_json("eval_results.json", {**results, "weights": str(args.resume or "pretrained")})
+        log.write_json("eval_results.json", {**results, "weights": str(args.resume or args.weights)})
         accelerator.on_main_process(merge_results)(args.output_dir / "all_results.json", results)
     else:
         if args.overwrite_output_dir and not resuming:

@@ -24,17 +24,24 @@ EPOCHS = 3
 FAST = ["--arch", "resnet18", "--image_size", "16", "--val_resize", "16", "-b", "64", "--lr", "0.02",
         "--momentum", "0", "-j", "0", "-p", "5"]
 STEPS = EPOCHS * (1348 // 64)  # 1,348 training images, drop_last: 21 steps per epoch; checkpoints every 10 steps
+# Every recipe feature on in the shared runs, so the exactness tests cover them all; mild enough for digits to
+# reach ~60% in 3 epochs (no flips and crops of >= 25%: a flipped 2 is not a 2). EMA decay 0.999 becomes 0.915
+# after torchvision's adjustment for a 64-image batch, 4-step interval and 3 epochs.
+ALL_ON = ["--lr", "0.05", "--hflip", "0", "--crop_scale", "0.25", "--auto_augment", "ta_wide", "--random_erase", "0.1",
+          "--mixup_alpha", "0.2", "--cutmix_alpha", "0.5", "--model_ema", "--model_ema_steps", "4",
+          "--model_ema_decay", "0.999", "--norm_weight_decay", "0", "--bias_weight_decay", "0", "--clip_grad_norm", "5",
+          "--lr_scheduler", "cosine", "--warmup_epochs", "0.5", "--lr_min", "0.001", "--ra_sampler", "--ra_reps", "2"]
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
 
 def train_args(data, out, *extra, epochs=EPOCHS):
-    return [data, *FAST, "--epochs", str(epochs), "--checkpointing_steps", "10", "--save_total_limit", "0",
+    return [data, *FAST, *ALL_ON, "--epochs", str(epochs), "--checkpointing_steps", "10", "--save_total_limit", "0",
             "--output_dir", out, *extra]
 
 
 @pytest.fixture(scope="module")
 def trained(digits_data, tmp_path_factory):
-    """One uninterrupted 1-process and one 2-process run, shared by the tests below."""
+    """One uninterrupted 1-process and one 2-process run with every recipe feature on, shared by the tests below."""
     runs = {}
     for n in (1, 2):
         out = tmp_path_factory.mktemp(f"resnet_{n}proc")
@@ -61,20 +68,34 @@ def test_learns_and_counts_exactly(trained, digits_data, n):
     events = read_jsonl(out / "metrics.jsonl")
     train = [e for e in events if e["event"] == "train"]
     assert [e["step"] for e in train] == sorted({e["step"] for e in train})  # no repeats
-    assert train[-1]["loss"] < 0.8 * train[0]["loss"], [e["loss"] for e in train]
-    assert [e["epoch"] for e in events if e["event"] == "eval"] == [1, 2, 3]
+    # the training loss is on mixed images and soft targets (MixUp/CutMix): it falls, but stays high; the
+    # validation loss is on plain images
+    evals = [e for e in events if e["event"] == "eval"]
+    assert train[-1]["loss"] < 0.95 * train[0]["loss"], [e["loss"] for e in train]
+    assert evals[-1]["loss"] < 0.8 * evals[0]["loss"], [e["loss"] for e in evals]
+    assert [e["epoch"] for e in evals] == [1, 2, 3]
+    assert evals[-1]["ema_acc1"] > 20 and evals[-1]["ema_samples"] == 449  # the EMA is validated beside the model
+    assert results["best_ema_acc1"] == max(e["ema_acc1"] for e in evals)
     assert (out / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_exports_load_into_plain_torchvision(trained, digits_data):
+@pytest.mark.parametrize("suffix", ["", "_ema"])
+def test_exports_load_into_plain_torchvision(trained, digits_data, suffix):
     out = trained[2]
     results = read_json(out / "all_results.json")
-    best = torch.load(out / "model_best.pth", weights_only=True)
+    if suffix:  # the EMA's own files: the same layout and checks, against its own validation results
+        ema_evals = [{k[4:]: v for k, v in e.items() if k.startswith("ema_")} | {"epoch": e["epoch"]}
+                     for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
+        results = {"best_acc1": results["best_ema_acc1"], "eval_acc1": results["eval_ema_acc1"],
+                   "best_epoch": max(ema_evals, key=lambda e: e["acc1"])["epoch"]}
+        assert_same_weights(torch.load(out / "checkpoint_ema.pth", weights_only=True)["state_dict"],
+                            torch.load(out / "checkpoint.pth", weights_only=True)["model_ema"])  # torchvision's key
+    best = torch.load(out / f"model_best{suffix}.pth", weights_only=True)
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(best["state_dict"])  # strict: no `module.` prefix, nothing missing
     assert best["arch"] == "resnet18" and best["class_to_idx"] == {str(d): d for d in range(10)}
     assert best["best_acc1"] == best["acc1"] == results["best_acc1"] and best["epoch"] == results["best_epoch"]
-    last = torch.load(out / "checkpoint.pth", weights_only=True)
+    last = torch.load(out / f"checkpoint{suffix}.pth", weights_only=True)
     assert last["epoch"] == EPOCHS and last["acc1"] == results["eval_acc1"]
 
     # Recompute top-1/top-5 with nothing from this project: PIL, torchvision transforms, argsort.
@@ -88,8 +109,9 @@ def test_exports_load_into_plain_torchvision(trained, digits_data):
         ranking = model.eval()(images).argsort(dim=1, descending=True)  # (N, 10)
     rank_of_target = (ranking == targets[:, None]).float().argmax(dim=1)  # 0 = top-1
     assert 100 * (rank_of_target == 0).float().mean().item() == pytest.approx(best["acc1"], abs=1e-4)
+    evals = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
     assert 100 * (rank_of_target < 5).float().mean().item() == pytest.approx(
-        [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"][best["epoch"] - 1]["acc5"], abs=1e-4)
+        evals[best["epoch"] - 1][f"{suffix[1:]}_acc5".lstrip("_")], abs=1e-4)
 
 
 def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path):
@@ -107,17 +129,19 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path):
 
 
 def same_run(reference, resumed, stopped_at=None):
-    """Bitwise-identical weights at the end, and the same curve (timings aside) with no step logged twice."""
-    assert_same_weights(torch.load(reference / "checkpoint.pth", weights_only=True)["state_dict"],
-                        torch.load(resumed / "checkpoint.pth", weights_only=True)["state_dict"])
-    assert_same_curve(reference, resumed, ("loss", "acc1", "acc5", "lr"), stopped_at)
+    """Bitwise-identical weights and EMA weights at the end, and the same curve (timings aside), no step twice."""
+    for key in ("state_dict", "model_ema"):
+        assert_same_weights(torch.load(reference / "checkpoint.pth", weights_only=True)[key],
+                            torch.load(resumed / "checkpoint.pth", weights_only=True)[key])
+    assert_same_curve(reference, resumed, ("loss", "acc1", "acc5", "lr", "ema_acc1"), stopped_at)
 
 
 def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, digits_data, tmp_path):
     """2 processes: --resume from a mid-epoch checkpoint of the reference run, SIGTERM, --resume latest."""
     out = tmp_path / "preempted"
     shutil.copytree(trained[2], out)
-    for later in ("checkpoint.pth", "model_best.pth", "all_results.json", "training_curves.png"):
+    for later in ("checkpoint.pth", "model_best.pth", "checkpoint_ema.pth", "model_best_ema.pth", "all_results.json",
+                  "training_curves.png"):
         (out / later).unlink()
     for step in (50, 60):
         shutil.rmtree(out / "checkpoints" / f"step_{step}")
@@ -137,15 +161,16 @@ def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, digi
     assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[2] / "all_results.json")["best_acc1"]
 
 
-def test_sigkill_then_resume_latest_is_exact_on_one_process(trained, digits_data, tmp_path):
+def test_sigkill_then_resume_latest_is_exact(trained, digits_data, tmp_path):
+    """2 processes, every recipe feature on: killed mid-epoch 1 (step 20 of 21), resumed, bitwise the same run."""
     out = tmp_path / "killed"
-    job = start(launch_cmd(SCRIPT, train_args(digits_data, out)), tmp_path / "job.log")
+    job = start(launch_cmd(SCRIPT, train_args(digits_data, out), num_processes=2), tmp_path / "job.log")
     wait_for(lambda: (out / "checkpoints" / "step_20" / "training_state.json").exists(), job)
     kill_job(job, signal.SIGKILL)
     job.wait()
     assert not (out / "checkpoints" / f"step_{STEPS}").exists()
-    launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"))
-    same_run(trained[1], out)
+    launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"), num_processes=2)
+    same_run(trained[2], out)
 
 
 def main_py_checkpoint(path, best):
@@ -167,7 +192,7 @@ def test_resumes_a_main_py_checkpoint(trained, digits_data, tmp_path):
     checkpoint = main_py_checkpoint(tmp_path / "checkpoint.pth.tar", best)
     out = tmp_path / "out"
     proc = run(["python", SCRIPT, "--cpu", digits_data, *FAST, "--epochs", str(EPOCHS + 1), "--resume",
-                checkpoint, "--output_dir", out])
+                checkpoint, "--hflip", "0", "--crop_scale", "0.25", "--output_dir", out])  # the weights' augmentation
     assert f"Loaded {checkpoint} (epoch {EPOCHS}" in proc.stdout
     events = read_jsonl(out / "metrics.jsonl")
     assert {e["epoch"] for e in events} == {EPOCHS + 1}  # main.py's epoch = epochs done: only the 4th is trained
@@ -211,6 +236,22 @@ def test_dummy_data_and_modern_options(tmp_path):
     exported = torch.load(out / "model_best.pth", weights_only=True)
     torchvision.models.resnet18().load_state_dict(exported["state_dict"])  # 1000 classes, as in main.py
     assert any((out / "runs").rglob("events.out.tfevents.*"))
+
+
+def test_torchvision_recipe_command_runs(tmp_path):
+    """torchvision's ResNet-50 V2 command (tests/test_recipe.py RECIPE), `accelerate launch` for torchrun, on 2
+    processes. Changed to run in seconds: --dummy 8 images, 1 epoch, --batch-size 2 (per process, as torchvision's)."""
+    from test_recipe import RECIPE
+    out = tmp_path / "recipe"
+    proc = launch(SCRIPT, [*RECIPE, "--dummy", "8", "--batch-size", "2", "--epochs", "1", "-j", "0",
+                           "--output-dir", out], num_processes=2)
+    assert "global batch 2 x 2 processes = 4" in proc.stdout and "mixup 0.2 cutmix 1.0" in proc.stdout
+    results = read_json(out / "all_results.json")
+    assert results["global_batch_size"] == 4 and results["train_steps"] == 2 and "eval_ema_acc1" in results
+    run_config = read_json(out / "run_config.json")
+    assert run_config["args"]["train_crop_size"] == 176 and run_config["args"]["val_resize"] == 232, run_config
+    ema_export = torch.load(out / "checkpoint_ema.pth", weights_only=True)
+    torchvision.models.resnet50().load_state_dict(ema_export["state_dict"])  # 1000 classes, as torchvision's
 
 
 def test_parse_keeps_our_flags_apart_from_main_py_ones():

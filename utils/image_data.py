@@ -108,7 +108,8 @@ class RGBImageFolder(datasets.ImageFolder):
     def set_epoch(self, epoch):
         self.epoch.set(epoch)
 
-    def __getitem__(self, index):
+    def __getitem__(self, item):
+        key, index = sample_key(self.seed, self.epoch.get(), item)
         path, target = self.samples[index]
         try:
             image = decode_rgb(path)
@@ -117,12 +118,19 @@ class RGBImageFolder(datasets.ImageFolder):
         # Python's hash of a tuple of ints is deterministic (PYTHONHASHSEED only affects str/bytes). Seeding the
         # CPU generator alone takes 1 us; torch.manual_seed, which also seeds every accelerator, takes 70.
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(hash((self.seed, self.epoch.get(), index)))
+            torch.default_generator.manual_seed(key)
             return self.transform(image), target
 
     def bad_image_path(self, target):
         """The file a negative target points at."""
         return self.samples[-1 - target][0]
+
+
+def sample_key(seed, epoch, item):
+    """(augmentation seed, index) of a dataset item: an index, or (index, repeat) from the repeated-augmentation
+    sampler, whose copies of one image must be augmented differently. Repeat 0 seeds as a plain index does."""
+    index, repeat = item if isinstance(item, tuple) else (item, 0)
+    return hash((seed, epoch, index) if repeat == 0 else (seed, epoch, index, repeat)), index
 
 
 def image_classes(root):
@@ -159,14 +167,18 @@ def _few(names, limit=5):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def build_datasets(data, image_size, val_resize, seed, crop_scale=0.08):
-    """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes."""
+def build_datasets(data, image_size, val_resize, seed, crop_scale=0.08, transforms=None):
+    """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes.
+
+    transforms: (train, val, train_crop, val_crop) from utils/augment.py; default main.py's at image_size."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     train_classes, val_classes = image_classes(train_root), image_classes(val_root)
     check_same_classes(train_classes, val_classes, train_root, val_root)
-    train = RGBImageFolder(train_root, build_transforms(image_size, val_resize, train=True, crop_scale=crop_scale),
-                           image_size, seed)
-    val = RGBImageFolder(val_root, build_transforms(image_size, val_resize, train=False), image_size, seed)
+    if transforms is None:
+        transforms = (build_transforms(image_size, val_resize, train=True, crop_scale=crop_scale),
+                      build_transforms(image_size, val_resize, train=False), image_size, image_size)
+    train = RGBImageFolder(train_root, transforms[0], transforms[2], seed)
+    val = RGBImageFolder(val_root, transforms[1], transforms[3], seed)
     return train, val
 
 
@@ -180,12 +192,16 @@ class FakeImages(datasets.FakeData):
     def set_epoch(self, epoch):
         pass  # nothing random per epoch
 
+    def __getitem__(self, item):  # (index, repeat) from the repeated-augmentation sampler: the same image
+        return super().__getitem__(item[0] if isinstance(item, tuple) else item)
 
-def build_dummy_datasets(train_images, image_size):
+
+def build_dummy_datasets(train_images, image_size, val_image_size=None):
     """main.py's --dummy: random images (FakeData), 1000 classes; val sized in ImageNet's proportion."""
     val_images = max(1, train_images * IMAGENET_VAL_IMAGES // IMAGENET_TRAIN_IMAGES)
     to_tensor = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
     train = FakeImages(train_images, (3, image_size, image_size), DUMMY_CLASSES, to_tensor)
-    val = FakeImages(val_images, (3, image_size, image_size), DUMMY_CLASSES, to_tensor,
+    val_image_size = val_image_size or image_size
+    val = FakeImages(val_images, (3, val_image_size, val_image_size), DUMMY_CLASSES, to_tensor,
                      random_offset=train_images)  # different images from the training ones
     return train, val

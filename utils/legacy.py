@@ -32,26 +32,59 @@ MAIN_PY_FLAGS = {
 }
 
 
+# torchvision references/classification/train.py flags that have no counterpart here, and what to do instead
+# (its other flags are accepted under their own spelling: docs/resnet_recipes.md).
+TORCHVISION_FLAGS = {
+    "--device": "the launcher and accelerate_configs/*.yaml choose the device (--cpu forces the CPU)",
+    "--amp": "accelerate launch --mixed_precision bf16|fp16 (or this script's --mixed_precision)",
+    "--cache-dataset": "nothing: the ImageFolder is scanned in seconds; drop the flag",
+    "--use-deterministic-algorithms": "nothing: runs are already reproducible per (seed, epoch, image); drop it",
+    "--backend": "nothing: images are always decoded to tensors (torchvision's --backend tensor); drop it",
+    "--use-v2": "nothing: transforms are always torchvision.transforms.v2; drop it",
+    "--transformer-embedding-decay": "not supported for ResNets; use --norm_weight_decay / --bias_weight_decay",
+}
+
+
 class _ReplacedFlag(argparse.Action):
     """A flag that no longer exists: print what replaces it, and every other one, then exit 2."""
 
-    def __init__(self, option_strings, dest, replacements, **kwargs):
-        self.replacements = replacements
+    def __init__(self, option_strings, dest, replacements, source, **kwargs):
+        self.replacements, self.source = replacements, source
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
         width = max(map(len, self.replacements))
         table = "\n".join(f"  {flag:<{width}}  ->  {text}" for flag, text in self.replacements.items())
-        parser.exit(2, f"error: {option_string} is a pytorch/examples imagenet/main.py flag; the launcher "
-                       f"replaces it:\n  {option_string}  ->  {self.replacements[option_string]}\n"
-                       f"All of main.py's distribution flags and what replaces them:\n{table}\n")
+        parser.exit(2, f"error: {option_string} is a {self.source} flag; here it is replaced by:\n"
+                       f"  {option_string}  ->  {self.replacements[option_string]}\n"
+                       f"All of {self.source}'s flags of this kind and what replaces them:\n{table}\n")
 
 
-def add_replaced_flags(parser, replacements=MAIN_PY_FLAGS):
+def add_replaced_flags(parser, replacements=MAIN_PY_FLAGS, source="pytorch/examples imagenet/main.py"):
     """Accept the old flags only to explain them (the parser needs allow_abbrev=False to tell
     main.py's --dist-backend from our --dist_backend)."""
     for flag in replacements:
-        parser.add_argument(flag, action=_ReplacedFlag, replacements=replacements)
+        parser.add_argument(flag, action=_ReplacedFlag, replacements=replacements, source=source)
+
+
+def torchvision_batch_size(argv, parsed_batch_size, world_size):
+    """(global batch, note or None). torchvision's -b/--batch-size is PER PROCESS, main.py's and ours GLOBAL.
+
+    The command decides: one that names torchvision's --model or --data-path is a torchvision command, and its
+    -b/--batch-size is multiplied by the number of processes (and said so at start). --batch_size (underscore)
+    is always global; a command mixing it with a per-process -b/--batch-size is refused.
+    """
+    flags = {arg.split("=")[0] for arg in argv if arg.startswith("-")}
+    flags |= {"-b" for arg in argv if arg.startswith("-b") and not arg.startswith("--")}  # -b64
+    if not flags & {"-b", "--batch-size"} or not flags & {"--model", "--data-path"}:
+        return parsed_batch_size, None
+    if "--batch_size" in flags:
+        raise UserError("-b/--batch-size (torchvision's, per process, in a command with --model/--data-path) and "
+                        "--batch_size (global) both given; pass one of them")
+    total = parsed_batch_size * world_size
+    return total, (f"-b/--batch-size {parsed_batch_size} is torchvision's per-process batch (the command uses "
+                   f"--model/--data-path): global batch {parsed_batch_size} x {world_size} processes = {total}; "
+                   "--batch_size sets the global batch directly")
 
 
 def strip_module_prefix(state_dict):
