@@ -70,8 +70,14 @@ def main():
           f"({bert['test_samples']} test samples, chance 0.10, {bert_time:.0f} s)  -> {bert_out}")
     print(f"ResNet val acc@1 {resnet['eval_acc1']:.2f}%  acc@5 {resnet['eval_acc5']:.2f}% "
           f"({resnet['eval_samples']} val images, chance 10%, {resnet_time:.0f} s)  -> {resnet_out}")
-    print(f"Try the BERT model: python -c \"import transformers; "
-          f"print(transformers.pipeline('text-classification', model='{bert_out / 'best_model'}')('球队比赛冠军'))\"")
+    print(f"Try the BERT model:\n  {try_command(bert_out / 'best_model')}")
+
+
+def try_command(model_dir):
+    """A shell command that loads the exported model with plain transformers, with the Python that has it."""
+    python = os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(Path.cwd()) else sys.executable
+    return (f"{python} -c \"import transformers; print(transformers.pipeline('text-classification', "
+            f"model='{model_dir}')('球队比赛冠军'))\"")
 
 
 if __name__ == "__main__":

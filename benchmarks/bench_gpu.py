@@ -212,7 +212,7 @@ def main():
                   "bert_batch": args.bert_batch, "bert_seq_len": args.bert_seq_len, "bert_layers": bert_layers,
                   "bert_parameters": bert_parameters, "peak_tflops": args.peak_tflops, "steps": steps,
                   "rounds": rounds, "quick": args.quick},
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else common.cpu_model(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else common.cpuinfo_field("model name"),
         "arms": summary, "rounds_raw": samples, "table": table}, args.output)
 
 

@@ -1,9 +1,11 @@
 """train_bert_cls.py end to end through the real launcher, 1 and 2 CPU processes, on a tiny fixture."""
 import json
 import math
+import subprocess
+import sys
 
 import pytest
-from conftest import launch, read_json, read_jsonl, run
+from conftest import ENV, ROOT, launch, read_json, read_jsonl, run
 
 SCRIPT = "train_bert_cls.py"
 
@@ -54,6 +56,19 @@ def test_selected_model_is_the_best_on_validation(trained):
     assert results["best_step"] == best["step"]
     # the final validation score is that of the reloaded best model, not of the last step
     assert results["eval_macro_f1"] == pytest.approx(best["macro_f1"], abs=1e-6)
+
+
+def test_demo_prints_a_command_that_runs_in_a_plain_shell(trained, monkeypatch):
+    """`make demo` ends with a command to try the model: it must run as printed, without an activated venv."""
+    import demo
+
+    monkeypatch.chdir(ROOT)  # where `make demo` runs
+    command = demo.try_command(trained[1][0] / "best_model")
+    assert command.startswith((".venv/bin/python ", f"{sys.executable} "))
+    proc = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**ENV, "PATH": "/usr/bin:/bin"})  # a plain shell: no venv on the PATH
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "'label': '体育'" in proc.stdout, proc.stdout
 
 
 def test_outputs_load_anywhere(trained, text_data):

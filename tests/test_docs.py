@@ -9,11 +9,12 @@ relative link in the docs points at a file (and heading) that exists.
 import importlib
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, read_json, run
+from conftest import ENV, ROOT, read_json
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 SCRIPTS = {"train_bert_cls.py": "train_bert_cls", "train_resnet.py": "train_resnet"}
@@ -122,3 +123,30 @@ def test_links_resolve(doc):
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(link)
     assert not broken, f"{doc.name}: broken links {broken}"
+
+
+def tiny_run(module):
+    """The commands of a script's `--help` tiny CPU run (the indented lines after "A tiny CPU run"), and the
+    result its text promises: (commands, results key, threshold)."""
+    doc = importlib.import_module(module).__doc__
+    paragraph = doc[doc.index("A tiny CPU run"):]
+    block = re.match(r"[^\n]*(?:\n(?! {4})[^\n]*)*((?:\n {4}[^\n]*)+)", paragraph).group(1)
+    promise = re.search(r"expects a (test accuracy|top-1 accuracy) above ([\d.]+)(%?)", paragraph.replace("\n", " "))
+    key = "test_accuracy" if promise.group(1) == "test accuracy" else "eval_acc1"
+    return shell_commands(block.strip("\n").replace("\n    ", "\n")), key, float(promise.group(2))
+
+
+@pytest.mark.parametrize("module", SCRIPTS.values())
+def test_help_tiny_run_runs_as_printed(module, tmp_path):
+    """Copy-pasted from --help into a fresh checkout (here: the repository's files linked into an empty
+    directory), the tiny run works and reaches what its text promises."""
+    for name in ("train_bert_cls.py", "train_resnet.py", "utils", "accelerate_configs"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    commands, key, threshold = tiny_run(module)
+    assert len(commands) == 2, commands
+    env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}  # `python` and `accelerate`: this venv's
+    for command in commands:
+        proc = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    out = tmp_path / re.search(r"--output_dir (\S+)", commands[-1]).group(1)
+    assert read_json(out / "all_results.json")[key] > threshold

@@ -106,3 +106,23 @@ def prepare_for_inference(accelerator, model, loaders):
     splits = [split for split in loaders if split != "train"]
     model, *prepared = accelerator.prepare(model, *(loaders[split] for split in splits))
     return model, dict(zip(splits, prepared))
+
+
+class _Ignored:
+    """Stands in for an object the checkpoint's run registered for checkpointing (the EMA) and this one does not."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def load_checkpoint_weights(accelerator, path):
+    """A resumable checkpoint's model weights into the prepared model for evaluation, in whatever layout
+    save_state wrote them (DDP, FSDP, DeepSpeed): through load_state, which also reads what else the run registered
+    (its EMA), here into stand-ins: the model is what is evaluated."""
+    for _ in Path(path).glob("custom_checkpoint_*.pkl"):
+        accelerator.register_for_checkpointing(_Ignored())
+    accelerator.load_state(str(path))
+
