@@ -96,8 +96,9 @@ def test_compiled_resnet_exports_what_plain_torchvision_loads(digits_data, tmp_p
     import torchvision
 
     out = tmp_path / "compiled"
-    proc = compiled_launch("eager", "train_resnet.py", resnet_args(digits_data, out))
+    proc = compiled_launch("eager", "train_resnet.py", resnet_args(digits_data, out, "--checkpointing_steps", "10"))
     assert f"{COMPILED} eager" in proc.stderr
+    uninterrupted = torch.load(out / "checkpoint.pth", weights_only=True)["state_dict"]
     for name in ("checkpoint.pth", "model_best.pth"):
         model = torchvision.models.resnet18(num_classes=10)
         model.load_state_dict(torch.load(out / name, weights_only=True)["state_dict"])  # strict: every key
@@ -109,6 +110,12 @@ def test_compiled_resnet_exports_what_plain_torchvision_loads(digits_data, tmp_p
     trained, evaluated = read_json(out / "all_results.json"), read_json(again / "eval_results.json")
     assert evaluated["eval_acc1"] == trained["eval_acc1"]
     assert evaluated["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-4)
+    # resumed under compile from a mid-epoch checkpoint, it ends where the uninterrupted compiled run ended
+    compiled_launch("eager", "train_resnet.py", resnet_args(digits_data, out, "--checkpointing_steps", "10",
+                                                            "--resume", out / "checkpoints" / "step_10"))
+    resumed = torch.load(out / "checkpoint.pth", weights_only=True)["state_dict"]
+    assert resumed.keys() == uninterrupted.keys()
+    assert max((resumed[k].float() - uninterrupted[k].float()).abs().max().item() for k in resumed) < 1e-6
 
 
 def test_export_strips_the_compile_wrapper_and_refuses_foreign_keys():
