@@ -49,10 +49,11 @@ def parse_args():
 
 
 def load_data(args, workdir):
-    """(examples, model directory, config overrides): THUCNews headlines if --data_root has them, else generated."""
-    real = Path(args.data_root) / "thucnews_titles" / "train.txt"
-    if real.is_file() and not args.quick:
-        return read_examples(real)[:20_000], Path(args.data_root) / "bert-base-chinese", MODEL
+    """(examples, model directory, config overrides): THUCNews headlines from --data_root, generated with --quick."""
+    if not args.quick:  # a missing data root is an error, not a silent switch to generated text
+        common.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese/config.json")
+        return (read_examples(Path(args.data_root) / "thucnews_titles" / "train.txt")[:20_000],
+                Path(args.data_root) / "bert-base-chinese", MODEL)
     data = write_text_classification_data(workdir, n_train=640 if args.quick else 8000, n_val=1, n_test=1)
     return read_examples(data / "train.txt"), data / "model", TINY if args.quick else MODEL
 
@@ -192,4 +193,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(lambda _: main(), None)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (REPO, Timer, base_parser, format_table, interleaved_order, provenance,  # noqa: E402
-                    write_results)
+                    require_data, run_cli, write_results)
 
 HEADLINE_MODEL = "num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024"
 
@@ -63,10 +63,8 @@ def prepare_cases(args, work):
     data = Path(args.data_root)
     titles, model = data / "thucnews_titles", data / "bert-base-chinese"
     cnews_file = data / "cnews_sample" / "cnews_1000.txt"
-    for needed in (titles / "train.txt", titles / "val.txt", cnews_file, model / "config.json"):
-        if not needed.exists():
-            sys.exit(f"error: {needed}: not found; pass --data_root (the folder holding thucnews_titles/, "
-                     "cnews_sample/ and bert-base-chinese/) or --quick")
+    require_data(data, "thucnews_titles/train.txt", "thucnews_titles/val.txt", "cnews_sample/cnews_1000.txt",
+                 "bert-base-chinese/config.json")
     cases = {}
     if "headlines" in args.cases:
         train = titles.joinpath("train.txt").read_text(encoding="utf-8").splitlines()[:args.train_samples]
@@ -255,4 +253,4 @@ if __name__ == "__main__":
     if cli.trainer_worker:
         trainer_worker(cli.trainer_worker)
     else:
-        main(cli)
+        run_cli(main, cli)

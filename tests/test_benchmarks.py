@@ -56,3 +56,14 @@ def test_missing_data_root_from_the_command_line(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert f"{tmp_path / 'none' / 'thucnews_titles' / 'train.txt'}" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["bench_vs_trainer.py", "bench_padding.py"])
+def test_missing_data_root_of_the_newer_benchmarks(script, tmp_path):
+    """Without --quick they need the real data: a missing --data_root is one line and exit 2, never a silent switch
+    to generated text."""
+    proc = run(["python", f"benchmarks/{script}", "--data_root", tmp_path / "none"], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert f"{tmp_path / 'none' / 'thucnews_titles' / 'train.txt'}" in proc.stderr
