@@ -11,7 +11,7 @@ from PIL import Image
 import train_resnet
 from utils.augment import RepeatedAugmentationSampler, train_transform, val_transform
 from utils.ema import ExponentialMovingAverage, adjusted_decay, update_ema
-from utils.image_data import RGBImageFolder
+from utils.image_data import RGBImageFolder, decode_rgb
 from utils.mixing import BatchMixer, build_mixer, dominant_labels, soft_cross_entropy
 from utils.optim import build_optimizer, lr_lambda, parameter_groups
 
@@ -39,8 +39,7 @@ def asymmetric_folder(root, size=16):
 def test_hflip_zero_never_flips_and_one_always_does(tmp_path):
     root = asymmetric_folder(tmp_path / "train")
     full_crop = ["--crop_scale", "1", "--crop_ratio", "1", "1", "--image_size", "16"]  # the crop is the whole image
-    reference = val_transform(parse(*full_crop, "--val_resize", "16"))(torchvision.io.decode_image(
-        str(root / "a" / "0.png"), mode=torchvision.io.ImageReadMode.RGB))
+    reference = val_transform(parse(*full_crop, "--val_resize", "16"))(decode_rgb(root / "a" / "0.png"))
     for hflip, expected in (("0", reference), ("1", reference.flip(-1))):
         dataset = RGBImageFolder(root, train_transform(parse(*full_crop, "--hflip", hflip)), 16)
         for epoch in range(20):  # 60 draws: at p=0.5, some would flip
