@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoint_layouts import bert_base_chinese_layout
+from checkpoint_layouts import bert_base_chinese_layout, finetune_args
 from conftest import ACCELERATE, read_json, read_jsonl, run
 from safetensors.torch import load_file
 
@@ -26,13 +26,6 @@ def compiled_launch(backend, script, args):
     return run([*head, script, "--cpu", *args], env={"TORCH_LOGS": "dynamo"}, timeout=600)
 
 
-def bert_args(data, model_dir, out, predict_file, *extra):
-    return ["--model_name_or_path", model_dir, "--data_dir", data, "--do_train", "--do_eval", "--do_test",
-            "--do_predict", "--predict_file", predict_file, "--max_seq_len", "32", "--train_batch_size", "16",
-            "--eval_batch_size", "32", "--learning_rate", "1e-3", "--max_train_steps", "6", "--checkpointing_steps",
-            "3", "--eval_steps", "3", "--logging_steps", "3", "--output_dir", out, *extra]
-
-
 @pytest.fixture(scope="module")
 def compiled_bert(text_data, tmp_path_factory):
     """The hub-shaped gamma/beta checkpoint fine-tuned under inductor, then the same run killed after step 3 and
@@ -43,9 +36,9 @@ def compiled_bert(text_data, tmp_path_factory):
     texts = [line.split("\t")[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()[:20]]
     predict_file.write_text("\n".join(texts) + "\n", encoding="utf-8")
     out, resumed = root / "out", root / "resumed"
-    proc = compiled_launch("inductor", "train_bert_cls.py", bert_args(text_data, model_dir, out, predict_file))
+    proc = compiled_launch("inductor", "train_bert_cls.py", finetune_args(text_data, model_dir, out, predict_file))
     shutil.copytree(out, resumed, ignore=lambda folder, names: ["step_6"] if folder.endswith("checkpoints") else [])
-    resume = compiled_launch("inductor", "train_bert_cls.py", bert_args(
+    resume = compiled_launch("inductor", "train_bert_cls.py", finetune_args(
         text_data, model_dir, resumed, predict_file, "--resume_from_checkpoint", "latest"))
     return {"out": out, "resumed": resumed, "texts": texts, "logs": (proc.stderr, resume.stderr)}
 

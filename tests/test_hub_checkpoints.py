@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, sharded_bert_layout,
-                                vocab_size)
+from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, finetune_args,
+                                sharded_bert_layout, vocab_size)
 from conftest import assert_same_weights, launch, read_json, read_jsonl
 from launch_options import default_config, launch_with_config, launch_with_precision
 from safetensors.torch import load_file
@@ -58,13 +58,6 @@ def test_checkpoint_of_another_architecture_is_refused(layouts, text_data, tmp_p
     shutil.copy(layouts["bin_gamma_beta"] / "config.json", wrong / "config.json")
     with pytest.raises(UserError, match="encoder weights are not in the checkpoint"):
         build(text_data, wrong)
-
-
-def finetune_args(data, model_dir, out, predict_file, *extra):
-    return ["--model_name_or_path", model_dir, "--data_dir", data, "--do_train", "--do_eval", "--do_test",
-            "--do_predict", "--predict_file", predict_file, "--max_seq_len", "32", "--train_batch_size", "16",
-            "--eval_batch_size", "32", "--learning_rate", "1e-3", "--max_train_steps", "6", "--checkpointing_steps",
-            "3", "--eval_steps", "3", "--logging_steps", "3", "--output_dir", out, *extra]
 
 
 @pytest.fixture(scope="module")
