@@ -29,6 +29,7 @@ if str(REPO) not in sys.path:  # the benchmarks import the training scripts and 
     sys.path.insert(0, str(REPO))
 
 from utils.errors import UserError, run_cli  # noqa: E402,F401  (run_cli: every benchmark's entry point)
+from utils.runtime import cpuinfo_field  # noqa: E402,F401  (the benchmarks' provenance and CPU flags)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -108,15 +109,6 @@ class Cycle:
 
 
 # ---- provenance: where and when a result was measured, saved with it
-
-def cpuinfo_field(name):
-    """The first `name : value` of /proc/cpuinfo (Linux), or None."""
-    try:
-        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith(name)), None)
-    except OSError:
-        return None
-
 
 def load_average():
     try:

@@ -121,14 +121,19 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     return accelerator
 
 
-def cpu_has_amx(cpuinfo="/proc/cpuinfo"):
-    """Whether the CPU has AMX bf16 tiles, from the Linux cpuinfo flags; None where they cannot be read."""
+def cpuinfo_field(name, cpuinfo="/proc/cpuinfo"):
+    """The first `name : value` of the Linux cpuinfo file, or None where there is none."""
     try:
-        lines = Path(cpuinfo).read_text().splitlines()
+        return next((line.split(":", 1)[1].strip() for line in Path(cpuinfo).read_text().splitlines()
+                     if line.startswith(name)), None)
     except OSError:
         return None
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
-    return None if flags is None else "amx_bf16" in flags
+
+
+def cpu_has_amx(cpuinfo="/proc/cpuinfo"):
+    """Whether the CPU has AMX bf16 tiles, from the Linux cpuinfo flags; None where they cannot be read."""
+    flags = cpuinfo_field("flags", cpuinfo)
+    return None if flags is None else "amx_bf16" in flags.split()
 
 
 def cpu_bf16_note(device, precision, cpuinfo="/proc/cpuinfo"):
