@@ -26,10 +26,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWa
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory):
-    """40 train / 8 val JPEGs cut from real photos (64 px on the longer side, so the tests run in seconds), and in
+    """44 train / 8 val JPEGs cut from real photos (64 px on the longer side, so the tests run in seconds), and in
     train/china/ one file of each kind the loader treats apart: a PNG, a CMYK JPEG and an EXIF-rotated JPEG (decoded
     in the worker), a grayscale and a progressive JPEG (decoded on the device)."""
-    root = write_photo_imagefolder(tmp_path_factory.mktemp("photos"), n_train=40, n_val=8, longer_side=64)
+    root = write_photo_imagefolder(tmp_path_factory.mktemp("photos"), n_train=44, n_val=8, longer_side=64)
     folder = root / "train" / "china"
     with Image.open(sorted(folder.iterdir())[0]) as first:
         source = first.convert("RGB")
@@ -72,10 +72,10 @@ def test_same_images_as_the_cpu_loader_bitwise(photos, interpolation):
     train = {}
     for epoch in (0, 1):
         (images, targets), (got, got_targets), batch = both_loaders(photos / "train", train_transform(args), 32, epoch)
-        assert got.shape == images.shape == (45, 3, 32, 32) and got.dtype == images.dtype == torch.float32
+        assert got.shape == images.shape == (49, 3, 32, 32) and got.dtype == images.dtype == torch.float32
         assert torch.equal(got, images) and torch.equal(got_targets, targets)
         assert {Path(item.path).name for item in batch.images if item.pixels is not None} == NOT_FOR_THE_DEVICE
-        assert sum(item.jpeg is not None for item in batch.images) == 45 - len(NOT_FOR_THE_DEVICE)
+        assert sum(item.jpeg is not None for item in batch.images) == 49 - len(NOT_FOR_THE_DEVICE)
         train[epoch] = got
     assert not torch.equal(train[0], train[1])  # new crops each epoch: the comparison is not of one fixed image
     (images, targets), (got, got_targets), _ = both_loaders(photos / "val", val_transform(args), 32, epoch=0)
@@ -137,7 +137,8 @@ def test_trains_as_the_cpu_loader_on_1_and_2_processes(photos, tmp_path):
            num_processes=2)
     results = {name: read_json(out / "all_results.json") for name, out in outs.items()}
     assert [r["num_processes"] for r in results.values()] == [1, 1, 2]
-    assert all(r["train_steps"] == 2 and r["eval_samples"] == 8 for r in results.values()), results  # 45 // 16
+    # 49 images: 6 batches of 8 (3 steps of 2) on 1 process, 3 of 16 on 2
+    assert all(r["train_steps"] == 3 and r["eval_samples"] == 8 for r in results.values()), results
     assert_same_weights(parameters(outs["cpu_loader"]), parameters(outs["device_1"]))
     for key in ("eval_acc1", "eval_loss"):
         assert results["device_1"][key] == results["cpu_loader"][key]
