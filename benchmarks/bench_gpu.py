@@ -229,7 +229,7 @@ def main():
     parser.add_argument("--bert_batch", type=int, default=64)
     parser.add_argument("--bert_seq_len", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per model arm per round (default 20, quick 1); input arms: 2 per loader worker")
+                        help="timed steps per model arm per round (default 20, quick 1); input arms: 2 per worker")
     parser.add_argument("--input_images", type=int, default=1024, help="JPEGs in the input arms' fixture (quick 8)")
     parser.add_argument("--loader_workers", type=int, default=len(os.sched_getaffinity(0)) - 1,
                         help="DataLoader workers of the input arms (default: every core but the training process's)")
