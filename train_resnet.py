@@ -41,7 +41,9 @@ from utils.errors import UserError, run_cli
 from utils.augment import (RepeatedAugmentationSampler, add_augment_args, resolve_augment_args, train_transform,
                            val_transform)
 from utils.ema import add_ema_args, build_ema, update_ema
-from utils.image_data import (IMAGENET_TRAIN_IMAGES, build_datasets, build_dummy_datasets, describe_bad_image)
+from utils.device_decode import EncodedImageFolder, check_decode_on_device, collate_for
+from utils.image_data import (IMAGENET_TRAIN_IMAGES, RGBImageFolder, build_datasets, build_dummy_datasets,
+                              describe_bad_image)
 from utils.legacy import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint,
                           save_exported_checkpoint, strip_module_prefix, torchvision_batch_size)
 from utils.export import check_same_keys, export_state_dict, on_meta_device
@@ -74,6 +76,9 @@ def parse_args(argv=None):
     data.add_argument("--dummy", nargs="?", type=int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
                       help="random images instead of data (main.py's FakeData); default: ImageNet's count")
     data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
+    data.add_argument("--decode_on_device", "--decode-on-device", action="store_true",
+                      help="workers only read the files; JPEG decoding and augmentation run on the training device, "
+                           "a batch at a time (utils/device_decode.py)")
     model = parser.add_argument_group("model")
     model.add_argument("-a", "--arch", "--model", default="resnet18",
                        help="any torchvision classification model name, or timm:NAME for a timm model")
@@ -149,22 +154,25 @@ def check_timm_model(parser, args):
 
 def build_dataloaders(accelerator, args):
     """(train, val) datasets and their unprepared loaders; batch size = GLOBAL batch."""
+    check_decode_on_device(args)
     if args.dummy is not None:
         train_set, val_set = build_dummy_datasets(args.dummy, args.train_crop_size, args.val_crop_size)
     else:
         transforms = (train_transform(args), val_transform(args), args.train_crop_size, args.val_crop_size)
+        folder = EncodedImageFolder if args.decode_on_device else RGBImageFolder
         train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed,
-                                            transforms=transforms)
+                                            transforms=transforms, folder=folder)
     common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
     # a sampler seeded by (seed, epoch) itself; otherwise accelerate's seedable sampler shuffles
     order = (dict(sampler=RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps, args.seed))
              if args.ra_sampler else dict(shuffle=True))
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
-    train_loader = DataLoader(train_set, drop_last=True, generator=loader_generator(args.seed), **order, **common)
+    train_loader = DataLoader(train_set, drop_last=True, generator=loader_generator(args.seed), **order, **common,
+                              collate_fn=collate_for(train_set))
     if len(train_loader) == 0 and not args.evaluate:
         raise UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch "
                         f"(-b {args.batch_size})")
-    return train_set, val_set, train_loader, DataLoader(val_set, **common)
+    return train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set))
 
 
 def build_model(args, num_classes):

@@ -1,9 +1,14 @@
 """GPU throughput: ResNet-50 (bf16 autocast, channels_last) images/s and BERT-base (seq 128 and 512, bf16)
 samples/s with model FLOPs utilisation and peak memory, torch.compile off vs on, interleaved round by round.
 
-Synthetic inputs on the device, so this measures the model step alone (the input pipelines have their own
-benchmarks). MFU = 6 x parameters x tokens/s / peak FLOP/s: the usual training estimate (2 FLOPs per parameter
-per token forward, 4 backward), counting the embedding parameters and leaving out attention's T^2 term, as the
+Synthetic inputs on the device, so these arms measure the model step alone. Beside them, ResNet-50's input on
+ImageNet-sized JPEGs: train_resnet.py's CPU loader (decode and augment in --loader_workers workers) and its
+--decode_on_device (the workers read the bytes; nvJPEG decodes the batch, crop/flip/normalise run on the GPU),
+each alone and feeding the compiled ResNet-50 step, against that step's bare rate (issue 19's goal: 0.9x), and the
+mean and largest difference between the two paths' images for the same crops.
+
+MFU = 6 x parameters x tokens/s / peak FLOP/s: the usual training estimate (2 FLOPs per parameter per token
+forward, 4 backward), counting the embedding parameters and leaving out attention's T^2 term, as the
 brief for this benchmark asks. The dense bf16 peak comes from PEAK_BF16_TFLOPS for the GPUs listed there
 (datasheet figures), or from --peak_tflops; for any other GPU MFU is not reported (no guessed hardware numbers).
 Peak memory per arm: its own weights and optimizer state plus the largest transient allocation of its steps.
@@ -12,9 +17,12 @@ Peak memory per arm: its own weights and optimizer state plus the largest transi
     python benchmarks/bench_gpu.py --peak_tflops <dense bf16 TFLOP/s of the GPU>
     python benchmarks/bench_gpu.py --quick --device cpu      # checks that it runs, on any machine (numbers meaningless)
 """
+import argparse
 import copy
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +32,14 @@ import common  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
+from accelerate.utils import send_to_device  # noqa: E402
+from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 from transformers import AutoConfig, BertConfig, BertForSequenceClassification  # noqa: E402
+
+from utils.augment import add_augment_args, resolve_augment_args, train_transform  # noqa: E402
+from utils.demo_data import write_photo_imagefolder  # noqa: E402
+from utils.device_decode import EncodedImageFolder, collate_for  # noqa: E402
+from utils.image_data import IMAGENET_STD, RGBImageFolder  # noqa: E402
 
 SEED = 42
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from NVIDIA's datasheets; matched against
@@ -151,6 +166,59 @@ def bert_workloads(args, device, modes, seq):
     return workloads, parameters, config.num_hidden_layers
 
 
+def input_arms(args, device, workload, work_dir):
+    """ResNet-50's input on ImageNet-sized JPEGs (utils/demo_data.py write_photo_imagefolder): the CPU loader (decode
+    and augment in the workers) and --decode_on_device (the workers read the bytes; decode and augment on `device`),
+    each alone (images/s delivered on the device) and feeding `workload`'s steps; and how far apart the two paths'
+    images are for the same crops (levels of 255, over the first 64 images)."""
+    root = write_photo_imagefolder(work_dir, args.input_images, longer_side=64 if args.quick else 500) / "train"
+    augment = argparse.ArgumentParser()
+    add_augment_args(augment)
+    augment = augment.parse_args(["--image_size", str(args.resnet_image_size)])
+    resolve_augment_args(augment)  # train_resnet.py's defaults: RandomResizedCrop, flip, normalise
+    cpu, encoded = (folder(root, train_transform(augment), args.resnet_image_size, SEED)
+                    for folder in (RGBImageFolder, EncodedImageFolder))
+    first = range(min(64, len(cpu)))
+    expected = torch.stack([cpu[i][0] for i in first])
+    got = encoded.collate([encoded[i] for i in first]).to(device)[0].cpu()
+    levels = (got - expected).abs() * torch.tensor(IMAGENET_STD)[:, None, None] * 255  # undo the normalisation
+    agreement = {"images": len(first), "mean_abs_levels": levels.mean().item(), "max_abs_levels": levels.max().item()}
+    workers = args.loader_workers
+    # 2 rounds of batches per worker: after the drain every worker starts a batch at once, so whole rounds time them
+    steps = 1 if args.quick else 2 * max(1, workers)
+    arms = {}
+    for name, dataset in ((f"CPU loader ({workers} workers)", cpu), ("device decode", encoded)):
+        loader = DataLoader(dataset, args.resnet_batch, collate_fn=collate_for(dataset), num_workers=workers,
+                            pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                            sampler=RandomSampler(dataset, num_samples=1 << 30))  # one endless epoch
+        batches = (send_to_device(batch, device, non_blocking=True) for batch in loader)  # as accelerate moves them
+        for arm, consume in ((f"resnet50 input alone: {name}", lambda batch: None),
+                             (f"resnet50 step fed by {name}", feed(workload))):
+            arms[arm] = loader_arm(batches, 2 * workers, steps, args.resnet_batch, device, consume)
+    return arms, agreement
+
+
+def loader_arm(batches, drain, steps, units, device, consume):
+    def run():
+        for _ in range(drain):  # prefetched while other arms ran (prefetch_factor 2 per worker): not a rate
+            next(batches)
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            consume(next(batches))
+        synchronize(device)
+        return time.perf_counter() - start, steps * units, {}
+    return run
+
+
+def feed(workload):
+    def consume(batch):  # one training step on the loader's batch instead of the workload's synthetic one
+        synthetic, workload.batch = workload.batch, (batch[0].contiguous(memory_format=torch.channels_last), batch[1])
+        workload.step()
+        workload.batch = synthetic
+    return consume
+
+
 def main():
     parser = common.base_parser(__doc__)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a syntax check")
@@ -160,7 +228,11 @@ def main():
     parser.add_argument("--resnet_image_size", type=int, default=224)
     parser.add_argument("--bert_batch", type=int, default=64)
     parser.add_argument("--bert_seq_len", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm per round (default 20, quick 1)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per model arm per round (default 20, quick 1); input arms: 2 per worker")
+    parser.add_argument("--input_images", type=int, default=1024, help="JPEGs in the input arms' fixture (quick 8)")
+    parser.add_argument("--loader_workers", type=int, default=len(os.sched_getaffinity(0)) - 1,
+                        help="DataLoader workers of the input arms (default: every core but the training process's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -170,6 +242,7 @@ def main():
     if args.quick:
         args.resnet_batch, args.resnet_image_size = min(args.resnet_batch, 2), min(args.resnet_image_size, 64)
         args.bert_batch, args.bert_seq_len = min(args.bert_batch, 2), [min(seq, 32) for seq in args.bert_seq_len[:1]]
+        args.input_images, args.loader_workers = min(args.input_images, 8), 0
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         args.peak_tflops = args.peak_tflops or datasheet_peak_tflops(torch.cuda.get_device_name(device))
@@ -186,7 +259,10 @@ def main():
     for name, workload in workloads.items():
         workload.warm_up(2 if args.quick else 5)
         print(f"  warm-up {name}: {workload.compile_seconds:.1f} s")
-    samples = common.run_rounds({name: w.timed(steps) for name, w in workloads.items()}, rounds)
+    model_step = list(resnet)[-1]  # compiled where it is: the step the input has to keep up with (issue 19: 0.9x)
+    fixture = tempfile.TemporaryDirectory(prefix="bench_gpu_jpegs_")
+    inputs, agreement = input_arms(args, device, resnet[model_step], Path(fixture.name))
+    samples = common.run_rounds({**{name: w.timed(steps) for name, w in workloads.items()}, **inputs}, rounds)
 
     rows, summary = [], {}
     groups = [(resnet, None), *((group, seq) for seq, group in berts.items())]
@@ -203,6 +279,13 @@ def main():
                          peak, workloads[name].compile_seconds])
     table = common.format_table(["arm", "images or samples/s (median)", "vs compile off", "MFU",
                                  "peak memory GiB", "warm-up s (incl. compile)"], rows)
+    input_stats = common.summarize({model_step: samples[model_step], **{n: samples[n] for n in inputs}}, model_step)
+    summary.update({name: input_stats[name] for name in inputs})
+    table += "\n\n" + common.format_table(
+        ["input arm (ImageNet-sized JPEGs)", "images/s (median)", f"vs {model_step}"],
+        [[name, input_stats[name]["median_rate"], input_stats[name]["ratio_to_baseline"]] for name in inputs])
+    table += (f"\ndevice decode vs CPU loader, same crops: mean |difference| {agreement['mean_abs_levels']:.3f}, "
+              f"max {agreement['max_abs_levels']:.0f} levels of 255 over {agreement['images']} images")
     print(table)
     if args.peak_tflops is None:
         print("MFU not computed: no dense bf16 peak known for this device (PEAK_BF16_TFLOPS); pass --peak_tflops")
@@ -211,7 +294,9 @@ def main():
         "setup": {"resnet_batch": args.resnet_batch, "resnet_image_size": args.resnet_image_size,
                   "bert_batch": args.bert_batch, "bert_seq_len": args.bert_seq_len, "bert_layers": bert_layers,
                   "bert_parameters": bert_parameters, "peak_tflops": args.peak_tflops, "steps": steps,
-                  "rounds": rounds, "quick": args.quick},
+                  "rounds": rounds, "quick": args.quick, "input_images": args.input_images,
+                  "loader_workers": args.loader_workers},
+        "model_step_arm": model_step, "input_arms": list(inputs), "input_agreement": agreement,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else common.cpuinfo_field("model name"),
         "arms": summary, "rounds_raw": samples, "table": table}, args.output)
 

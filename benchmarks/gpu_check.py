@@ -6,7 +6,8 @@ Checks (each with its own time limit; the whole run is planned to fit 8 minutes 
     fp16 runs report the loss scaler's final scale and the steps it skipped;
   - exact resume: a run SIGKILLed mid-epoch and resumed with `latest` against the uninterrupted run;
   - --data_parallel over every visible GPU; --sync_bn with 2-process NCCL (skipped below 2 GPUs);
-  - bench_gpu.py: ResNet-50 and BERT-base throughput, MFU and peak memory.
+  - bench_gpu.py: ResNet-50 and BERT-base throughput, MFU and peak memory; ResNet-50's input on JPEGs, the CPU loader
+    against --decode_on_device, alone and feeding the compiled step, and how far apart their images are.
 It writes benchmarks/results/gpu_check_<time>.md and prints a one-screen summary. Nothing comes from the network.
 
     make gpu-check                                     # on the GPU machine (see docs/gpu.md)
@@ -41,6 +42,10 @@ RESNET = ["--arch", "resnet18", "--image_size", "16", "--val_resize", "16", "-b"
           "--momentum", "0", "-p", "5", "--checkpointing_steps", "10"]
 PRECISION_NAMES = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}  # accelerate's "no" is fp32
 RESUME_EPOCHS = 6  # 126 steps: long enough that the kill lands mid-run even on a fast GPU
+# --decode_on_device's images against the CPU loader's: the bound torchvision's own nvJPEG test puts on the mean
+# difference from libjpeg (test/test_image.py test_decode_jpeg_cuda: "Some difference expected between jpeg
+# implementations", mean < 2)
+DECODE_MEAN_LEVELS = 2.0
 
 
 @dataclass
@@ -273,6 +278,15 @@ class Harness:
                 figures[f"{arm} MFU"] = (100 * s["mfu"], "%")
             if s.get("peak_memory_gib"):
                 figures[f"{arm} peak memory"] = (s["peak_memory_gib"], "GiB")
+        for arm in result["input_arms"]:  # issue 19's goal: the fed step at 0.9x the bare compiled step or better
+            figures[f"{arm} vs {result['model_step_arm']}"] = (result["arms"][arm]["ratio_to_baseline"], "x")
+        agreement = result["input_agreement"]
+        for stat in ("mean", "max"):
+            figures[f"device decode vs CPU loader, {stat} abs difference"] = (agreement[f"{stat}_abs_levels"], "levels")
+        if agreement["mean_abs_levels"] >= DECODE_MEAN_LEVELS:
+            mean = agreement["mean_abs_levels"]
+            return "failed", (f"--decode_on_device images differ from the CPU loader's by {mean:.2f} levels of 255 on "
+                              f"average (bound {DECODE_MEAN_LEVELS})"), figures
         peak = result["setup"]["peak_tflops"]
         return "passed", f"{result.get('device_name', '')}; MFU against {peak or 'no known'} TFLOP/s dense bf16", figures
 

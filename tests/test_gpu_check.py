@@ -39,3 +39,6 @@ def test_dry_mode_runs_every_check_on_cpu(tmp_path):
     assert "| exact resume after SIGKILL mid-epoch (latest) | passed |" in text
     assert "| bench_gpu.py (quiet GPU first) | resnet50 bf16 channels_last, compile off |" in text
     assert "images/s" in text and "samples/s" in text
+    # the input arms (CPU loader vs --decode_on_device): on the CPU the two paths' images are the same, bitwise
+    assert "| bench_gpu.py (quiet GPU first) | resnet50 step fed by device decode |" in text
+    assert "| device decode vs CPU loader, mean abs difference | 0 | levels |" in text

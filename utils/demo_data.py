@@ -5,6 +5,7 @@
   config.json and vocab.txt for `--from_scratch` (no hub, no weights).
 - Images: scikit-learn's bundled real 8x8 handwritten digits (1,797 images), upscaled and written as
   an ImageFolder tree train/<class>/*.png and val/<class>/*.png.
+- Photos: ImageNet-sized JPEGs cut from scikit-learn's two bundled photos, for the decoding benchmarks and tests.
 """
 import json
 import random
@@ -88,4 +89,31 @@ def write_digits_imagefolder(out_dir, size=32, val_fraction=0.25, seed=0, limit=
         pixels = (images[index] * (255.0 / 16.0)).astype(np.uint8)
         image = Image.fromarray(pixels, mode="L").resize((size, size), Image.BILINEAR).convert("RGB")
         image.save(folder / f"{index:04d}.png")
+    return out_dir
+
+
+def write_photo_imagefolder(out_dir, n_train, n_val=0, longer_side=500, seed=0, quality=90):
+    """ImageNet-sized JPEGs (longer side 500 px by default) made from scikit-learn's two bundled photos (china.jpg,
+    flower.jpg, 427 x 640): each a random crop of 50-100% of either side, resized, randomly flipped, in
+    train/<photo>/ and val/<photo>/. A fixture for decoding speed and exactness, not for learning."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    bundled = load_sample_images()
+    photos = {Path(name).stem: Image.fromarray(pixels) for name, pixels in zip(bundled.filenames, bundled.images)}
+    rng = np.random.default_rng(seed)
+    out_dir = Path(out_dir)
+    for i in range(n_train + n_val):
+        name = sorted(photos)[i % len(photos)]
+        photo = photos[name]
+        w, h = (int(side * rng.uniform(0.5, 1.0)) for side in photo.size)
+        left, top = int(rng.integers(0, photo.width - w + 1)), int(rng.integers(0, photo.height - h + 1))
+        scale = longer_side / max(w, h)
+        image = photo.crop((left, top, left + w, top + h)).resize((round(w * scale), round(h * scale)),
+                                                                   Image.BILINEAR)
+        if rng.random() < 0.5:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        folder = out_dir / ("train" if i < n_train else "val") / name
+        folder.mkdir(parents=True, exist_ok=True)
+        image.save(folder / f"{i:05d}.jpg", quality=quality)
     return out_dir

@@ -167,18 +167,19 @@ def _few(names, limit=5):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def build_datasets(data, image_size, val_resize, seed, crop_scale=0.08, transforms=None):
+def build_datasets(data, image_size, val_resize, seed, crop_scale=0.08, transforms=None, folder=RGBImageFolder):
     """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes.
 
-    transforms: (train, val, train_crop, val_crop) from utils/augment.py; default main.py's at image_size."""
+    transforms: (train, val, train_crop, val_crop) from utils/augment.py; default main.py's at image_size.
+    folder: the dataset class, RGBImageFolder or a subclass (utils/device_decode.py EncodedImageFolder)."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     train_classes, val_classes = image_classes(train_root), image_classes(val_root)
     check_same_classes(train_classes, val_classes, train_root, val_root)
     if transforms is None:
         transforms = (build_transforms(image_size, val_resize, train=True, crop_scale=crop_scale),
                       build_transforms(image_size, val_resize, train=False), image_size, image_size)
-    train = RGBImageFolder(train_root, transforms[0], transforms[2], seed)
-    val = RGBImageFolder(val_root, transforms[1], transforms[3], seed)
+    train = folder(train_root, transforms[0], transforms[2], seed)
+    val = folder(val_root, transforms[1], transforms[3], seed)
     return train, val
 
 

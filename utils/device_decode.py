@@ -1,0 +1,221 @@
+"""--decode_on_device: ResNet's JPEGs decoded and augmented on the training device, a batch at a time.
+
+The CPU loader (utils/image_data.py) decodes and augments every image in a DataLoader worker. With this option a
+worker only reads the file's bytes and draws what the image's random steps draw (crop box, flip, erasing box), seeded
+by sample_key exactly as the CPU loader seeds them, so any number of processes, workers or resumes see the same
+crops. The training process then decodes the whole batch on its device in one call (TorchCodec's decode_jpeg:
+nvJPEG on a GPU, libjpeg on the CPU; torchvision.io's where TorchCodec is unusable) and replays the same transform
+objects there with the drawn parameters.
+
+The loader's batches are EncodedBatch objects. accelerate's prepared loader moves every batch with
+`batch.to(device)` (as it moves transformers' BatchEncoding); EncodedBatch.to decodes and augments on that device
+and returns (images (B, 3, S, S) float, targets): the training loop sees what the CPU loader gives it.
+
+- The device decodes RGB and grayscale JPEGs. Other files (PNG and the other formats, CMYK JPEGs, which
+  nvJPEG does not decode, JPEGs with an EXIF orientation) are decoded in the worker with decode_rgb, as the CPU
+  loader decodes them, and travel as pixels. A JPEG that fails on the device is decoded again with decode_rgb in
+  the training process; a file that fails there too is unreadable, as in the CPU loader (target -1 - index).
+- The same images: on the CPU this path gives the CPU loader's pixels bitwise (the same libjpeg, the same resize
+  kernels; tests/test_device_decode.py). On a GPU, nvJPEG and the float resize kernels round differently:
+  benchmarks/bench_gpu.py measures the difference and the GPU check bounds its mean as torchvision's nvJPEG test
+  does (below 2 levels of 255).
+- --auto_augment draws inside its per-image forward, so it cannot be replayed here: refused before anything starts,
+  as is --dummy (no files). --random_erase, --hflip, --crop_scale/--crop_ratio and --interpolation are replayed.
+"""
+import functools
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import default_collate
+from torchvision.transforms import v2
+
+from .errors import UserError
+from .image_data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, torchcodec_decoder
+
+EXIF_ORIENTATION = 0x0112  # the EXIF tag; 1 (or none): stored upright
+RANDOM_STEPS = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.RandomErasing)
+BATCHED_STEPS = (v2.ToDtype, v2.Normalize)  # elementwise: one call on the stacked batch gives each image's result
+REPLAYABLE = RANDOM_STEPS + BATCHED_STEPS + (v2.Resize, v2.CenterCrop)
+
+
+def check_decode_on_device(args):
+    """Refuse, before anything starts, what --decode_on_device cannot do as the CPU loader does it."""
+    if args.decode_on_device and args.dummy is not None:
+        raise UserError("--decode_on_device decodes image files; --dummy has none: drop one of the two")
+    if args.decode_on_device and args.auto_augment:
+        raise UserError(f"--decode_on_device: --auto_augment {args.auto_augment} draws inside each image's "
+                        "transform in the loader workers and cannot be replayed on the device; drop one of the two")
+
+
+@dataclass
+class EncodedImage:
+    """One sample as a worker leaves it: the JPEG's bytes, or pixels where the device does not decode the file.
+    params: per step of the transform, what it drew (None: nothing drawn, or a random step that is skipped);
+    None instead of a list: the file is unreadable."""
+    path: str
+    index: int
+    jpeg: bytes = None
+    pixels: np.ndarray = None  # (3, H, W) uint8
+    params: list = None
+
+
+class EncodedImageFolder(RGBImageFolder):
+    """RGBImageFolder whose samples are EncodedImage; `collate` makes the EncodedBatch that decodes on the device."""
+
+    def __init__(self, root, transform, image_size, seed=0):
+        unsupported = [type(step).__name__ for step in transform.transforms if not isinstance(step, REPLAYABLE)]
+        if unsupported:
+            raise ValueError(f"cannot replay {', '.join(unsupported)} on the device (only {REPLAYABLE})")
+        super().__init__(root, transform, image_size, seed)
+
+    def __getitem__(self, item):
+        key, index = sample_key(self.seed, self.epoch.get(), item)
+        path, target = self.samples[index]
+        try:
+            jpeg, pixels, shape = read_encoded(path)
+        except DECODE_ERRORS:
+            return EncodedImage(path, index), -1 - index  # as RGBImageFolder marks it
+        with torch.random.fork_rng(devices=[]):  # the same seeding as RGBImageFolder's, so the same draws
+            torch.default_generator.manual_seed(key)
+            return EncodedImage(path, index, jpeg, pixels, draw_params(self.transform, shape)), target
+
+    def collate(self, samples):
+        images, targets = zip(*samples)
+        return EncodedBatch(list(images), torch.tensor(targets), self.transform, tuple(self.placeholder.shape))
+
+
+def collate_for(dataset):
+    """The DataLoader collate_fn for `dataset`: EncodedBatch for an EncodedImageFolder, torch's default otherwise."""
+    return dataset.collate if isinstance(dataset, EncodedImageFolder) else default_collate
+
+
+def read_encoded(path):
+    """(jpeg bytes, None, shape) for a JPEG the device decodes, else (None, pixels, shape) decoded here by
+    decode_rgb; shape (3, H, W) as decoded. Raises one of DECODE_ERRORS for an unreadable file."""
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        with Image.open(io.BytesIO(data)) as header:  # parses the header only
+            if (header.format == "JPEG" and header.mode in ("L", "RGB")
+                    and header.getexif().get(EXIF_ORIENTATION, 1) == 1):
+                return data, None, (3, header.height, header.width)
+    except Exception:  # noqa: BLE001 - any header PIL cannot parse: decode_rgb decides, as in the CPU loader
+        pass
+    pixels = decode_rgb(path)
+    return None, pixels.numpy(), tuple(pixels.shape)
+
+
+def draw_params(transform, shape):
+    """What each step of `transform` draws for an image of `shape`, in the order the steps draw it on the CPU.
+
+    The random steps' own make_params draw, on a stand-in of the image's shape (no pixels are needed). The shape is
+    followed through RandomResizedCrop, the one step before them that changes it in train_transform."""
+    params = []
+    for step in transform.transforms:
+        stand_in = torch.empty(()).expand(shape)
+        if isinstance(step, v2.RandomResizedCrop):
+            params.append(step.make_params([stand_in]))
+            shape = (shape[0], *step.size)
+        elif isinstance(step, (v2.RandomHorizontalFlip, v2.RandomErasing)):
+            # _RandomApplyTransform.forward: `torch.rand(1) >= p` skips the step before it draws anything else
+            drawn = step.make_params([stand_in]) if torch.rand(1) < step.p else None
+            if drawn and drawn.get("v") is not None:  # a numpy copy: a tensor per sample would cost a worker
+                drawn["v"] = drawn["v"].numpy()  # shared-memory segment each on its way to the training process
+            params.append(drawn)
+        else:
+            params.append(None)
+    return params
+
+
+@dataclass
+class EncodedBatch:
+    """A batch as the workers leave it; .to(device) (which accelerate's prepared loader calls) decodes and augments
+    it on the device and returns (images, targets)."""
+    images: list  # EncodedImage per sample
+    targets: torch.Tensor  # (B,) class indices; -1 - index where the file is unreadable
+    transform: v2.Compose
+    image_shape: tuple  # (3, S, S): the transform's output, and the zeros an unreadable file becomes
+
+    def to(self, device, non_blocking=False):
+        device = torch.device(device)
+        targets = self.targets.clone()
+        decoded = decode_images(self.images, device)
+        for row, (item, image) in enumerate(zip(self.images, decoded)):
+            if image is None and targets[row] >= 0:  # its header read, its data did not decode anywhere
+                targets[row] = -1 - item.index
+        readable = [row for row, image in enumerate(decoded) if image is not None]
+        batch = torch.zeros(len(self.images), *self.image_shape, device=device)  # (B, 3, S, S)
+        if readable:
+            batch[readable] = replay(self.transform, [decoded[row] for row in readable],
+                                     [self.images[row].params for row in readable])
+        return batch, targets.to(device, non_blocking=non_blocking)
+
+
+@functools.cache
+def jpeg_decoder():
+    """decode(list of JPEG bytes, device) -> list of (3, H, W) uint8 RGB on `device`, one call per batch:
+    TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (utils/image_data.py)."""
+    if torchcodec_decoder() is not None:
+        from torchcodec.decoders import decode_jpeg
+        return lambda jpegs, device: decode_jpeg(jpegs, mode="RGB", device=device)
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    def decode(jpegs, device):
+        with warnings.catch_warnings():  # torchvision's deprecation points to TorchCodec, which is unusable here
+            warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                                    category=DeprecationWarning)
+            return decode_jpeg([torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs],
+                               mode=ImageReadMode.RGB, device=device)
+    return decode
+
+
+def decode_images(images, device):
+    """Each EncodedImage as a (3, H, W) uint8 tensor on `device`; None where its file is unreadable."""
+    decode = jpeg_decoder()
+    jpegs = [row for row, item in enumerate(images) if item.jpeg is not None]
+    try:
+        decoded = dict(zip(jpegs, decode([images[row].jpeg for row in jpegs], device))) if jpegs else {}
+    except (RuntimeError, ValueError):  # one bad file fails the whole call: decode one by one to find it
+        decoded = {row: decode_one(images[row], decode, device) for row in jpegs}
+    for row, item in enumerate(images):
+        if item.pixels is not None:
+            decoded[row] = torch.from_numpy(item.pixels).to(device)
+    return [decoded.get(row) for row in range(len(images))]
+
+
+def decode_one(item, decode, device):
+    try:
+        return decode([item.jpeg], device)[0]
+    except (RuntimeError, ValueError):  # not for this decoder (nvJPEG): the CPU loader's decoder, here
+        try:
+            return decode_rgb(item.path).to(device)
+        except DECODE_ERRORS:
+            return None
+
+
+def replay(transform, images, params):
+    """`transform` on decoded images (list of (3, H, W) uint8 on the device), each step with what the worker drew
+    for that image: per image for the geometry and erasing, on the stacked batch for ToDtype and Normalize.
+    Returns (B, 3, S, S) float."""
+    batch = images  # a list until the first batched step stacks it
+    for k, step in enumerate(transform.transforms):
+        if isinstance(step, BATCHED_STEPS):
+            batch = step(torch.stack(batch) if isinstance(batch, list) else batch)
+            continue
+        rows = [replay_step(step, image, drawn[k]) for image, drawn in zip(batch, params)]
+        batch = torch.stack(rows) if isinstance(batch, torch.Tensor) else rows
+    return torch.stack(batch) if isinstance(batch, list) else batch
+
+
+def replay_step(step, image, drawn):
+    if not isinstance(step, RANDOM_STEPS):
+        return step(image)
+    if drawn is None:  # the step's `torch.rand(1) >= p` skipped it for this image
+        return image
+    if drawn.get("v") is not None:  # RandomErasing's fill value, back from its numpy copy
+        drawn = {**drawn, "v": torch.from_numpy(drawn["v"]).to(image.device)}
+    return step.transform(image, drawn)
