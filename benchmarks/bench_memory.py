@@ -83,8 +83,8 @@ def main(argv=None):
               f"{r['late_rss_mib']:.0f} MiB at {r['late_step']} | {100 * r['growth']:+.1f}% |")
     ok = all(abs(r["growth"]) <= 0.10 for r in runs)
     print(f"goal: within 10% -> {'met' if ok else 'NOT met'}")
-    common.write_results("bench_memory", {"benchmark": "bench_memory", "provenance": common.provenance(),
-                                          "threads": args.threads, "runs": runs, "goal_met": ok}, args.output)
+    common.write_results("bench_memory", {"provenance": common.provenance(), "threads": args.threads, "runs": runs,
+                                          "goal_met": ok}, args.output)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ One process, 1 thread. Goal: accelerate >= 0.97 x plain.
 """
 import copy
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from transformers import get_linear_schedule_with_warmup  # noqa: E402
@@ -29,11 +27,10 @@ from transformers import get_linear_schedule_with_warmup  # noqa: E402
 from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
 from train_resnet import classification_loss  # noqa: E402
 from utils.loss_meter import LossMeter  # noqa: E402
-from utils.runtime import build_accelerator  # noqa: E402
 from utils.text_data import build_label_list, read_examples  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
-SEED = 42
+SEED = common.SEED
 TOTAL_STEPS = 100_000  # scheduler length: far beyond the benchmark, so the learning rate stays warm-up-sized
 
 
@@ -51,7 +48,7 @@ def bert_arms(accelerator, args):
     optimizer = torch.optim.AdamW(optimizer_groups(acc_model, 0.01), lr=3e-5)
     scheduler = get_linear_schedule_with_warmup(optimizer, TOTAL_STEPS // 10, TOTAL_STEPS)
     acc_model, optimizer, acc_loader, scheduler = accelerator.prepare(acc_model, optimizer, loader, scheduler)
-    acc_batches, meter = common.Cycle(acc_loader), LossMeter(accelerator.device)
+    acc_batches, meter = common.forever(acc_loader), LossMeter(accelerator.device)
     acc_model.train()
 
     def accelerate_step():
@@ -65,23 +62,21 @@ def bert_arms(accelerator, args):
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         meter.update(loss, batch["labels"].shape[0])
+        return batch["labels"].shape[0]
 
     # plain: the same model, optimizer and schedule by hand, an ordinary DataLoader over the same dataset
     plain_model = copy.deepcopy(model).to(accelerator.device)
     plain_optimizer = torch.optim.AdamW(optimizer_groups(plain_model, 0.01), lr=3e-5)
     plain_scheduler = get_linear_schedule_with_warmup(plain_optimizer, TOTAL_STEPS // 10, TOTAL_STEPS)
-    plain_batches = common.Cycle(DataLoader(loader.dataset, batch_size=32, shuffle=True, collate_fn=loader.collate_fn,
+    plain_batches = common.forever(DataLoader(loader.dataset, batch_size=32, shuffle=True, collate_fn=loader.collate_fn,
                                             generator=torch.Generator().manual_seed(SEED)))
     plain_model.train()
 
     def plain_step():
         batch = {k: v.to(accelerator.device) for k, v in next(plain_batches).items()}
-        loss = plain_model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0)
-        plain_optimizer.step()
+        samples = common.train_step(plain_model, plain_optimizer, batch, clip=1.0)
         plain_scheduler.step()
-        plain_optimizer.zero_grad(set_to_none=True)
+        return samples
 
     return {"bert accelerate (train_bert_cls step)": accelerate_step, "bert plain torch loop": plain_step}
 
@@ -101,7 +96,7 @@ def resnet_arms(accelerator, args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     loader = DataLoader(dataset, batch_size=32, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(SEED))
     acc_model, optimizer, acc_loader, scheduler = accelerator.prepare(acc_model, optimizer, loader, scheduler)
-    acc_batches, meter = common.Cycle(acc_loader), LossMeter(accelerator.device)
+    acc_batches, meter = common.forever(acc_loader), LossMeter(accelerator.device)
     window = torch.zeros(4, dtype=torch.long, device=accelerator.device)
     lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)
     acc_model.train()
@@ -121,31 +116,30 @@ def resnet_arms(accelerator, args):
         window += torch.stack([readable.sum(), hits[:, 0].sum(), hits.any(dim=1).sum(), (~readable).sum()])
         lowest_target = torch.minimum(lowest_target, targets.min())
         meter.update(loss, readable.sum())
+        return len(targets)
 
     plain_model = copy.deepcopy(model).to(accelerator.device)
     plain_optimizer = sgd(plain_model.parameters())
     plain_scheduler = torch.optim.lr_scheduler.LambdaLR(plain_optimizer, lambda step: 1.0)
-    plain_batches = common.Cycle(DataLoader(dataset, batch_size=32, shuffle=True, drop_last=True,
+    plain_batches = common.forever(DataLoader(dataset, batch_size=32, shuffle=True, drop_last=True,
                                             generator=torch.Generator().manual_seed(SEED)))
     plain_model.train()
 
     def plain_step():
-        inputs, targets = next(plain_batches)
-        loss = F.cross_entropy(plain_model(inputs.to(accelerator.device)), targets.to(accelerator.device))
-        loss.backward()
-        plain_optimizer.step()
+        batch = [t.to(accelerator.device) for t in next(plain_batches)]
+        samples = common.train_step(plain_model, plain_optimizer, batch)
         plain_scheduler.step()
-        plain_optimizer.zero_grad(set_to_none=True)
+        return samples
 
     return {"resnet18 accelerate (train_resnet step)": accelerate_step, "resnet18 plain torch loop": plain_step}
 
 
 def compare(name, arms, rounds, steps, warmup, batch_size):
     accelerate_arm, plain_arm = list(arms)
-    samples, summary = common.compare_steps(name, arms, rounds, steps, batch_size, warmup, baseline=plain_arm)
+    samples, summary = common.compare_steps(name, arms, rounds, steps, warmup, baseline=plain_arm)
     rows = [[arm, s["median_rate"], 1000 * batch_size / s["median_rate"], s["ratio_to_baseline"],
              f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}", s["median_cpu_rate"], s["cpu_ratio_to_baseline"],
-             f"{s['cpu_ratio_min']:.2f}-{s['cpu_ratio_max']:.2f}", common.cpu_share(samples[arm])]
+             f"{s['cpu_ratio_min']:.2f}-{s['cpu_ratio_max']:.2f}", s["cpu_share"]]
             for arm, s in summary.items()]
     table = common.format_table(["arm", "samples/s (median)", "ms/step", "vs plain, wall (median of rounds)",
                                  "per-round range", "samples per CPU-second", "vs plain, CPU time",
@@ -169,16 +163,15 @@ def main(argv=None):
     rounds = args.rounds or (2 if args.quick else 40)
     if args.quick:
         args.samples = 400
-    with tempfile.TemporaryDirectory() as output_dir:
-        accelerator = build_accelerator(common.script_runtime_args(), Path(output_dir), 1)
-        results = {"benchmark": "bench_overhead", "provenance": common.provenance(),
-                   "accelerator": {"device": str(accelerator.device), "num_processes": accelerator.num_processes,
-                                   "mixed_precision": accelerator.mixed_precision}}
-        results["bert"] = compare("small BERT (2x128) on THUCNews headlines, batch 32, AdamW", bert_arms(accelerator, args),
-                                  rounds, 3 if args.quick else 4, 3, 32)
-        results["resnet18"] = compare("ResNet-18, 64x64 synthetic images, batch 32, SGD momentum 0.9",
-                                      resnet_arms(accelerator, args), rounds if args.quick else max(1, rounds * 3 // 4),
-                                      1, 2, 32)
+    accelerator = common.script_accelerator()
+    results = {"provenance": common.provenance(),
+               "accelerator": {"device": str(accelerator.device), "num_processes": accelerator.num_processes,
+                               "mixed_precision": accelerator.mixed_precision}}
+    results["bert"] = compare("small BERT (2x128) on THUCNews headlines, batch 32, AdamW", bert_arms(accelerator, args),
+                              rounds, 3 if args.quick else 4, 3, 32)
+    results["resnet18"] = compare("ResNet-18, 64x64 synthetic images, batch 32, SGD momentum 0.9",
+                                  resnet_arms(accelerator, args), rounds if args.quick else max(1, rounds * 3 // 4),
+                                  1, 2, 32)
     common.write_results("bench_overhead", results, args.output)
 
 
