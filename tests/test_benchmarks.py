@@ -94,7 +94,7 @@ def median_rates(results):
 
 
 # name -> (extra flags, arms it must report)
-QUICK = {"bench_bert_input": ([], 4), "bench_overhead": ([], 4), "bench_cpu_precision": ([], 5),
+QUICK = {"bench_bert_input": ([], 4), "bench_overhead": ([], 2), "bench_cpu_precision": ([], 5),
          "bench_resnet_loader": (["--image_size", "32"], 3)}
 
 
