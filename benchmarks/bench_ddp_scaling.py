@@ -32,7 +32,6 @@ from train_bert_cls import optimizer_groups  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
 CEILING = "2 procs, each its own full g64, no DDP (machine ceiling)"
-CEILING_BASE = "1p g64"
 ARMS = [  # (name, processes, global batch, fused AdamW); --quick: the first and third
     ("1p g64", 1, 64, False), (CEILING, 2, 64, False), ("2p g64 DDP defaults (bucket 25 MB)", 2, 64, False),
     ("1p g64 fused AdamW", 1, 64, True), ("2p g64 fused AdamW", 2, 64, True),
@@ -166,24 +165,25 @@ def main(argv=None):
             say(f"  round {r + 1}/{rounds} {a.name:<58} {samples / wall:8.1f} samples/s  CPU share per rank "
                 + " ".join(f"{p['cpu'] / p['wall']:.2f}" for p in per_rank))
 
+    def efficiency(a):
+        """Per round: samples/s / (2 x the same round's 1-process arm with the same global batch and optimizer)."""
+        base = next((b.name for b in arms if b.procs == 1 and (b.batch, b.fused) == (a.batch, a.fused)), None)
+        return [x["rate"] / (2 * y["rate"]) for x, y in zip(raw[a.name], raw[base])] if a.procs == 2 and base else None
+    ceiling = next((efficiency(a) for a in arms if a.name == CEILING), None)  # what the two cores allowed, per round
+
     rows, summary = [], {}
     for a in arms:
-        base = next((b.name for b in arms if b.procs == 1 and (b.batch, b.fused) == (a.batch, a.fused)), None)
-        efficiency = of_ceiling = None
-        if a.procs == 2 and base is not None:
-            efficiency = statistics.median(x["rate"] / (2 * y["rate"]) for x, y in zip(raw[a.name], raw[base]))
-            if raw.get(CEILING) and raw.get(CEILING_BASE) and a.name != CEILING:
-                # the same round's independent-processes rate: what the cores allowed at that moment
-                of_ceiling = statistics.median(x["rate"] / (2 * y["rate"]) / (c["rate"] / (2 * z["rate"]))
-                                               for x, y, c, z in zip(raw[a.name], raw[base], raw[CEILING],
-                                                                     raw[CEILING_BASE]))
+        per_round = efficiency(a)
+        of_ceiling = (statistics.median(e / c for e, c in zip(per_round, ceiling))
+                      if per_round and ceiling and a.name != CEILING else None)
         err = 0.0 if a.procs == 1 else errors.get(a.batch) if a.ddp else None
         shares = [statistics.median(x["cpu_share"][i] for x in raw[a.name]) for i in (0, 1)]
         summary[a.name] = {"procs": a.procs, "global_batch": a.batch, "fused_adamw": a.fused,
                            "median_samples_per_second": statistics.median(x["rate"] for x in raw[a.name]),
-                           "efficiency": efficiency, "fraction_of_ceiling": of_ceiling,
-                           "gradient_relative_error": err, "cpu_share_median": shares}
-        rows.append([a.name, summary[a.name]["median_samples_per_second"], efficiency, of_ceiling,
+                           "efficiency": statistics.median(per_round) if per_round else None,
+                           "fraction_of_ceiling": of_ceiling, "gradient_relative_error": err,
+                           "cpu_share_median": shares}
+        rows.append([a.name, summary[a.name]["median_samples_per_second"], summary[a.name]["efficiency"], of_ceiling,
                      "/".join(f"{s:.2f}" for s in shares), f"{err:.1e}" if err is not None else "n/a"])
     table = common.format_table(["arm", "samples/s (median)", "efficiency", "efficiency / machine ceiling",
                                  "CPU share rank0/rank1", "gradient rel. error vs 1p"], rows)

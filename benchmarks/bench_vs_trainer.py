@@ -1,17 +1,12 @@
 """train_bert_cls.py against transformers' Trainer (run_classification.py style), start to finish (issue 18).
 
 Both train the same randomly initialised BERT (bert-base-chinese's config and vocabulary, --config_overrides) on the
-same files with the same settings: global batch, lr, linear schedule with warmup, weight decay, epochs, sequence
-length, fp32, one process. Each arm is a whole command (`python ...`) timed from outside; the rounds alternate
-(ours, Trainer; then Trainer, ours). Reported per arm: wall time of the command, time to first step (process start
-to the end of the first optimizer step), steady samples/s (median of the log windows after the first; ours keeps
-evaluation out of its windows, the Trainer's windows are timed from its step ends, with evaluation only after the
-last one) and validation accuracy.
-
-Cases: THUCNews headlines at 64 tokens (the issue's settings: 9,000 headlines, 4x256 BERT, global batch 64, lr 1e-3,
-10% warmup, weight decay 0.01, one epoch, 2 threads) and cnews articles at 512 tokens (900 train / 100 validation
-of cnews_1000.txt by default). (Our start-up's parts, reading + tokenising + the [UNK] check as a fraction of one
-epoch, were measured once and removed: RESULTS.md section 8.)
+same files with the same settings (global batch, lr, linear schedule with warmup, weight decay, one epoch, fp32, one
+process). Each arm is a whole command timed from outside, rounds alternating; reported: wall time, time to first
+step, steady samples/s and validation accuracy (how each is measured: benchmarks/README.md). Cases: THUCNews
+headlines at 64 tokens (the issue's settings: 9,000 headlines, 4x256 BERT, global batch 64, lr 1e-3, 10% warmup,
+weight decay 0.01, 2 threads) and cnews articles at 512 tokens (900 train / 100 validation of cnews_1000.txt). (Our
+start-up's parts as a fraction of one epoch were measured once and removed: RESULTS.md section 8.)
 
     python benchmarks/bench_vs_trainer.py                  # --data_root (default data/), 2 rounds of both cases
     python benchmarks/bench_vs_trainer.py --quick          # generated headlines (utils/demo_data.py), 1 round
