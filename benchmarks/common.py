@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def train_step(model, optimizer, batch, clip=None, bf16=False):
     import torch
     import torch.nn.functional as F
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        if isinstance(batch, dict):
+        if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
             loss, samples = model(**batch).loss, len(batch["labels"])
         else:
             loss, samples = F.cross_entropy(model(batch[0]), batch[1]), len(batch[1])

@@ -95,7 +95,7 @@ def median_rates(results):
 
 # name -> (extra flags, median rates its results JSON holds: one per arm; the loader benchmark adds the summary of
 # its project-vs-main.py pair)
-QUICK = {"bench_bert_input": ([], 4), "bench_overhead": ([], 2), "bench_cpu_precision": ([], 5),
+QUICK = {"bench_bert_input": (["--quick_samples", "200"], 4), "bench_overhead": ([], 2), "bench_cpu_precision": ([], 5),
          "bench_resnet_loader": (["--image_size", "32"], 4)}
 
 
