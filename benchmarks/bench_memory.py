@@ -76,15 +76,13 @@ def main(argv=None):
                                     "--epochs", -(-steps // (1348 // 16)), "-p", max(1, steps // 40),
                                     "--output_dir", resnet_out], resnet_out, steps, args.threads),
     ]
-    print("| script | steps | RSS at step (early) | RSS at step (end) | growth |")
-    print("|---|---|---|---|---|")
-    for r in runs:
-        print(f"| {r['name']} | {r['steps']} | {r['early_rss_mib']:.0f} MiB at {r['early_step']} | "
-              f"{r['late_rss_mib']:.0f} MiB at {r['late_step']} | {100 * r['growth']:+.1f}% |")
+    print(common.format_table(["script", "steps", "RSS at step (early)", "RSS at step (end)", "growth"], [
+        [r["name"], r["steps"], f"{r['early_rss_mib']:.0f} MiB at {r['early_step']}",
+         f"{r['late_rss_mib']:.0f} MiB at {r['late_step']}", f"{100 * r['growth']:+.1f}%"] for r in runs]))
     ok = all(abs(r["growth"]) <= 0.10 for r in runs)
     print(f"goal: within 10% -> {'met' if ok else 'NOT met'}")
-    common.write_results("bench_memory", {"benchmark": "bench_memory", "provenance": common.provenance(),
-                                          "threads": args.threads, "runs": runs, "goal_met": ok}, args.output)
+    common.write_results("bench_memory", {"provenance": common.provenance(), "threads": args.threads, "runs": runs,
+                                          "goal_met": ok}, args.output)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,14 @@
 """train_bert_cls.py against transformers' Trainer (run_classification.py style), start to finish (issue 18).
 
 Both train the same randomly initialised BERT (bert-base-chinese's config and vocabulary, --config_overrides) on the
-same files with the same settings: global batch, lr, linear schedule with warmup, weight decay, epochs, sequence
-length, fp32, one process. Each arm is a whole command (`python ...`) timed from outside; the rounds alternate
-(ours, Trainer; then Trainer, ours). Reported per arm: wall time of the command, time to first step (process start
-to the end of the first optimizer step), steady samples/s (median of the log windows after the first; ours keeps
-evaluation out of its windows, the Trainer's windows are timed from its step ends, with evaluation only after the
-last one) and validation accuracy.
+same files with the same settings (global batch, lr, linear schedule with warmup, weight decay, one epoch, fp32, one
+process). Each arm is a whole command timed from outside, rounds alternating; reported: wall time, time to first
+step, steady samples/s and validation accuracy (how each is measured: benchmarks/README.md). Cases: THUCNews
+headlines at 64 tokens (the issue's settings: 9,000 headlines, 4x256 BERT, global batch 64, lr 1e-3, 10% warmup,
+weight decay 0.01, 2 threads) and cnews articles at 512 tokens (900 train / 100 validation of cnews_1000.txt). (Our
+start-up's parts as a fraction of one epoch were measured once and removed: RESULTS.md section 8.)
 
-Cases: THUCNews headlines at 64 tokens (the issue's settings: 9,000 headlines, 4x256 BERT, global batch 64, lr 1e-3,
-10% warmup, weight decay 0.01, one epoch, 2 threads) and cnews articles at 512 tokens (900 train / 100 validation
-of cnews_1000.txt by default), where our start-up (reading + tokenising + the [UNK] check, timed in this process with the
-script's own functions) as a fraction of one epoch of our run has a goal of under 10% (given for both cases).
-
-    python benchmarks/bench_vs_trainer.py                  # ../shared/data, 2 rounds of both cases
+    python benchmarks/bench_vs_trainer.py                  # --data_root (default data/), 2 rounds of both cases
     python benchmarks/bench_vs_trainer.py --quick          # generated headlines (utils/demo_data.py), 1 round
 """
 import argparse
@@ -28,8 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, Timer, base_parser, format_table, interleaved_order, provenance,  # noqa: E402
-                    require_data, run_cli, write_results)
+from common import (REPO, base_parser, format_table, interleaved_order, provenance, require_data,  # noqa: E402
+                    run_cli, write_results)
 
 HEADLINE_MODEL = "num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024"
 
@@ -48,11 +43,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def write_lines(path, lines):
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
-
-
 def prepare_cases(args, work):
     """{case: settings} with the files written under `work`; real data, or generated data with --quick."""
     if args.quick:
@@ -61,27 +51,29 @@ def prepare_cases(args, work):
         return {"headlines": dict(train=demo / "train.txt", val=demo / "val.txt", model=demo / "model", overrides="",
                                   seq_len=32, batch=32, lr=2e-3, logging_steps=3)}
     data = Path(args.data_root)
-    titles, model = data / "thucnews_titles", data / "bert-base-chinese"
-    cnews_file = data / "cnews_sample" / "cnews_1000.txt"
     require_data(data, "thucnews_titles/train.txt", "thucnews_titles/val.txt", "cnews_sample/cnews_1000.txt",
                  "bert-base-chinese/config.json")
+
+    def case(name, splits, seq_len, logging_steps):
+        for split, lines in splits.items():
+            (work / f"{name}_{split}.txt").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        return dict(train=work / f"{name}_train.txt", val=work / f"{name}_val.txt", model=data / "bert-base-chinese",
+                    overrides=HEADLINE_MODEL, seq_len=seq_len, batch=args.batch_size, lr=args.learning_rate,
+                    logging_steps=logging_steps)
+
+    def lines(*path):
+        return data.joinpath(*path).read_text(encoding="utf-8").splitlines()
     cases = {}
     if "headlines" in args.cases:
-        train = titles.joinpath("train.txt").read_text(encoding="utf-8").splitlines()[:args.train_samples]
-        val = titles.joinpath("val.txt").read_text(encoding="utf-8").splitlines()[:args.val_samples]
-        cases["headlines"] = dict(train=write_lines(work / "titles_train.txt", train),
-                                  val=write_lines(work / "titles_val.txt", val), model=model,
-                                  overrides=HEADLINE_MODEL, seq_len=64, batch=args.batch_size, lr=args.learning_rate,
-                                  logging_steps=10)
+        cases["headlines"] = case("titles", {"train": lines("thucnews_titles", "train.txt")[:args.train_samples],
+                                             "val": lines("thucnews_titles", "val.txt")[:args.val_samples]},
+                                  64, 10)
     if "cnews" in args.cases:
-        articles = cnews_file.read_text(encoding="utf-8").splitlines()
+        articles = lines("cnews_sample", "cnews_1000.txt")
         random.Random(0).shuffle(articles)  # the file runs class by class: a shuffled 90/10 split
         articles = articles[:args.cnews_samples]
         n_train = len(articles) * 9 // 10
-        cases["cnews"] = dict(train=write_lines(work / "cnews_train.txt", articles[:n_train]),
-                              val=write_lines(work / "cnews_val.txt", articles[n_train:]), model=model,
-                              overrides=HEADLINE_MODEL, seq_len=512, batch=args.batch_size, lr=args.learning_rate,
-                              logging_steps=2)
+        cases["cnews"] = case("cnews", {"train": articles[:n_train], "val": articles[n_train:]}, 512, 2)
     return cases
 
 
@@ -180,26 +172,6 @@ def trainer_worker(spec_path):
     (out / "trainer_result.json").write_text(json.dumps(result))
 
 
-def our_startup_parts(case):
-    """Reading + tokenising + the [UNK] check of our script, timed here with its own functions."""
-    import train_bert_cls
-    from accelerate import PartialState
-    from datasets import disable_progress_bars
-    from utils.text_data import read_examples
-    from utils.tokenizer_checks import check_unk_rate
-    from transformers import AutoTokenizer
-    disable_progress_bars()
-    state = PartialState(cpu=True)
-    tokenizer = AutoTokenizer.from_pretrained(case["model"])
-    with Timer() as read:
-        examples = read_examples(case["train"])
-    with Timer() as tokenise:
-        dataset = train_bert_cls.tokenize(tokenizer, [e.text for e in examples], [0] * len(examples), case["seq_len"])
-    with Timer() as check:
-        check_unk_rate(state, tokenizer, dataset, case["model"])
-    return {"read_seconds": read.wall, "tokenise_seconds": tokenise.wall, "unk_check_seconds": check.wall}
-
-
 def measure(args, rounds, work):
     """Every case's alternating rounds of both arms, run in `work`."""
     cases = prepare_cases(args, work)
@@ -216,10 +188,6 @@ def measure(args, rounds, work):
                       f"{result['startup_seconds']:5.1f} s | {result['steady_samples_per_second']:6.1f} samples/s "
                       f"| val accuracy {result['val_accuracy']:.3f}", flush=True)
         payload["cases"][name] = {"settings": {k: str(v) for k, v in case.items()}, "rounds": samples[name]}
-        parts = our_startup_parts(case)
-        epoch = statistics.median(r["epoch_seconds"] for r in samples[name]["train_bert_cls.py"])
-        parts["fraction_of_one_epoch"] = sum(parts.values()) / epoch
-        payload["cases"][name]["our_startup_parts"] = parts
     return samples, payload
 
 
@@ -240,11 +208,6 @@ def main(args):
                          med["val_accuracy"], speedup if arm == "train_bert_cls.py" else None])
     print(format_table(["case", "arm", "wall s", "first step s", "steady samples/s", "val accuracy",
                         "Trainer wall / ours"], rows))
-    for name, case in payload["cases"].items():
-        parts = case["our_startup_parts"]
-        print(f"{name}: our start-up: read {parts['read_seconds']:.2f} s + tokenise {parts['tokenise_seconds']:.2f} s"
-              f" + [UNK] check {parts['unk_check_seconds']:.3f} s = {parts['fraction_of_one_epoch']:.1%} of one epoch"
-              " (goal on cnews: under 10%)")
     write_results("bench_vs_trainer", payload, args.output)
 
 

@@ -1,11 +1,13 @@
 """The benchmarks' command lines: --help shows every flag benchmarks/README.md promises, with defaults, and a
-missing data root is one line on stderr and exit status 2, not a traceback. Nothing is timed here."""
+missing data root is one line on stderr and exit status 2, not a traceback. Every CPU benchmark but the two that run
+whole training commands (bench_memory, bench_vs_trainer) also runs --quick end to end on the suite's tiny data laid
+out like the real data: each arm must report a rate (its size is not checked: nothing here is a measurement)."""
 import importlib
 import sys
 
 import pytest
 
-from conftest import ROOT, run
+from conftest import ACCELERATE, ROOT, free_port, read_json, run
 
 BENCHMARKS = ROOT / "benchmarks"
 # name -> does it read real data (--data_root) and run interleaved rounds (--rounds); benchmarks/README.md's table
@@ -58,7 +60,7 @@ def test_missing_data_root_from_the_command_line(tmp_path):
     assert f"{tmp_path / 'none' / 'thucnews_titles' / 'train.txt'}" in proc.stderr
 
 
-@pytest.mark.parametrize("script", ["bench_vs_trainer.py", "bench_padding.py"])
+@pytest.mark.parametrize("script", ["bench_vs_trainer.py"])
 def test_missing_data_root_of_the_newer_benchmarks(script, tmp_path):
     """Without --quick they need the real data: a missing --data_root is one line and exit 2, never a silent switch
     to generated text."""
@@ -67,3 +69,54 @@ def test_missing_data_root_of_the_newer_benchmarks(script, tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert f"{tmp_path / 'none' / 'thucnews_titles' / 'train.txt'}" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory, text_data, digits_data):
+    """The real data's layout (docs/data.md), filled with the suite's tiny built-in headlines, model and digits."""
+    root = tmp_path_factory.mktemp("data_root")
+    for folder in ("thucnews_titles", "cnews_sample"):
+        (root / folder).mkdir()
+    for name in ("train.txt", "val.txt"):
+        (root / "thucnews_titles" / name).symlink_to(text_data / name)
+    (root / "cnews_sample" / "cnews_1000.txt").symlink_to(text_data / "train.txt")
+    (root / "bert-base-chinese").symlink_to(text_data / "model")
+    (root / "imagenette_112").symlink_to(digits_data)
+    return root
+
+
+def median_rates(results):
+    """Every arm's median rate in a results JSON, wherever the benchmark nests its arms."""
+    if isinstance(results, dict):
+        found = [results["median_rate"]] if "median_rate" in results else []
+        return found + [rate for value in results.values() for rate in median_rates(value)]
+    return []
+
+
+# name -> (extra flags, median rates its results JSON holds: one per arm; the loader benchmark adds the summary of
+# its project-vs-main.py pair)
+QUICK = {"bench_bert_input": (["--quick_samples", "200"], 4), "bench_overhead": ([], 2), "bench_cpu_precision": ([], 5),
+         "bench_resnet_loader": (["--image_size", "32"], 4)}
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_quick_run_on_tiny_data(name, data_root, tmp_path):
+    """--quick end to end, as a user runs it, on tiny data laid out like the real data: every arm trains or loads and
+    lands in the results JSON with a rate."""
+    flags, arms = QUICK[name]
+    output = tmp_path / "r.json"
+    run(["python", f"benchmarks/{name}.py", "--quick", "--data_root", data_root, "--output", output, *flags])
+    rates = median_rates(read_json(output))
+    assert len(rates) == arms and all(rate > 0 for rate in rates), rates
+
+
+def test_ddp_scaling_quick_on_two_processes(data_root, tmp_path):
+    """2-process gloo DDP: the DDP arm's gradient equals the 1-process one up to float summation order."""
+    output = tmp_path / "r.json"
+    run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", free_port(), "benchmarks/bench_ddp_scaling.py", "--cpu",
+         "--quick", "--data_root", data_root, "--output", output])
+    arms = read_json(output)["arms"]
+    assert list(arms) == ["1p g64", "2p g64 DDP defaults (bucket 25 MB)"]
+    ddp = arms["2p g64 DDP defaults (bucket 25 MB)"]
+    assert ddp["gradient_relative_error"] < 1e-5 and ddp["efficiency"] > 0
