@@ -160,8 +160,8 @@ def jpeg_decoder():
     """decode(list of JPEG bytes, device) -> list of (3, H, W) uint8 RGB on `device`, one call per batch:
     TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (utils/image_data.py)."""
     if torchcodec_decoder() is not None:
-        from torchcodec.decoders import decode_jpeg
-        return lambda jpegs, device: decode_jpeg(jpegs, mode="RGB", device=device)
+        from torchcodec.decoders import decode_jpeg as torchcodec_decode_jpeg
+        return lambda jpegs, device: torchcodec_decode_jpeg(jpegs, mode="RGB", device=device)
     from torchvision.io import ImageReadMode, decode_jpeg
 
     def decode(jpegs, device):
