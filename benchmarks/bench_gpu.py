@@ -68,31 +68,24 @@ def synchronize(device):
 
 
 class Workload:
-    """One model + optimizer, eager or compiled, stepping on fixed synthetic batches."""
+    """One model + optimizer, eager or compiled, stepping on a fixed synthetic batch under bf16 autocast."""
 
-    def __init__(self, name, model, optimizer_factory, make_batch, loss_fn, device, compiled, units_per_step):
-        self.name, self.device, self.units_per_step = name, device, units_per_step
-        self.model = model.to(device)
-        self.optimizer = optimizer_factory(self.model.parameters())
-        self.forward = torch.compile(self.model) if compiled else self.model
-        self.batch, self.loss_fn = make_batch(), loss_fn
-        self.compile_seconds = None
+    def __init__(self, model, optimizer, batch, loss_fn, compiled, batch_size):
+        self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
+        self.forward = torch.compile(model) if compiled else model
+        self.device, self.batch_size, self.compile_seconds = next(model.parameters()).device, batch_size, None
 
-    def step(self):
+    def step(self, batch=None):
+        """One training step on the synthetic batch, or on `batch` (a loader's) when given."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss = self.loss_fn(self.forward, self.batch)
+            loss = self.loss_fn(self.forward, self.batch if batch is None else batch)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def warm_up(self, steps):
         """First steps: compilation (if any) and allocator warm-up; their time is reported, not counted."""
-        synchronize(self.device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.step()
-        synchronize(self.device)
-        self.compile_seconds = time.perf_counter() - start
+        self.compile_seconds = timed(self.device, steps, 0, self.step)()[0]
 
     def resident_bytes(self):
         """Weights and optimizer state: what this arm holds between steps."""
@@ -100,43 +93,43 @@ class Workload:
                    *(t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
         return sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
 
-    def timed(self, steps):
-        def run():
-            synchronize(self.device)
-            extra = {}
-            if self.device.type == "cuda":  # other arms' weights stay resident: count only what this arm adds
-                allocated_before = torch.cuda.memory_allocated(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                self.step()
-            synchronize(self.device)
-            seconds = time.perf_counter() - start
-            if self.device.type == "cuda":
-                transient = torch.cuda.max_memory_allocated(self.device) - allocated_before
-                extra["peak_memory_gib"] = (self.resident_bytes() + transient) / 2**30
-            return seconds, steps * self.units_per_step, extra
-        return run
+
+def timed(device, steps, units, step, before=lambda: None, memory_of=None):
+    """An arm for common.run_rounds: before(), then `steps` calls of step() timed between device syncs. With
+    `memory_of` (a Workload) on CUDA, also its peak memory: its resident bytes plus the largest allocation the steps
+    added (the other arms' weights stay resident: only what this arm adds counts)."""
+    def run():
+        before()
+        synchronize(device)
+        memory = memory_of is not None and device.type == "cuda"
+        if memory:
+            allocated_before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        seconds, extra = time.perf_counter() - start, {}
+        if memory:
+            transient = torch.cuda.max_memory_allocated(device) - allocated_before
+            extra["peak_memory_gib"] = (memory_of.resident_bytes() + transient) / 2**30
+        return seconds, steps * units, extra
+    return run
 
 
 def resnet50_workloads(args, device, modes):
     torch.manual_seed(SEED)
     base = torchvision.models.resnet50().to(memory_format=torch.channels_last)
     size, batch = args.resnet_image_size, args.resnet_batch
+    images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+    data = images, torch.randint(0, 1000, (batch,), device=device)
 
-    def make_batch():
-        images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
-        return images, torch.randint(0, 1000, (batch,), device=device)
-
-    def loss_fn(forward, data):
-        return F.cross_entropy(forward(data[0]), data[1])
-
-    def sgd(params):
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
-
-    return {f"resnet50 bf16 channels_last, compile {mode}": Workload(
-        f"resnet50 compile {mode}", copy.deepcopy(base), sgd, make_batch, loss_fn, device, mode == "on", batch)
-        for mode in modes}
+    def workload(compiled):
+        model = copy.deepcopy(base).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        return Workload(model, optimizer, data, lambda forward, d: F.cross_entropy(forward(d[0]), d[1]), compiled,
+                        batch)
+    return {f"resnet50 bf16 channels_last, compile {mode}": workload(mode == "on") for mode in modes}
 
 
 def bert_workloads(args, device, modes, seq):
@@ -145,25 +138,17 @@ def bert_workloads(args, device, modes, seq):
     if args.quick and device.type == "cpu":
         config.update({"num_hidden_layers": 2})  # a syntax check, not a measurement
     torch.manual_seed(SEED)
-    base = BertForSequenceClassification(config)
-    batch = args.bert_batch
+    base, batch = BertForSequenceClassification(config), args.bert_batch
+    data = {"input_ids": torch.randint(1000, config.vocab_size, (batch, seq), device=device),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device),
+            "labels": torch.randint(0, 10, (batch,), device=device)}
 
-    def make_batch():
-        return {"input_ids": torch.randint(1000, config.vocab_size, (batch, seq), device=device),
-                "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device),
-                "labels": torch.randint(0, 10, (batch,), device=device)}
-
-    def loss_fn(forward, data):
-        return forward(**data).loss
-
-    def adamw(params):
-        return torch.optim.AdamW(params, lr=3e-5, fused=device.type in ("cuda", "cpu"))
-
-    parameters = sum(p.numel() for p in base.parameters())
-    workloads = {f"bert-base seq{seq} bf16, compile {mode}": Workload(
-        f"bert compile {mode}", copy.deepcopy(base), adamw, make_batch, loss_fn, device, mode == "on", batch)
-        for mode in modes}
-    return workloads, parameters, config.num_hidden_layers
+    def workload(compiled):
+        model = copy.deepcopy(base).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5, fused=device.type in ("cuda", "cpu"))
+        return Workload(model, optimizer, data, lambda forward, d: forward(**d).loss, compiled, batch)
+    workloads = {f"bert-base seq{seq} bf16, compile {mode}": workload(mode == "on") for mode in modes}
+    return workloads, sum(p.numel() for p in base.parameters()), config.num_hidden_layers
 
 
 def input_arms(args, device, workload, work_dir):
@@ -193,30 +178,13 @@ def input_arms(args, device, workload, work_dir):
                             sampler=RandomSampler(dataset, num_samples=1 << 30))  # one endless epoch
         batches = (send_to_device(batch, device, non_blocking=True) for batch in loader)  # as accelerate moves them
         for arm, consume in ((f"resnet50 input alone: {name}", lambda batch: None),
-                             (f"resnet50 step fed by {name}", feed(workload))):
-            arms[arm] = loader_arm(batches, 2 * workers, steps, args.resnet_batch, device, consume)
+                             (f"resnet50 step fed by {name}",
+                              lambda batch: workload.step((batch[0].contiguous(memory_format=torch.channels_last),
+                                                           batch[1])))):
+            arms[arm] = timed(device, steps, args.resnet_batch, lambda c=consume, b=batches: c(next(b)),
+                              # prefetched while other arms ran (prefetch_factor 2 per worker): not a rate
+                              before=lambda b=batches: [next(b) for _ in range(2 * workers)])
     return arms, agreement
-
-
-def loader_arm(batches, drain, steps, units, device, consume):
-    def run():
-        for _ in range(drain):  # prefetched while other arms ran (prefetch_factor 2 per worker): not a rate
-            next(batches)
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            consume(next(batches))
-        synchronize(device)
-        return time.perf_counter() - start, steps * units, {}
-    return run
-
-
-def feed(workload):
-    def consume(batch):  # one training step on the loader's batch instead of the workload's synthetic one
-        synthetic, workload.batch = workload.batch, (batch[0].contiguous(memory_format=torch.channels_last), batch[1])
-        workload.step()
-        workload.batch = synthetic
-    return consume
 
 
 def main():
@@ -262,7 +230,8 @@ def main():
     model_step = list(resnet)[-1]  # compiled where it is: the step the input has to keep up with (issue 19: 0.9x)
     fixture = tempfile.TemporaryDirectory(prefix="bench_gpu_jpegs_")
     inputs, agreement = input_arms(args, device, resnet[model_step], Path(fixture.name))
-    samples = common.run_rounds({**{name: w.timed(steps) for name, w in workloads.items()}, **inputs}, rounds)
+    samples = common.run_rounds({**{name: timed(device, steps, w.batch_size, w.step, memory_of=w)
+                                    for name, w in workloads.items()}, **inputs}, rounds)
 
     rows, summary = [], {}
     groups = [(resnet, None), *((group, seq) for seq, group in berts.items())]
@@ -290,14 +259,12 @@ def main():
     if args.peak_tflops is None:
         print("MFU not computed: no dense bf16 peak known for this device (PEAK_BF16_TFLOPS); pass --peak_tflops")
     common.write_results("bench_gpu", {
-        "benchmark": "bench_gpu", "provenance": started, "device": str(device),
-        "setup": {"resnet_batch": args.resnet_batch, "resnet_image_size": args.resnet_image_size,
-                  "bert_batch": args.bert_batch, "bert_seq_len": args.bert_seq_len, "bert_layers": bert_layers,
-                  "bert_parameters": bert_parameters, "peak_tflops": args.peak_tflops, "steps": steps,
-                  "rounds": rounds, "quick": args.quick, "input_images": args.input_images,
-                  "loader_workers": args.loader_workers},
+        "provenance": started, "device": str(device),
+        "setup": {**vars(args), "steps": steps, "rounds": rounds, "bert_layers": bert_layers,
+                  "bert_parameters": bert_parameters},
         "model_step_arm": model_step, "input_arms": list(inputs), "input_agreement": agreement,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else common.cpuinfo_field("model name"),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else common.cpuinfo_field("model name")),
         "arms": summary, "rounds_raw": samples, "table": table}, args.output)
 
 

@@ -66,6 +66,8 @@ class Harness:
         self.gpus = 0 if self.cpu else torch.cuda.device_count()
         self.resnet = [*RESNET, "-j", "0" if self.cpu else "2"]  # loader workers: none on the 2-core test machine
         self.text = write_text_classification_data(work / "text", n_train=400, n_val=99, n_test=99)
+        self.bert = ["--data_dir", self.text, "--model_name_or_path", self.text / "model", "--from_scratch",
+                     "--do_train"]
         self.digits = write_digits_imagefolder(work / "digits", size=16)
 
     def remaining(self, limit):
@@ -100,16 +102,14 @@ class Harness:
     def bert_run(self, precision, compile_, limit=240):
         out = self.work / f"bert_{precision}_compile_{'on' if compile_ else 'off'}"
         self.launch("train_bert_cls.py", [
-            "--data_dir", self.text, "--model_name_or_path", self.text / "model", "--from_scratch",
-            "--do_train", "--do_eval", "--do_test", "--max_seq_len", "64", "--train_batch_size", "16",
+            *self.bert, "--do_eval", "--do_test", "--max_seq_len", "64", "--train_batch_size", "16",
             "--eval_batch_size", "32", "--learning_rate", "2e-3", "--num_train_epochs", "4", "--logging_steps", "10",
             "--checkpointing_steps", "20", *(["--max_train_steps", "5"] if self.cpu else [])],
             out, limit, precision, compile_)
         results = json.loads((out / "all_results.json").read_text())
-        agree = self.bert_export_agrees(out, results)
-        figures = {"test accuracy": (results["test_accuracy"], "")}
-        figures.update(self.scaler_figures(out, precision))
-        return "passed", f"{agree}; {results['mixed_precision']} on {results['device']}", figures
+        figures = {"test accuracy": (results["test_accuracy"], ""), **self.scaler_figures(out, precision)}
+        return "passed", (f"{self.bert_export_agrees(out, results)}; {results['mixed_precision']} on "
+                          f"{results['device']}"), figures
 
     def bert_export_agrees(self, out, results):
         """best_model in plain transformers (fp32, no project code) scores the test set as the run reported."""
@@ -132,10 +132,8 @@ class Harness:
         self.launch("train_resnet.py", self.resnet_args(1 if self.cpu else 3, channels_last), out, limit,
                     precision, compile_)
         results = json.loads((out / "all_results.json").read_text())
-        agree = self.resnet_export_agrees(out)
-        figures = {"val acc@1": (results["best_acc1"], "%")}
-        figures.update(self.scaler_figures(out, precision))
-        return "passed", agree, figures
+        figures = {"val acc@1": (results["best_acc1"], "%"), **self.scaler_figures(out, precision)}
+        return "passed", self.resnet_export_agrees(out), figures
 
     def resnet_export_agrees(self, out):
         """model_best.pth in plain torchvision (PIL + torchvision transforms) scores val as the run reported."""
@@ -145,10 +143,9 @@ class Harness:
         model = torchvision.models.resnet18(num_classes=len(best["class_to_idx"]))
         model.load_state_dict(best["state_dict"])  # strict: no `module.` / `_orig_mod.` prefix, nothing missing
         model = model.to(self.device).eval()
-        transform = torchvision.transforms.Compose([
-            torchvision.transforms.Resize(16), torchvision.transforms.CenterCrop(16),
-            torchvision.transforms.ToTensor(),
-            torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+        t = torchvision.transforms
+        transform = t.Compose([t.Resize(16), t.CenterCrop(16), t.ToTensor(),
+                               t.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
         paths = sorted((self.digits / "val").rglob("*.png"))
         images = torch.stack([transform(Image.open(p).convert("RGB")) for p in paths]).to(self.device)
         targets = torch.tensor([best["class_to_idx"][p.parent.name] for p in paths], device=self.device)
@@ -238,10 +235,8 @@ class Harness:
         if self.cpu:
             return "passed", f"ResNet over {where}; {agree}", {}
         bert = self.work / "bert_data_parallel"
-        self.launch("train_bert_cls.py", [
-            "--data_dir", self.text, "--model_name_or_path", self.text / "model", "--from_scratch", "--do_train",
-            "--max_seq_len", "32", "--train_batch_size", "16", "--max_train_steps", "10", "--data_parallel"],
-            bert, limit)
+        self.launch("train_bert_cls.py", [*self.bert, "--max_seq_len", "32", "--train_batch_size", "16",
+                                          "--max_train_steps", "10", "--data_parallel"], bert, limit)
         from safetensors.torch import load_file
         keys = load_file(bert / "best_model" / "model.safetensors").keys()
         if any(k.startswith(("module.", "_orig_mod.")) for k in keys):
@@ -283,12 +278,11 @@ class Harness:
         agreement = result["input_agreement"]
         for stat in ("mean", "max"):
             figures[f"device decode vs CPU loader, {stat} abs difference"] = (agreement[f"{stat}_abs_levels"], "levels")
-        if agreement["mean_abs_levels"] >= DECODE_MEAN_LEVELS:
-            mean = agreement["mean_abs_levels"]
+        if (mean := agreement["mean_abs_levels"]) >= DECODE_MEAN_LEVELS:
             return "failed", (f"--decode_on_device images differ from the CPU loader's by {mean:.2f} levels of 255 on "
                               f"average (bound {DECODE_MEAN_LEVELS})"), figures
         peak = result["setup"]["peak_tflops"]
-        return "passed", f"{result.get('device_name', '')}; MFU against {peak or 'no known'} TFLOP/s dense bf16", figures
+        return "passed", f"{result['device_name']}; MFU against {peak or 'no known'} TFLOP/s dense bf16", figures
 
     @property
     def device(self):

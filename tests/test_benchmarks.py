@@ -6,13 +6,15 @@ import importlib
 import sys
 
 import pytest
+import torch
+from accelerate.state import AcceleratorState
 
 from conftest import ACCELERATE, ROOT, free_port, read_json, run
 
 BENCHMARKS = ROOT / "benchmarks"
 # name -> does it read real data (--data_root) and run interleaved rounds (--rounds); benchmarks/README.md's table
-FLAGS = {"bench_bert_input": True, "bench_resnet_loader": True, "bench_overhead": True, "bench_ddp_scaling": True,
-         "bench_cpu_precision": True, "bench_memory": False}
+FLAGS = {"bench_bert_input": True, "bench_overhead": True, "bench_ddp_scaling": True, "bench_cpu_precision": True,
+         "bench_memory": False}
 
 
 def benchmark(name):
@@ -72,8 +74,8 @@ def test_missing_data_root_of_the_newer_benchmarks(script, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def data_root(tmp_path_factory, text_data, digits_data):
-    """The real data's layout (docs/data.md), filled with the suite's tiny built-in headlines, model and digits."""
+def data_root(tmp_path_factory, text_data):
+    """The real data's layout (docs/data.md), filled with the suite's tiny built-in headlines and model."""
     root = tmp_path_factory.mktemp("data_root")
     for folder in ("thucnews_titles", "cnews_sample"):
         (root / folder).mkdir()
@@ -81,7 +83,6 @@ def data_root(tmp_path_factory, text_data, digits_data):
         (root / "thucnews_titles" / name).symlink_to(text_data / name)
     (root / "cnews_sample" / "cnews_1000.txt").symlink_to(text_data / "train.txt")
     (root / "bert-base-chinese").symlink_to(text_data / "model")
-    (root / "imagenette_112").symlink_to(digits_data)
     return root
 
 
@@ -93,19 +94,24 @@ def median_rates(results):
     return []
 
 
-# name -> (extra flags, median rates its results JSON holds: one per arm; the loader benchmark adds the summary of
-# its project-vs-main.py pair)
-QUICK = {"bench_bert_input": (["--quick_samples", "200"], 4), "bench_overhead": ([], 2), "bench_cpu_precision": ([], 5),
-         "bench_resnet_loader": (["--image_size", "32"], 4)}
+TINY_BERT = "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64"
+# name -> (extra flags, median rates its results JSON holds: one per arm). One round, the smallest settings.
+QUICK = {"bench_bert_input": (["--quick_samples", "200"], 4), "bench_overhead": ([], 2),
+         "bench_cpu_precision": (["--bert_config", TINY_BERT], 5)}
 
 
 @pytest.mark.parametrize("name", QUICK)
 def test_quick_run_on_tiny_data(name, data_root, tmp_path):
-    """--quick end to end, as a user runs it, on tiny data laid out like the real data: every arm trains or loads and
-    lands in the results JSON with a rate."""
+    """--quick end to end on tiny data laid out like the real data: every arm trains and lands in the results JSON
+    with a rate. In this process (the command line is tested above): a subprocess would spend more time importing."""
     flags, arms = QUICK[name]
-    output = tmp_path / "r.json"
-    run(["python", f"benchmarks/{name}.py", "--quick", "--data_root", data_root, "--output", output, *flags])
+    output, threads = tmp_path / "r.json", torch.get_num_threads()
+    try:
+        benchmark(name).main(["--quick", "--rounds", "1", "--data_root", str(data_root), "--output", str(output),
+                              *flags])
+    finally:  # leave no Accelerator and no thread setting behind for the next test
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.set_num_threads(threads)
     rates = median_rates(read_json(output))
     assert len(rates) == arms and all(rate > 0 for rate in rates), rates
 
@@ -115,7 +121,8 @@ def test_ddp_scaling_quick_on_two_processes(data_root, tmp_path):
     output = tmp_path / "r.json"
     run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
          "--dynamo_backend", "no", "--main_process_port", free_port(), "benchmarks/bench_ddp_scaling.py", "--cpu",
-         "--quick", "--data_root", data_root, "--output", output])
+         "--quick", "--samples_per_round", "64", "--train_samples", "256", "--data_root", data_root,
+         "--output", output])
     arms = read_json(output)["arms"]
     assert list(arms) == ["1p g64", "2p g64 DDP defaults (bucket 25 MB)"]
     ddp = arms["2p g64 DDP defaults (bucket 25 MB)"]
