@@ -28,6 +28,7 @@ from transformers import get_linear_schedule_with_warmup  # noqa: E402
 
 from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
 from train_resnet import classification_loss  # noqa: E402
+from utils.image_counts import ImageCounts  # noqa: E402
 from utils.loss_meter import LossMeter  # noqa: E402
 from utils.runtime import build_accelerator  # noqa: E402
 from utils.text_data import build_label_list, read_examples  # noqa: E402
@@ -102,12 +103,10 @@ def resnet_arms(accelerator, args):
     loader = DataLoader(dataset, batch_size=32, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(SEED))
     acc_model, optimizer, acc_loader, scheduler = accelerator.prepare(acc_model, optimizer, loader, scheduler)
     acc_batches, meter = common.Cycle(acc_loader), LossMeter(accelerator.device)
-    window = torch.zeros(4, dtype=torch.long, device=accelerator.device)
-    lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)
+    counts = ImageCounts(accelerator, dataset, skip_bad_images=False)
     acc_model.train()
 
     def accelerate_step():  # train_resnet.train's step, bookkeeping included
-        nonlocal window, lowest_target
         inputs, targets = next(acc_batches)
         with accelerator.accumulate(acc_model):
             logits = acc_model(inputs)
@@ -116,11 +115,7 @@ def resnet_arms(accelerator, args):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        readable = targets >= 0
-        hits = logits.detach().topk(5, dim=1).indices.eq(targets[:, None])
-        window += torch.stack([readable.sum(), hits[:, 0].sum(), hits.any(dim=1).sum(), (~readable).sum()])
-        lowest_target = torch.minimum(lowest_target, targets.min())
-        meter.update(loss, readable.sum())
+        meter.update(loss, counts.add(logits, targets))
 
     plain_model = copy.deepcopy(model).to(accelerator.device)
     plain_optimizer = sgd(plain_model.parameters())
