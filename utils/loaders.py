@@ -1,4 +1,4 @@
-"""DataLoader settings that keep a GPU fed, the same in both scripts.
+"""DataLoader settings that keep a GPU fed, and the batches each epoch trains on, the same in both scripts.
 
 - pin_memory on CUDA: batches land in page-locked memory, so the copy to the GPU can run asynchronously
   (DataLoaderConfiguration(non_blocking=True) in utils/runtime.py makes accelerate's copy non-blocking; without
