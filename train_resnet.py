@@ -357,9 +357,8 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     window = ThroughputWindow(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
     counts = ImageCounts(accelerator, train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
     health = HealthCheck(accelerator, meter, model, checkpoint_dir, "--lr", also=[counts.check_unreadable])
-    # drop_last: every batch is full; only an epoch's last accumulation window can be short
     weights = StepWeights(accelerator, len(train_set), args.batch_size, args.gradient_accumulation_steps,
-                          drop_last=True)
+                          drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
     completed_steps, images_seen, preempted, last_metrics = state["completed_steps"], 0, False, None
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     state["start_time"] = start_time = time.perf_counter()
