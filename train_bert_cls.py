@@ -28,16 +28,17 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
+from utils.cadence import Cadence
 from utils.checkpoint import (agree_on_resume, check_output_dir, check_resumable, clear_previous_run, merge_results,
-                              replace_dir_atomically, resolve_resume, restore_training_state, save_checkpoint)
+                              replace_dir_atomically, restore_training_state, save_checkpoint)
 from utils.cli import HelpFormatter
 from utils.errors import UserError, run_cli
 from utils.evaluate_metrics import compute_metrics, load_metrics
 from utils.export import export_state_dict, on_meta_device
 from utils.label_modes import check_problem_type, evaluation_metrics, prediction_rows, training_loss
 from utils.legacy import load_legacy_bert
-from utils.loaders import loader_settings
-from utils.loss_meter import LossMeter, parameters_finite
+from utils.loaders import epoch_batches, loader_settings
+from utils.loss_meter import HealthCheck, LossMeter
 from utils.metrics import save_confusion_matrix
 from utils.preemption import PreemptionGuard
 from utils.pretrained import load_classifier
@@ -276,11 +277,25 @@ def save_best_model(accelerator, model, tokenizer, best_dir):
     accelerator.wait_for_everyone()
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
-    """The training loop; returns train metrics, and whether it stopped early for a preemption."""
+def resume_settings(args):
+    """Flags a resumed run may change (named when they do, then applied); recorded in every checkpoint."""
+    return {"--learning_rate": args.learning_rate, "--weight_decay": args.weight_decay,
+            "--warmup_ratio": args.warmup_ratio, "--num_train_epochs": args.num_train_epochs,
+            "--max_train_steps": args.max_train_steps, "--max_grad_norm": args.max_grad_norm}
+
+
+def resumable_state(args, compat, state, completed_steps, epoch, batches_in_epoch):
+    """What a checkpoint records beside the weights (training_state.json): where the run is and what it selected."""
+    return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
+            "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"],
+            "settings": resume_settings(args)}
+
+
+def prepare_training(args, accelerator, model, loaders, log, compat):
+    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint; prints
+    the run summary. Returns what the training loop needs."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
     # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
     optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate,
                                   fused=accelerator.device.type in ("cpu", "cuda"))
@@ -291,52 +306,67 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, loaders["train"], scheduler)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
-    checkpoint_dir = args.output_dir / "checkpoints"
-    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoint_dir)
+    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
-    settings = {"--learning_rate": args.learning_rate, "--weight_decay": args.weight_decay,
-                "--warmup_ratio": args.warmup_ratio, "--num_train_epochs": args.num_train_epochs,
-                "--max_train_steps": args.max_train_steps, "--max_grad_norm": args.max_grad_norm}
     state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader), optimizer, scheduler,
-                                   settings, args.output_dir, exports=["best_model"])
+                                   resume_settings(args), args.output_dir, exports=["best_model"])
     log.open(resume_step=state["completed_steps"] if resume_path else None)
-
+    cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
+                      eval_every=args.eval_steps, checkpoint_every=args.checkpointing_steps)
     print_run_summary(accelerator, "Running training", {
         **run_info(accelerator, args.train_batch_size),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "samples_per_optimizer_step": args.train_batch_size * args.gradient_accumulation_steps,
         "train_samples": len(loaders["train"].dataset),
-        "steps_per_epoch": steps_per_epoch, "epochs": num_epochs, "total_steps": max_train_steps,
+        "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
         "resume_step": state["completed_steps"],
     })
-    guard = PreemptionGuard(accelerator)
-    meter = LossMeter(accelerator.device)
-    best_dir = args.output_dir / "best_model"
+    return model, optimizer, scheduler, train_loader, eval_loader, state, cadence
+
+
+def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
+    """A validation during training: its `eval` event in metrics.jsonl and one console line."""
+    scores = {k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}
+    log.log("eval", completed_steps, {**scores, "eval_seconds": eval_seconds, "train_seconds": train_seconds})
+    log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | accuracy {metrics['accuracy']:.4f} | "
+                f"macro_f1 {metrics['macro_f1']:.4f}")
+
+
+def select_best_model(accelerator, model, best, state, last_eval, completed_steps, preempted, best_dir):
+    """Put the weights of the best validation macro-F1 into `model`: this run's from memory, or, selected before the
+    run resumed, from best_model/ (a preempted run keeps its last weights). Returns their validation metrics when
+    they are the last ones measured (nothing to reload or re-evaluate), else None."""
+    if last_eval is not None and last_eval[0] == state["best_step"] == completed_steps:
+        accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation "
+                          "results are reused")
+        return last_eval[1]
+    if best.held and not preempted:
+        best.restore(model)
+    elif state["best_step"] is not None and not preempted:  # selected before this run resumed: on the main disk
+        load_selected_weights(accelerator, model, best_dir, state["best_step"])
+    return None
+
+
+def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
+    """The training loop; returns the selected model, train results, whether it stopped early for a preemption, and
+    the selected model's validation metrics if they are the last ones measured."""
+    model, optimizer, scheduler, train_loader, eval_loader, state, cadence = prepare_training(
+        args, accelerator, model, loaders, log, compat)
+    checkpoint_dir, best_dir = args.output_dir / "checkpoints", args.output_dir / "best_model"
+    guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
+    health = HealthCheck(accelerator, meter, model, checkpoint_dir, "--learning_rate")
     best = BestWeights()  # this run's best weights, in memory on every rank
     weights = StepWeights(accelerator, len(loaders["train"].dataset), args.train_batch_size,
                           args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
     completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
-    bar = progress(accelerator, total=max_train_steps, initial=completed_steps)
+    bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     window = ThroughputWindow()  # samples/s of training alone: evaluation and epoch starts are timed apart
 
-    def snapshot(epoch, batches_in_epoch):
-        return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"], "settings": settings}
-
-    def stop_if_diverged(check_weights=False):
-        if meter.diverged(accelerator) or (check_weights and not parameters_finite(accelerator, model)):
-            raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from "
-                            f"it. Last good checkpoint: {resolve_resume('latest', checkpoint_dir)}. "
-                            "Try a lower --learning_rate or bf16 instead of fp16.")
-
     model.train()
-    for epoch in range(state["epoch"], num_epochs):
-        train_loader.set_epoch(epoch)  # the seedable sampler's order depends on seed + epoch only
-        skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        batches_in_epoch = skip
+    for epoch in range(state["epoch"], cadence.epochs):
+        batches, batches_in_epoch = epoch_batches(accelerator, train_loader, epoch, state)
         for batch in window.epoch(batches):
             with accelerator.accumulate(model):
                 logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
@@ -357,58 +387,39 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
             completed_steps += 1
             window.step(args.gradient_accumulation_steps * args.train_batch_size)
             bar.update(1)
-            at_end = completed_steps >= max_train_steps or batches_in_epoch == len(train_loader)
-            if completed_steps % args.logging_steps == 0 or at_end:
-                stop_if_diverged()
+            due = cadence.after_step(completed_steps, batches_in_epoch)
+            if due.log:
+                health.check(completed_steps)
                 values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0], **window.read()}
-                log.console(format_step_line(epoch + 1, completed_steps, max_train_steps, values))
+                log.console(format_step_line(epoch + 1, completed_steps, cadence.total_steps, values))
                 log.log("train", completed_steps, {"epoch": epoch + 1, **values})
-            # Evaluate every --eval_steps, else at each epoch's end; always after the last step.
-            eval_now = (completed_steps % args.eval_steps == 0) if args.eval_steps else at_end
-            if eval_loader is not None and (eval_now or completed_steps >= max_train_steps):
-                stop_if_diverged()
+            if due.evaluate and eval_loader is not None:
+                health.check(completed_steps)
                 with window.pause("eval") as evaluation:
                     metrics = evaluate(accelerator, model, eval_loader, labels, "validation", args)
-                log.log("eval", completed_steps, {**{k: metrics[k] for k in ("loss", "accuracy", "macro_f1",
-                                                                             "micro_f1", "samples")},
-                                                  "eval_seconds": evaluation.seconds,
-                                                  "train_seconds": time.perf_counter() - start_time})
-                log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | "
-                            f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f}")
+                log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - start_time)
                 last_eval = (completed_steps, metrics)
-                if metrics["macro_f1"] > state["best_macro_f1"]:
+                if metrics["macro_f1"] > state["best_macro_f1"]:  # a new best model, kept in memory and exported
                     state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
                     best.keep(model)
                     with window.pause("save"):
                         save_best_model(accelerator, model, tokenizer, best_dir)
                         accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
-            # A finished run needs no resumable checkpoint unless --checkpointing_steps asks for this step.
-            finished = completed_steps >= max_train_steps
-            ckpt_now = (completed_steps % args.checkpointing_steps == 0) if args.checkpointing_steps else (
-                at_end and not finished)
             preempted = guard.should_stop()
-            if ckpt_now or preempted:
-                stop_if_diverged(check_weights=True)
+            if due.checkpoint or preempted:
+                health.check(completed_steps, weights=True)
                 with window.pause("save"):
-                    path = save_checkpoint(accelerator, checkpoint_dir, completed_steps,
-                                           snapshot(epoch, batches_in_epoch), args.save_total_limit)
+                    path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, resumable_state(
+                        args, compat, state, completed_steps, epoch, batches_in_epoch), args.save_total_limit)
                 log.console(f"saved checkpoint {path}")
-            if preempted or completed_steps >= max_train_steps:
+            if preempted or due.finished:
                 break
-        if preempted or completed_steps >= max_train_steps:
+        if preempted or cadence.finished(completed_steps):
             break
     bar.close()
     if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir)
-    best_eval = None  # the validation metrics of the weights now in the model, if they were measured
-    if last_eval is not None and last_eval[0] == state["best_step"] == completed_steps:
-        best_eval = last_eval[1]  # the best model is the last one evaluated: nothing to reload or re-evaluate
-        accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation "
-                          "results are reused")
-    elif best.held and not preempted:
-        best.restore(model)
-    elif state["best_step"] is not None and not preempted:  # selected before this run resumed: on the main disk
-        load_selected_weights(accelerator, model, best_dir, state["best_step"])
+    best_eval = select_best_model(accelerator, model, best, state, last_eval, completed_steps, preempted, best_dir)
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": window.startup_seconds,
                "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,

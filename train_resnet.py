@@ -33,25 +33,25 @@ import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
+from utils.cadence import Cadence
 from utils.checkpoint import (agree_on_resume, check_compatible, check_output_dir, check_resumable, clear_previous_run,
-                              merge_results, read_training_state, resolve_resume, restore_training_state,
-                              save_checkpoint)
+                              merge_results, read_training_state, restore_training_state, save_checkpoint)
 from utils.cli import HelpFormatter
 from utils.errors import UserError, run_cli
 from utils.augment import (RepeatedAugmentationSampler, add_augment_args, resolve_augment_args, train_transform,
                            val_transform)
 from utils.ema import add_ema_args, build_ema, update_ema
 from utils.device_decode import EncodedImageFolder, check_decode_on_device, collate_for
-from utils.image_data import (IMAGENET_TRAIN_IMAGES, RGBImageFolder, build_datasets, build_dummy_datasets,
-                              describe_bad_image)
-from utils.legacy import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible, load_legacy_checkpoint,
-                          save_exported_checkpoint, strip_module_prefix, torchvision_batch_size)
-from utils.export import check_same_keys, export_state_dict, on_meta_device
-from utils.loaders import loader_settings
-from utils.loss_meter import LossMeter, parameters_finite
+from utils.image_counts import ImageCounts, bad_image_error
+from utils.image_data import IMAGENET_TRAIN_IMAGES, RGBImageFolder, build_datasets, build_dummy_datasets
+from utils.legacy import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible, export_main_py_checkpoints,
+                          load_legacy_checkpoint, load_weights, strip_module_prefix, torchvision_batch_size)
+from utils.export import on_meta_device
+from utils.loaders import epoch_batches, loader_settings
+from utils.loss_meter import HealthCheck, LossMeter
 from utils.metrics import topk_correct
 from utils.mixing import add_mixing_args, build_mixer, dominant_labels, soft_cross_entropy
-from utils.optim import add_optim_args, build_optimizer, lr_lambda, load_optimizer_state
+from utils.optim import add_optim_args, build_optimizer, lr_lambda, load_optimizer_state, resume_settings
 from utils.plots import plot_training_curves
 from utils.preemption import PreemptionGuard
 from utils.run_log import RunLog, progress, provenance
@@ -59,7 +59,7 @@ from utils.runtime import (add_runtime_args, build_accelerator, check_global_bat
                            loader_generator, maybe_data_parallel, print_run_summary, run_info)
 from utils.sharding import check_sharding_applies, load_checkpoint_weights
 from utils.step_weights import StepWeights
-from utils.timing import seconds_since_process_start
+from utils.timing import ThroughputWindow
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
@@ -200,14 +200,6 @@ def build_model(args, num_classes):
     return model
 
 
-def load_weights(model, state_dict, source):
-    try:
-        model.load_state_dict(state_dict)
-    except RuntimeError as err:  # "Error(s) in loading state_dict for ResNet:\n\tsize mismatch for fc.weight ..."
-        detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
-        raise UserError(f"{source}: weights do not fit this model ({detail})") from None
-
-
 def place_model(model, args):
     """What main.py did by hand before DDP, done before accelerator.prepare."""
     if args.sync_bn:
@@ -222,12 +214,6 @@ def classification_loss(logits, targets, label_smoothing=0.0):
     losses = F.cross_entropy(logits, targets.clamp(min=0), label_smoothing=label_smoothing, reduction="none")
     readable = (targets >= 0).float()
     return (losses * readable).sum() / readable.sum().clamp(min=1)
-
-
-def bad_image_error(dataset, target):
-    path = dataset.bad_image_path(target)
-    return UserError(f"{path}: unreadable image ({describe_bad_image(path)}); "
-                     "replace or remove it, or pass --skip_bad_images")
 
 
 @torch.no_grad()
@@ -255,6 +241,14 @@ def evaluate(accelerator, model, loader, args):
             "skipped_images": skipped}
 
 
+def log_values(epoch, accuracy, loss, lr, speed):
+    """One log line's values (metrics.jsonl's `train` event): ImageCounts.read()'s accuracy, the window's mean loss,
+    and ThroughputWindow.read()'s speed as main.py's times, in seconds per step."""
+    return {"epoch": epoch, "loss": loss, "acc1": accuracy["acc1"], "acc5": accuracy["acc5"], "lr": lr,
+            "step_time": speed["ms_per_step"] / 1000, "data_time": speed["data_ms_per_step"] / 1000,
+            "images_per_second": speed["samples_per_second"], "skipped_images": accuracy["skipped_images"]}
+
+
 def train_line(epoch, batch, num_batches, v):
     """main.py's progress line, with units and throughput; v: the window's values."""
     return (f"Epoch: [{epoch}][{batch:>{len(str(num_batches))}}/{num_batches}] | Time {v['step_time']:.3f} s/step | "
@@ -269,30 +263,28 @@ def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc
     # the names plain torchvision loads: a fresh model of this arch (no weights: names only, no download)
     fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False,
                                                                      "weights": None}), len(class_to_idx)))
-    state_dict = export_state_dict(accelerator, model, fresh)  # a collective under FSDP/DeepSpeed: all ranks
-    if ema_state is not None:
-        ema_state = strip_module_prefix(ema_state)
-        check_same_keys(ema_state, fresh)
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, acc1=acc1, best_acc1=best_acc1)
-    extra = {"model_ema": strip_module_prefix(ema_state)} if ema_state is not None else {}
-    names = ("checkpoint", "model_best") if is_best else ("checkpoint",)
-    for name in names:
-        accelerator.on_main_process(save_exported_checkpoint)(args.output_dir / f"{name}{suffix}.pth", state_dict,
-                                                              **fields, **(extra if name == "checkpoint" else {}))
+    export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
+
+
+def validate(accelerator, model, ema, val_loader, args):
+    """The model's validation metrics and, with --model_ema, the EMA's beside them (keys prefixed `ema_`)."""
+    metrics = evaluate(accelerator, model, val_loader, args)
+    ema_metrics = evaluate(accelerator, ema.module, val_loader, args) if ema else {}
+    return {**metrics, **{f"ema_{k}": v for k, v in ema_metrics.items()}}
 
 
 def end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch, completed_steps, compat):
     """main.py validates and exports after every epoch; the EMA is validated and exported beside the model."""
-    metrics = evaluate(accelerator, model, val_loader, args)
-    ema_metrics = evaluate(accelerator, ema.module, val_loader, args) if ema else {}
-    is_best, ema_best = metrics["acc1"] > state["best_acc1"], ema and ema_metrics["acc1"] > state["best_ema_acc1"]
+    metrics = validate(accelerator, model, ema, val_loader, args)
+    is_best, ema_best = metrics["acc1"] > state["best_acc1"], ema and metrics["ema_acc1"] > state["best_ema_acc1"]
     if is_best:
         state.update(best_acc1=metrics["acc1"], best_epoch=epoch)
     if ema_best:
-        state.update(best_ema_acc1=ema_metrics["acc1"])
-    log.log("eval", completed_steps, {"epoch": epoch, **metrics, **{f"ema_{k}": v for k, v in ema_metrics.items()},
-                                      "train_seconds": time.perf_counter() - state["start_time"]})
-    ema_text = f" | EMA Acc@1 {ema_metrics['acc1']:.3f} Acc@5 {ema_metrics['acc5']:.3f}" if ema else ""
+        state.update(best_ema_acc1=metrics["ema_acc1"])
+    log.log("eval", completed_steps,
+            {"epoch": epoch, **metrics, "train_seconds": time.perf_counter() - state["start_time"]})
+    ema_text = f" | EMA Acc@1 {metrics['ema_acc1']:.3f} Acc@5 {metrics['ema_acc5']:.3f}" if ema else ""
     log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
                 f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "
                 f"(epoch {state['best_epoch']}){ema_text}")
@@ -300,13 +292,27 @@ def end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch, c
     export_weights(accelerator, model, args, compat["class_to_idx"], epoch, metrics["acc1"], state["best_acc1"],
                    is_best, ema_state)
     if ema:
-        export_weights(accelerator, ema.module, args, compat["class_to_idx"], epoch, ema_metrics["acc1"],
+        export_weights(accelerator, ema.module, args, compat["class_to_idx"], epoch, metrics["ema_acc1"],
                        state["best_ema_acc1"], ema_best, suffix="_ema")
-    return {**metrics, **{f"ema_{k}": v for k, v in ema_metrics.items()}}
+    return metrics
 
 
-def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
-    """The training loop; returns the model, the last validation metrics, train results, and whether preempted."""
+def plot_curves(log, args, steps_per_epoch):
+    """training_curves.png from metrics.jsonl: loss and top-1 per epoch (main process)."""
+    plot_training_curves(log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
+                         steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}")
+
+
+def resumable_state(args, compat, state, completed_steps, epoch, batches_in_epoch):
+    """What a checkpoint records beside the weights (training_state.json): where the run is and what it selected."""
+    return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
+            "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"],
+            "best_ema_acc1": state.get("best_ema_acc1", -1.0), "settings": resume_settings(args)}
+
+
+def prepare_training(args, accelerator, model, data, log, compat, legacy, resume_dir):
+    """Optimizer, schedule, EMA and batch mixing, prepared, then restored from --resume (or started at main.py's
+    epoch); prints the run summary. Returns what the training loop needs."""
     train_set, val_set, train_loader, val_loader = data
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
     total_steps = args.epochs * steps_per_epoch
@@ -327,18 +333,12 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
     if ema:
         accelerator.register_for_checkpointing(ema)  # saved and restored with the resumable checkpoints
 
-    checkpoint_dir = args.output_dir / "checkpoints"
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
              "best_acc1": -1.0, "best_epoch": None, "best_ema_acc1": -1.0}
-    settings = {"--lr": args.lr, "--momentum": args.momentum, "--wd": args.weight_decay, "--epochs": args.epochs,
-                "--lr_scheduler": args.lr_scheduler, "--lr_step_epochs": args.lr_step_epochs,
-                "--warmup_epochs": args.warmup_epochs, "--lr_warmup_method": args.lr_warmup_method,
-                "--lr_warmup_decay": args.lr_warmup_decay, "--lr_min": args.lr_min}
     state = restore_training_state(accelerator, resume_dir, compat, fresh, len(train_loader), optimizer, scheduler,
-                                   settings, args.output_dir,
+                                   resume_settings(args), args.output_dir,
                                    exports=["model_best.pth", "model_best_ema.pth", "checkpoint_ema.pth"])
-    state["start_time"] = start_time = time.perf_counter()
     log.open(resume_step=state["completed_steps"] if resume_dir else None)
     print_run_summary(accelerator, "Running training", {
         **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(compat["class_to_idx"]),
@@ -349,49 +349,32 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
         "start_step": state["completed_steps"], "batch_size": args.batch_size_note or "-b (global)",
         "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
         "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
+    # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
+    cadence = Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
+                      checkpoint_every=args.checkpointing_steps)
+    return model, optimizer, scheduler, ema, mixer, train_loader, val_loader, state, cadence
 
-    guard = PreemptionGuard(accelerator)
-    meter = LossMeter(accelerator.device)
-    window = torch.zeros(4, dtype=torch.long, device=accelerator.device)  # readable images, top-1, top-5, skipped
-    lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)  # < 0: an unreadable image was seen
-    reported_bad, skipped_total, last_metrics = set(), 0, None
-    completed_steps, images_seen, preempted = state["completed_steps"], 0, False
-    startup_seconds = None  # process start to the end of this process's first step
-    bar = progress(accelerator, total=total_steps, initial=completed_steps)
-    window_start = tick = time.perf_counter()
-    window_steps = window_batches = 0
-    data_time = 0.0
-    # drop_last: every batch is full; only an epoch's last accumulation window can be short
+
+def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
+    """The training loop; returns the model, the last validation metrics, train results, and whether preempted."""
+    model, optimizer, scheduler, ema, mixer, train_loader, val_loader, state, cadence = prepare_training(
+        args, accelerator, model, data, log, compat, legacy, resume_dir)
+    train_set, checkpoint_dir = data[0], args.output_dir / "checkpoints"
+    guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
+    window = ThroughputWindow(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
+    counts = ImageCounts(accelerator, train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
+    health = HealthCheck(accelerator, meter, model, checkpoint_dir, "--lr", also=[counts.check_unreadable])
     weights = StepWeights(accelerator, len(train_set), args.batch_size, args.gradient_accumulation_steps,
-                          drop_last=True)
-
-    def snapshot(epoch, batches_in_epoch):
-        return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"],
-                "best_ema_acc1": state.get("best_ema_acc1", -1.0), "settings": settings}
-
-    def check_health(check_weights=False):  # collectives: every rank calls this at the same points
-        # the loss lags the weights by a step: check those too before anything is written from them
-        if meter.diverged(accelerator) or (check_weights and not parameters_finite(accelerator, model)):
-            raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from it. "
-                            f"Last good checkpoint: {resolve_resume('latest', checkpoint_dir)}. Try a lower --lr "
-                            "or bf16 instead of fp16.")
-        lowest = accelerator.gather(lowest_target.view(1)).min().item()
-        if lowest < 0 and not args.skip_bad_images:
-            raise bad_image_error(train_set, lowest)
-        if lowest < 0 and lowest not in reported_bad:
-            reported_bad.add(lowest)
-            accelerator.print(f"warning: skipping unreadable image {train_set.bad_image_path(lowest)}")
+                          drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
+    completed_steps, images_seen, preempted, last_metrics = state["completed_steps"], 0, False, None
+    bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
+    state["start_time"] = start_time = time.perf_counter()
 
     model.train()
     for epoch in range(state["epoch"], args.epochs):
-        train_loader.set_epoch(epoch)  # the seedable sampler's order depends on seed + epoch only
-        train_set.set_epoch(epoch)  # and so do the random crops and flips
-        skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        batches_in_epoch = skip
-        for inputs, targets in batches:
-            data_time += time.perf_counter() - tick
+        train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
+        batches, batches_in_epoch = epoch_batches(accelerator, train_loader, epoch, state)
+        for inputs, targets in window.epoch(batches):
             if mixer:  # soft targets (B, classes); accuracy against each row's largest-weight label
                 inputs, soft_targets = mixer(accelerator, inputs, targets, epoch, batches_in_epoch)
                 targets = dominant_labels(soft_targets, targets)
@@ -408,69 +391,48 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            readable = targets >= 0
-            hits = logits.detach().topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])  # (B, 5)
-            window += torch.stack([readable.sum(), hits[:, 0].sum(), hits.any(dim=1).sum(), (~readable).sum()])
-            lowest_target = torch.minimum(lowest_target, targets.min())
-            meter.update(loss, readable.sum())
+            meter.update(loss, counts.add(logits, targets))  # the loss is a mean over the readable images
             batches_in_epoch += 1
-            window_batches += 1
             images_seen += args.batch_size
-            tick = time.perf_counter()
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
-            update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * steps_per_epoch, epoch, args,
-                       accelerator)
-            window_steps += 1
-            startup_seconds = startup_seconds or seconds_since_process_start()
+            update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * cadence.steps_per_epoch,
+                       epoch, args, accelerator)
+            window.step(args.batch_size * weights.window_batches(batches_in_epoch - 1))
             bar.update(1)
-            epoch_done = batches_in_epoch == len(train_loader)
-            if completed_steps % args.print_freq == 0 or epoch_done:
-                check_health()
-                readable_images, top1, top5, skipped = accelerator.reduce(window, reduction="sum").tolist()
-                skipped_total += skipped
-                elapsed, n = time.perf_counter() - window_start, max(1, readable_images)
-                values = {"epoch": epoch + 1, "loss": meter.mean(accelerator), "acc1": 100.0 * top1 / n,
-                          "acc5": 100.0 * top5 / n, "lr": scheduler.get_last_lr()[0],
-                          "step_time": elapsed / window_steps, "data_time": data_time / window_steps,
-                          "images_per_second": window_batches * args.batch_size / elapsed, "skipped_images": skipped}
+            due = cadence.after_step(completed_steps, batches_in_epoch)
+            if due.log:
+                health.check(completed_steps)
+                values = log_values(epoch + 1, counts.read(), meter.mean(accelerator), scheduler.get_last_lr()[0],
+                                    window.read())
                 log.console(train_line(epoch + 1, batches_in_epoch, len(train_loader), values))
                 log.log("train", completed_steps, values)
-                window.zero_()
-                window_start, window_steps, window_batches, data_time = time.perf_counter(), 0, 0, 0.0
-            if epoch_done:
-                check_health(check_weights=True)
-                last_metrics = end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch + 1,
-                                            completed_steps, compat)
-                accelerator.on_main_process(lambda: plot_training_curves(
-                    log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
-                    steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}"))()
-            # A finished run needs no resumable checkpoint unless --checkpointing_steps asks for this step.
-            checkpoint_now = completed_steps % args.checkpointing_steps == 0 if args.checkpointing_steps else (
-                epoch_done and completed_steps < total_steps)
+            if due.evaluate:  # at each epoch's end
+                health.check(completed_steps, weights=True)
+                with window.pause("eval"):
+                    last_metrics = end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch + 1,
+                                                completed_steps, compat)
+                    accelerator.on_main_process(plot_curves)(log, args, cadence.steps_per_epoch)
             preempted = guard.should_stop()
-            if checkpoint_now or preempted:
-                check_health(check_weights=True)
-                path = save_checkpoint(accelerator, checkpoint_dir, completed_steps,
-                                       snapshot(epoch, batches_in_epoch), args.save_total_limit)
+            if due.checkpoint or preempted:
+                health.check(completed_steps, weights=True)
+                with window.pause("save"):
+                    path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, resumable_state(
+                        args, compat, state, completed_steps, epoch, batches_in_epoch), args.save_total_limit)
                 accelerator.print(f"saved checkpoint {path}")
-            if epoch_done:  # validation, exports and saving are not training time
-                window_start = tick = time.perf_counter()
             if preempted:
                 break
         if preempted:
             break
     bar.close()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
-        last_metrics = {**evaluate(accelerator, model, val_loader, args),
-                        **({f"ema_{k}": v for k, v in evaluate(accelerator, ema.module, val_loader, args).items()}
-                           if ema else {})}
+        last_metrics = validate(accelerator, model, ema, val_loader, args)
     runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": startup_seconds,
+    results = {"startup_seconds": window.startup_seconds,
                "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
                "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
-               "best_epoch": state["best_epoch"], "train_skipped_images": skipped_total,
+               "best_epoch": state["best_epoch"], "train_skipped_images": counts.skipped_total,
                **({"best_ema_acc1": state["best_ema_acc1"]} if ema else {})}
     return model, last_metrics, results, preempted
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .export import check_same_keys, export_state_dict
 
 MAIN_PY_FLAGS = {
     "--multiprocessing-distributed": "accelerate launch --multi_gpu --num_processes N (config: distributed_type "
@@ -145,6 +146,30 @@ def save_exported_checkpoint(path, state_dict, **fields):
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save({"state_dict": state_dict, **fields}, tmp)
     os.replace(tmp, path)
+
+
+def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, fields, ema_state=None, suffix=""):
+    """checkpoint{suffix}.pth, and model_best{suffix}.pth when `is_best`, in main.py's layout ({state_dict, **fields});
+    checkpoint.pth also holds `ema_state` (torchvision's `model_ema` key). `fresh`: a model of the architecture (on
+    the meta device) whose names the weights must have, so that plain torchvision loads them. Every rank calls it:
+    under FSDP/DeepSpeed, gathering the weights is a collective."""
+    state_dict = export_state_dict(accelerator, model, fresh)
+    if ema_state is not None:
+        ema_state = strip_module_prefix(ema_state)
+        check_same_keys(ema_state, fresh)
+    extra = {"model_ema": strip_module_prefix(ema_state)} if ema_state is not None else {}
+    for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
+        accelerator.on_main_process(save_exported_checkpoint)(Path(output_dir) / f"{name}{suffix}.pth", state_dict,
+                                                              **fields, **(extra if name == "checkpoint" else {}))
+
+
+def load_weights(model, state_dict, source):
+    """Load `state_dict` into `model` (strict), or stop with one line naming `source` and the first mismatch."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as err:  # "Error(s) in loading state_dict for ResNet:\n\tsize mismatch for fc.weight ..."
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
+        raise UserError(f"{source}: weights do not fit this model ({detail})") from None
 
 
 

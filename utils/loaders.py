@@ -1,4 +1,4 @@
-"""DataLoader settings that keep a GPU fed, the same in both scripts.
+"""DataLoader settings that keep a GPU fed, and the batches each epoch trains on, the same in both scripts.
 
 - pin_memory on CUDA: batches land in page-locked memory, so the copy to the GPU can run asynchronously
   (DataLoaderConfiguration(non_blocking=True) in utils/runtime.py makes accelerate's copy non-blocking; without
@@ -31,3 +31,14 @@ class EpochValue:
 
     def get(self):
         return int(self.value)
+
+
+def epoch_batches(accelerator, loader, epoch, state):
+    """The batches of `epoch` still to train, and the index of the first: all of them, or, in the epoch a run resumed
+    in, those after the checkpoint's position (`state`'s epoch and batches_in_epoch).
+
+    accelerate's exact-resume recipe: set_epoch explicitly every epoch (the seedable sampler's order depends on
+    seed + epoch only), and skip_first_batches for the resumed epoch alone."""
+    loader.set_epoch(epoch)
+    skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
+    return (accelerator.skip_first_batches(loader, skip) if skip else loader), skip

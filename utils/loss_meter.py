@@ -1,8 +1,12 @@
-"""Training loss as a mean over samples, read (and synchronised) only when logging.
+"""Training loss as a mean over samples, read (and synchronised) only when logging; and the check that stops a run
+whose loss became NaN/inf before anything is saved from it.
 
 Keeps per-rank sums as tensors so the hot loop never calls `.item()` (a device sync).
 """
 import torch
+
+from .checkpoint import resolve_resume
+from .errors import UserError
 
 
 class LossMeter:
@@ -37,3 +41,21 @@ def parameters_finite(accelerator, model):
     """True on every rank if every weight is finite; checked before a checkpoint is written. A collective."""
     bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
     return accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), reduction="sum").item() == 0
+
+
+class HealthCheck:
+    """Stops the run with one line, on every rank, once the loss became NaN/inf; before a save (`weights=True`)
+    the weights are checked too, since the logged loss lags them by a step. `also`: further checks of the same
+    kind (the ResNet script's unreadable images). Collectives: every rank calls `check` at the same points."""
+
+    def __init__(self, accelerator, meter, model, checkpoint_dir, lr_flag, also=()):
+        self.accelerator, self.meter, self.model = accelerator, meter, model
+        self.checkpoint_dir, self.lr_flag, self.also = checkpoint_dir, lr_flag, also
+
+    def check(self, completed_steps, weights=False):
+        if self.meter.diverged(self.accelerator) or (weights and not parameters_finite(self.accelerator, self.model)):
+            raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from it. "
+                            f"Last good checkpoint: {resolve_resume('latest', self.checkpoint_dir)}. Try a lower "
+                            f"{self.lr_flag} or bf16 instead of fp16.")
+        for check in self.also:
+            check()

@@ -38,6 +38,15 @@ def add_optim_args(parser):
     return group
 
 
+def resume_settings(args):
+    """add_optim_args' flags (and --epochs, the schedule's length) that a resumed run may change: every checkpoint
+    records them, and a resumed run names the ones that differ and applies them from there on."""
+    return {"--lr": args.lr, "--momentum": args.momentum, "--wd": args.weight_decay, "--epochs": args.epochs,
+            "--lr_scheduler": args.lr_scheduler, "--lr_step_epochs": args.lr_step_epochs,
+            "--warmup_epochs": args.warmup_epochs, "--lr_warmup_method": args.lr_warmup_method,
+            "--lr_warmup_decay": args.lr_warmup_decay, "--lr_min": args.lr_min}
+
+
 def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):
     """torchvision's utils.set_weight_decay: groups 'other', 'norm' (if set), 'bias' (if set), empty ones left out."""
     groups = {"other": [], "norm": [], "bias": []}

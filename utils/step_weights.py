@@ -49,9 +49,12 @@ class StepWeights:
         scale = self.accelerator.num_processes * self.accumulation / self.window_real(index)
         return total * scale, total.detach() / max(real, 1), real
 
+    def window_batches(self, index):
+        """Loader batches in the optimizer step that batch `index` belongs to: N, or fewer at an epoch's end."""
+        start = index - index % self.accumulation
+        return min(start + self.accumulation, self.batches_per_epoch) - start
+
     def window_scale(self, index):
         """For a loss that is already a mean over full batches (drop_last): N / (batches in this window)."""
-        start = index - index % self.accumulation
-        batches = min(start + self.accumulation, self.batches_per_epoch) - start
-        return self.accumulation / batches
+        return self.accumulation / self.window_batches(index)
 

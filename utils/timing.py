@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import psutil
 
+_END = object()  # an exhausted iterator (a batch may be anything, None included)
+
 
 def seconds_since_process_start():
     """Wall seconds since this process was started (the interpreter itself, imports and all)."""
@@ -24,17 +26,19 @@ class Pause:
 class ThroughputWindow:
     """Steps and samples between two log lines, and the time they took without the pauses.
 
-    `clock` is injectable so the bookkeeping can be tested without sleeping.
+    `clock` is injectable so the bookkeeping can be tested without sleeping. With `data_wait`, read() also gives
+    `data_ms_per_step`: the wait for the batches after an epoch's first (main.py's "Data" time), a part of the
+    training time.
     """
 
-    def __init__(self, clock=time.perf_counter, process_clock=seconds_since_process_start):
-        self.clock, self.process_clock = clock, process_clock
+    def __init__(self, clock=time.perf_counter, process_clock=seconds_since_process_start, data_wait=False):
+        self.clock, self.process_clock, self.data_wait = clock, process_clock, data_wait
         self.startup_seconds = None  # process start to the end of the first training step of this process
         self.first_step_in_window = False
         self.reset()
 
     def reset(self):
-        self.start, self.steps, self.samples, self.paused = self.clock(), 0, 0, {}
+        self.start, self.steps, self.samples, self.paused, self.waited = self.clock(), 0, 0, {}, 0.0
 
     def step(self, samples):
         """One optimizer step of `samples` samples (over all processes) has been taken."""
@@ -55,20 +59,23 @@ class ThroughputWindow:
             self.paused[name] = self.paused.get(name, 0.0) + pause.seconds
 
     def epoch(self, batches):
-        """Iterate `batches`; the wait for the first one (worker start-up, first fetch) is an `epoch_start` pause."""
+        """Iterate `batches`; the wait for the first one (worker start-up, first fetch) is an `epoch_start` pause,
+        the wait for each later one is data time."""
         with self.pause("epoch_start"):
             iterator = iter(batches)
-            first = next(iterator, None)
-        if first is None:
-            return
-        yield first
-        yield from iterator
+            batch = next(iterator, _END)
+        while batch is not _END:
+            yield batch
+            start = self.clock()
+            batch = next(iterator, _END)
+            self.waited += self.clock() - start
 
     def read(self):
         """ms/step and samples/s of the window's training time, the pauses apart; then start a new window."""
         elapsed = self.clock() - self.start
         training = max(elapsed - sum(self.paused.values()), 1e-9)
         values = {"ms_per_step": 1000 * training / max(1, self.steps), "samples_per_second": self.samples / training,
+                  **({"data_ms_per_step": 1000 * self.waited / max(1, self.steps)} if self.data_wait else {}),
                   **{f"{name}_seconds": seconds for name, seconds in self.paused.items()}}
         if self.first_step_in_window:
             values["startup_seconds"] = self.startup_seconds
