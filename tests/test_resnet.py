@@ -227,10 +227,11 @@ def test_legacy_checkpoint_files(tmp_path):
 def test_dummy_data_and_modern_options(tmp_path):
     out = tmp_path / "out"
     # 128 random images in 1000 classes; two micro-batches per step; 1 process, so --sync_bn is a no-op
-    run_here(SCRIPT, ["--cpu", "--dummy", "128", "--image_size", "16", "--val_resize", "16", "-b", "32",
-                      "-j", "0", "--epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine",
-                      "--warmup_epochs", "0.5", "--label_smoothing", "0.1", "--channels_last", "--sync_bn",
-                      "--data_parallel", "--with_tracking", "--output_dir", out])
+    with pytest.warns(UserWarning, match="--data_parallel uses legacy single-process nn.DataParallel"):
+        run_here(SCRIPT, ["--cpu", "--dummy", "128", "--image_size", "16", "--val_resize", "16", "-b", "32",
+                          "-j", "0", "--epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine",
+                          "--warmup_epochs", "0.5", "--label_smoothing", "0.1", "--channels_last", "--sync_bn",
+                          "--data_parallel", "--with_tracking", "--output_dir", out])
     results = read_json(out / "all_results.json")
     assert results["train_steps"] == 2 and results["eval_samples"] == 128 * 50_000 // 1_281_167
     exported = torch.load(out / "model_best.pth", weights_only=True)
