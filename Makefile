@@ -31,8 +31,11 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(OFFLINE) $(PY) demo.py
 
+# Two pytest workers (pytest-xdist), one test file each at a time (module fixtures train once), files in name order:
+# most of a test is one process starting or one thread training, so a 2-core machine's second core would idle.
+TEST_WORKERS ?= 2
 test: install-dev
-	$(OFFLINE) $(PY) -m pytest -q tests
+	$(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 $(LOWER)/.installed: requirements.txt requirements-dev.txt
 	rm -rf $(LOWER)

@@ -48,6 +48,45 @@ def run(cmd, timeout=300, check=True, env=None):
     return proc
 
 
+def run_here(script, args, check=True):
+    """`python SCRIPT args` as the script's `if __name__ == "__main__":` runs it (run_cli(main, parse_args())), but
+    in this process: a 1-process run that stops at bad input (or trains a few steps) then costs no start-up, which
+    (importing torch and transformers in a fresh interpreter) is most of such a run. Returns what `run` returns: the
+    exit status and what went to stdout and stderr. Puts back what the run changes in this process: the SIGTERM
+    handler, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the directory."""
+    import contextlib
+    import importlib
+    import io
+    import signal
+
+    from accelerate.state import AcceleratorState
+
+    from utils.errors import run_cli
+
+    module = importlib.import_module(Path(script).stem)
+    argv = [str(a) for a in args]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    sigterm, environ, sys_argv = signal.getsignal(signal.SIGTERM), dict(os.environ), sys.argv
+    returncode = 0
+    try:
+        sys.argv = [script, *argv]  # argparse's usage and error lines name the script, as on the command line
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            run_cli(module.main, module.parse_args(argv))
+    except SystemExit as exit_:
+        returncode = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        sys.argv = sys_argv
+        signal.signal(signal.SIGTERM, sigterm)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(environ)
+    proc = subprocess.CompletedProcess([script, *argv], returncode, stdout.getvalue(), stderr.getvalue())
+    if check and returncode != 0:
+        raise AssertionError(f"exit {returncode}: {script} {' '.join(argv)}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
+                             f"--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def launch(script, args, num_processes=1, env=None, **kwargs):
     """`accelerate launch` with N CPU processes (N=2 is real gloo DDP: --multi_gpu + the script's --cpu),
     on a simulated 1-GPU machine (FAKE_GPU)."""
@@ -60,6 +99,18 @@ def read_json(path):
 
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(autouse=True)
+def environment_as_found():
+    """A run in this process changes the environment (--cpu sets CUDA_VISIBLE_DEVICES=""), which later launchers of
+    this process would inherit (tests/test_accelerate_configs.py passes it on): put it back after every test, so
+    that no test depends on which ran before it in the same process (with pytest-xdist the order varies)."""
+    environ = dict(os.environ)
+    yield
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
-"""Bad input to train_bert_cls.py: one line naming the file (and line), exit code 2, no traceback, nothing overwritten."""
+"""Bad input to train_bert_cls.py: one line naming the file (and line), exit code 2, no traceback, nothing overwritten.
+
+The first test runs `python train_bert_cls.py` as users do; the other 1-process cases run the same command line in
+this process (conftest.run_here: the script's run_cli(main, parse_args()), without a fresh interpreter's start-up)."""
 import shutil
 
 import pytest
-from conftest import ACCELERATE, free_port, launch, run
+from conftest import ACCELERATE, free_port, launch, run, run_here
 
 SCRIPT = "train_bert_cls.py"
 
@@ -53,54 +56,54 @@ def test_line_without_tab(data, previous_run):
 def test_unknown_label_in_validation(data, tmp_path):
     with open(data / "val.txt", "a", encoding="utf-8") as f:
         f.write("汽车\t新车上市\n")
-    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *small_args(data, tmp_path / "o")],
-               check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", data, "--do_train", *small_args(data, tmp_path / "o")],
+                    check=False)
     assert_one_line_error(proc, f"{data / 'val.txt'}:100:", "'汽车'")
     assert not (tmp_path / "o").exists()
 
 
 def test_empty_and_undecodable_and_missing_files(data, tmp_path):
     (data / "test.txt").write_text("")
-    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", "--do_test",
-                *small_args(data, tmp_path / "o")], check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", data, "--do_train", "--do_test",
+                             *small_args(data, tmp_path / "o")], check=False)
     assert_one_line_error(proc, str(data / "test.txt"), "empty")
     (data / "bad.txt").write_bytes("体育\t球队\n".encode("gbk"))
-    proc = run(["python", SCRIPT, "--cpu", "--train_file", data / "bad.txt", "--do_train",
-                *small_args(data, tmp_path / "o")], check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--train_file", data / "bad.txt", "--do_train",
+                             *small_args(data, tmp_path / "o")], check=False)
     assert_one_line_error(proc, f"{data / 'bad.txt'}:1:", "UTF-8")
-    proc = run(["python", SCRIPT, "--cpu", "--train_file", data / "nope.txt", "--do_train",
-                *small_args(data, tmp_path / "o")], check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--train_file", data / "nope.txt", "--do_train",
+                             *small_args(data, tmp_path / "o")], check=False)
     assert_one_line_error(proc, str(data / "nope.txt"), "not found")
 
 
 def test_refuses_to_overwrite_another_run(data, previous_run):
-    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *small_args(data, previous_run)],
-               check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", data, "--do_train", *small_args(data, previous_run)],
+                    check=False)
     assert_one_line_error(proc, str(previous_run), "--overwrite_output_dir")
     assert (previous_run / "all_results.json").read_text() == '{"test_accuracy": 0.97}'
 
 
 def test_model_directory_without_weights(data, tmp_path):
     args = [a for a in small_args(data, tmp_path / "o") if a != "--from_scratch"]
-    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *args], check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", data, "--do_train", *args], check=False)
     assert_one_line_error(proc, str(data / "model"), "--from_scratch")
 
 
 def test_tokenizer_that_lost_its_vocabulary(data, tmp_path):
     # The transformers 5 pitfall: a vocabulary of only the special tokens maps all Chinese to [UNK].
     (data / "model" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
-    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train", *small_args(data, tmp_path / "o")],
-               check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", data, "--do_train", *small_args(data, tmp_path / "o")],
+                    check=False)
     assert_one_line_error(proc, str(data / "model"), "vocab")
 
 
 def test_labels_file_that_disagrees_with_the_model(text_data, tmp_path):
     out = tmp_path / "trained"
-    run(["python", SCRIPT, "--cpu", "--data_dir", text_data, "--do_train", *small_args(text_data, out)])
+    run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--do_train", *small_args(text_data, out)])
     labels = tmp_path / "labels.txt"
     labels.write_text("\n".join(reversed((out / "labels.txt").read_text().split())) + "\n")
-    proc = run(["python", SCRIPT, "--cpu", "--data_dir", text_data, "--do_test", "--labels_file", labels,
-                "--model_name_or_path", out / "best_model", "--output_dir", tmp_path / "t"], check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--do_test", "--labels_file", labels,
+                             "--model_name_or_path", out / "best_model", "--output_dir", tmp_path / "t"], check=False)
     assert_one_line_error(proc, str(labels), "disagree")
 
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ENV, ROOT, launch, read_json, read_jsonl, run
+from conftest import ENV, ROOT, launch, read_json, read_jsonl, run, run_here
 
 SCRIPT = "train_bert_cls.py"
 
@@ -142,9 +142,9 @@ def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
 
     torch.save({"state_dict": legacy, "args": argparse.Namespace(lr=1)}, tmp_path / "pickled.pt")
     for name, message in (("three.pt", "its head predicts 3 classes, this run has 10 labels"), ("pickled.pt", "weights_only")):
-        proc = run(["python", SCRIPT, "--cpu", "--model_name_or_path", text_data / "model", "--init_from_legacy",
-                    tmp_path / name, "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test",
-                    "--output_dir", tmp_path / "refused"], check=False)
+        proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", text_data / "model", "--init_from_legacy",
+                                 tmp_path / name, "--labels_file", out / "labels.txt", "--data_dir", text_data,
+                                 "--do_test", "--output_dir", tmp_path / "refused"], check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 
@@ -163,8 +163,8 @@ def test_label_smoothing_reaches_the_training_loss(trained, text_data, tmp_path)
 
 
 def test_label_smoothing_out_of_range_is_refused(text_data, tmp_path):
-    proc = run(["python", SCRIPT, "--cpu", *bert_args(text_data, tmp_path / "o", "--do_train"),
-                "--label_smoothing", "1.0"], check=False)
+    proc = run_here(SCRIPT, ["--cpu", *bert_args(text_data, tmp_path / "o", "--do_train"),
+                             "--label_smoothing", "1.0"], check=False)
     assert proc.returncode == 2 and "--label_smoothing 1.0: must be in [0, 1)" in proc.stderr
     assert not (tmp_path / "o").exists()
 

@@ -1,4 +1,5 @@
 """Nothing lost: a killed or preempted BERT run resumes into exactly the run that would have happened."""
+import shutil
 import signal
 
 import pytest
@@ -70,10 +71,18 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, t
     assert_same_run(uninterrupted[2], out, stopped_at=results["train_steps"])
 
 
-def test_kill_during_save_leaves_latest_complete(text_data, tmp_path):
+@pytest.fixture(scope="module")
+def twenty_steps(text_data, tmp_path_factory):
+    """A finished 20-step run on 1 process (checkpoints step_10 and step_20); each test below resumes its own copy."""
+    out = tmp_path_factory.mktemp("twenty_steps") / "out"
+    launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "20"))
+    return out
+
+
+def test_kill_during_save_leaves_latest_complete(twenty_steps, text_data, tmp_path):
     """Debris of an interrupted save (a .tmp- directory without training_state.json) is never `latest`."""
     out = tmp_path / "out"
-    launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "20"))
+    shutil.copytree(twenty_steps, out)
     debris = out / "checkpoints" / ".tmp-step_30"
     debris.mkdir()
     (debris / "model.safetensors").write_bytes(b"truncated")
@@ -85,12 +94,12 @@ def test_kill_during_save_leaves_latest_complete(text_data, tmp_path):
     assert checkpoint_steps(out)[-1] == 40 and (out / "checkpoints" / "step_30" / "training_state.json").exists()
 
 
-def test_resume_refuses_another_label_set(text_data, tmp_path):
+def test_resume_refuses_another_label_set(twenty_steps, text_data, tmp_path):
     out = tmp_path / "out"
-    launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "10"))
+    shutil.copytree(twenty_steps, out)
     labels = tmp_path / "labels.txt"
     labels.write_text("\n".join(sorted((out / "labels.txt").read_text().split()) + ["汽车"]) + "\n")
-    proc = launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "20", "--labels_file", labels,
+    proc = launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "30", "--labels_file", labels,
                                       "--resume_from_checkpoint", "latest"), check=False)
     assert proc.returncode != 0
     assert "error: " in proc.stderr and "training_state.json: checkpoint has labels=" in proc.stderr

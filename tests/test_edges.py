@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_json, read_jsonl, run
+from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_json, read_jsonl, run, run_here
 from safetensors.torch import load_file
 from test_resnet import main_here
 
@@ -117,9 +117,9 @@ def assert_same(a, b):
 
 def test_resume_refuses_another_batch_layout_and_a_scale_less_fp16(first_branch, uneven_text, tmp_path):
     # (--gradient_accumulation_steps and --max_seq_len are checked the same way; ResNet's test below has one)
-    proc = run(["python", SCRIPT, "--cpu", *bert_args(uneven_text, first_branch, "--data_dir", uneven_text,
-                                                     "--do_train", "--max_train_steps", "12", "--train_batch_size",
-                                                     "32", "--resume_from_checkpoint", "latest")], check=False)
+    proc = run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, first_branch, "--data_dir", uneven_text,
+                                                 "--do_train", "--max_train_steps", "12", "--train_batch_size",
+                                                 "32", "--resume_from_checkpoint", "latest")], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"error: --train_batch_size 32: {first_branch / 'checkpoints' / 'step_6'} was trained with " \
            "--train_batch_size 16" in proc.stderr, proc.stderr[-2000:]
@@ -160,9 +160,9 @@ def test_short_accumulation_window_and_padded_batch_take_a_full_mean_step(accumu
 def test_finished_run_is_not_restarted_by_latest_and_test_only_results_merge(accumulated, uneven_text):
     out = accumulated["whole"]
     assert not (out / "checkpoints").exists()
-    proc = run(["python", SCRIPT, "--cpu", *bert_args(uneven_text, out, "--train_file", uneven_text / "train.txt",
-                                                     "--do_train", "--resume_from_checkpoint", "latest")],
-               check=False)
+    proc = run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, out, "--train_file", uneven_text / "train.txt",
+                                                 "--do_train", "--resume_from_checkpoint", "latest")],
+                    check=False)
     assert proc.returncode == 2 and "holds a finished run (all_results.json)" in proc.stderr, proc.stderr[-2000:]
     assert "no checkpoint to resume from" in proc.stderr and "--overwrite_output_dir" in proc.stderr
     before = read_json(out / "all_results.json")
@@ -279,7 +279,7 @@ with torch.no_grad():
         p.zero_()
 load_full_weights(SimpleNamespace(num_processes=2, is_main_process=rank == 0), model, sys.argv[2])
 assert all(torch.equal(gathered()[k], full[k]) for k in full), "export read on rank 0 and broadcast"
-print("rank", rank, "ok")
+print(f"rank {rank} ok", flush=True)  # one write: the two ranks share the pipe
 dist.destroy_process_group()
 """
 

@@ -5,7 +5,8 @@ import socket
 import time
 
 import torch
-from conftest import ACCELERATE, descendants, launch, launch_cmd, read_json, run, start, wait_for
+from conftest import (ACCELERATE, FAKE_GPU, descendants, launch, launch_cmd, read_json, run, run_here, start,
+                      wait_for)
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
@@ -38,10 +39,10 @@ def test_a_killed_rank_ends_the_whole_job_quickly(text_data, tmp_path):
 def test_nan_loss_stops_with_a_clear_message_and_a_good_checkpoint(text_data, tmp_path):
     out = tmp_path / "out"
     # Warmup makes step 1's learning rate 0 (a good checkpoint), then 1e9 blows the weights up.
-    proc = run(["python", SCRIPT, "--cpu", *bert_args(text_data, out, "--learning_rate", "1e9", "--max_grad_norm",
-                                                    "0", "--warmup_ratio", "0.5", "--max_train_steps", "20",
-                                                    "--checkpointing_steps", "1", "--logging_steps", "1")],
-               check=False)
+    proc = run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--learning_rate", "1e9", "--max_grad_norm",
+                                                 "0", "--warmup_ratio", "0.5", "--max_train_steps", "20",
+                                                 "--checkpointing_steps", "1", "--logging_steps", "1")],
+                    check=False)
     assert proc.returncode == 2
     error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert error and "NaN/inf" in error[0] and "Last good checkpoint" in error[0], proc.stderr[-2000:]
@@ -50,16 +51,20 @@ def test_nan_loss_stops_with_a_clear_message_and_a_good_checkpoint(text_data, tm
     assert all(torch.isfinite(w).all() for w in load_file(latest / "model.safetensors").values())
 
 
-def test_a_taken_port(text_data, tmp_path):
-    """One machine: accelerate moves to a free port and says so. Several machines: a clear error on rank 0."""
+def test_a_taken_port_and_a_forced_gloo_backend(text_data, tmp_path):
+    """One machine: accelerate moves to a free port and says so; that run also forces --dist_backend gloo (what
+    machines without NCCL, and Windows, use) on the simulated 1-GPU machine. Several machines: a clear error on rank 0.
+    (One 2-process run for both checks: each used to start its own.)"""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         proc = run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", port, SCRIPT, "--cpu",
-                    *bert_args(text_data, tmp_path / "one", "--max_train_steps", "2")])
+                    *bert_args(text_data, tmp_path / "one", "--dist_backend", "gloo", "--max_train_steps", "2")],
+                   env=FAKE_GPU)
         assert f"Port `{port}` is already in use" in proc.stderr
-        assert read_json(tmp_path / "one" / "all_results.json")["num_processes"] == 2
+        results = read_json(tmp_path / "one" / "all_results.json")
+        assert results["num_processes"] == 2 and results["distributed_type"] == "MULTI_CPU"
         proc = run([*ACCELERATE, "--multi_gpu", "--num_machines", "2", "--machine_rank", "0", "--num_processes", "2",
                     "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--same_network", SCRIPT, "--cpu",
                     *bert_args(text_data, tmp_path / "two", "--max_train_steps", "2")], check=False, timeout=60)
@@ -81,11 +86,3 @@ def test_data_parallel_with_a_multi_process_launch_is_an_error(text_data, tmp_pa
                   num_processes=2, check=False)
     assert proc.returncode != 0
     assert "--data_parallel (single-process nn.DataParallel) cannot be combined" in proc.stderr
-
-
-def test_gloo_backend_can_be_forced(text_data, tmp_path):
-    """--dist_backend gloo: what machines without NCCL (and Windows) use."""
-    out = tmp_path / "out"
-    launch(SCRIPT, bert_args(text_data, out, "--dist_backend", "gloo", "--max_train_steps", "2"), num_processes=2)
-    results = read_json(out / "all_results.json")
-    assert results["num_processes"] == 2 and results["distributed_type"] == "MULTI_CPU"

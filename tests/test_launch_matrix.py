@@ -1,4 +1,5 @@
-"""Every way of launching gives the same run: 1 process, accelerate + cpu_ddp.yaml, torchrun, two "machines".
+"""Every way of launching gives the same run: 1 process, accelerate + cpu_ddp.yaml, torchrun, two "machines" (and, for
+ResNet, `accelerate config default`'s file with fp16 requested, which the CPU trains in fp32).
 
 The equivalence check is the proof that gradients are really averaged across processes: the same
 command with the same GLOBAL batch ends with the same weights on 1 and on 2 processes (BERT).
@@ -14,6 +15,7 @@ import subprocess
 import pytest
 import torch
 from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_json, run
+from launch_options import default_config, launch_with_config
 from safetensors.torch import load_file
 
 from utils.demo_data import write_text_classification_data
@@ -125,10 +127,19 @@ def resnet_parameters(out):
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+# BERT's runs from `accelerate config default`'s file are shared with tests/test_metric_flag.py (bf16) and
+# tests/test_hub_checkpoints.py (fp16, no mixed precision).
+FP16_DEFAULT_CONFIG = "accelerate config default fp16"
+RESNET_LAUNCHES = [*LAUNCHES, FP16_DEFAULT_CONFIG]
+
+
 @pytest.fixture(scope="module")
 def resnet_runs(digits_data, tmp_path_factory):
+    fp16_config = default_config(tmp_path_factory.mktemp("default_config") / "fp16.json", "fp16")
+    launches = {**LAUNCHES, FP16_DEFAULT_CONFIG: lambda args: launch_with_config(fp16_config, args[0], args[2:],
+                                                                                 num_processes=2)}
     outs = {}
-    for name, start in LAUNCHES.items():
+    for name, start in launches.items():
         out = tmp_path_factory.mktemp("resnet_" + name.replace(" ", "_").replace(".", "_"))
         args = resnet_args(digits_data, out)
         if name == "1 process":  # 32 images per micro-batch, as each of 2 processes sees them
@@ -138,7 +149,7 @@ def resnet_runs(digits_data, tmp_path_factory):
     return outs
 
 
-@pytest.mark.parametrize("name", list(LAUNCHES))
+@pytest.mark.parametrize("name", RESNET_LAUNCHES)
 def test_resnet_records_how_it_ran(resnet_runs, name, digits_data):
     results = read_json(resnet_runs[name] / "all_results.json")
     processes = 1 if name == "1 process" else 2
@@ -149,7 +160,7 @@ def test_resnet_records_how_it_ran(resnet_runs, name, digits_data):
     assert results["eval_samples"] == val_images  # 449: odd, counted exactly on 2 processes
 
 
-@pytest.mark.parametrize("name", [n for n in LAUNCHES if n != "1 process"])
+@pytest.mark.parametrize("name", RESNET_LAUNCHES[1:])
 def test_resnet_gradients_are_averaged_across_processes(resnet_runs, name):
     single, multi = resnet_parameters(resnet_runs["1 process"]), resnet_parameters(resnet_runs[name])
     worst = max((single[k] - multi[k]).abs().max().item() for k in single)
@@ -163,3 +174,19 @@ def resnet_parameters_untrained():
 
     torch.manual_seed(42)  # the scripts' default --seed: the same initial weights
     return {name: p.detach() for name, p in torchvision.models.resnet18(num_classes=10).named_parameters()}
+
+
+def test_resnet_fp16_two_processes_from_a_default_config_file(resnet_runs):
+    """(Not bf16: ResNet-18 in CPU bf16 autocast turned NaN at random in 2 of 4 seeded runs on an AMD EPYC without
+    AMX, on this tree and on the one before it: a CPU kernel's doing, not reproducible; BERT covers CPU bf16.)"""
+    import torchvision
+
+    out = resnet_runs[FP16_DEFAULT_CONFIG]
+    results = read_json(out / "all_results.json")
+    # fp16 on the CPU trains in fp32, and the results say so
+    assert (results["num_processes"], results["mixed_precision"], results["mixed_precision_requested"]) == (
+        2, "no", "fp16")
+    assert results["eval_samples"] == 449 and torch.isfinite(torch.tensor(results["eval_loss"]))
+    state_dict = torch.load(out / "model_best.pth", weights_only=True)["state_dict"]
+    assert {w.dtype for w in state_dict.values() if w.is_floating_point()} == {torch.float32}
+    torchvision.models.resnet18(num_classes=10).load_state_dict(state_dict)  # strict: every key, no prefix

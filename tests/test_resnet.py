@@ -9,7 +9,7 @@ import torch
 import torchvision
 from accelerate.state import AcceleratorState
 from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json, read_jsonl,
-                      run, start, wait_for)
+                      run, run_here, start, wait_for)
 from PIL import Image
 
 import train_resnet
@@ -191,8 +191,8 @@ def test_resumes_a_main_py_checkpoint(trained, digits_data, tmp_path):
     best = torch.load(trained[1] / "model_best.pth", weights_only=True)
     checkpoint = main_py_checkpoint(tmp_path / "checkpoint.pth.tar", best)
     out = tmp_path / "out"
-    proc = run(["python", SCRIPT, "--cpu", digits_data, *FAST, "--epochs", str(EPOCHS + 1), "--resume",
-                checkpoint, "--hflip", "0", "--crop_scale", "0.25", "--output_dir", out])  # the weights' augmentation
+    proc = run_here(SCRIPT, ["--cpu", digits_data, *FAST, "--epochs", str(EPOCHS + 1), "--resume", checkpoint,
+                             "--hflip", "0", "--crop_scale", "0.25", "--output_dir", out])  # the weights' augmentation
     assert f"Loaded {checkpoint} (epoch {EPOCHS}" in proc.stdout
     events = read_jsonl(out / "metrics.jsonl")
     assert {e["epoch"] for e in events} == {EPOCHS + 1}  # main.py's epoch = epochs done: only the 4th is trained
@@ -227,10 +227,11 @@ def test_legacy_checkpoint_files(tmp_path):
 def test_dummy_data_and_modern_options(tmp_path):
     out = tmp_path / "out"
     # 128 random images in 1000 classes; two micro-batches per step; 1 process, so --sync_bn is a no-op
-    run(["python", SCRIPT, "--cpu", "--dummy", "128", "--image_size", "16", "--val_resize", "16", "-b", "32",
-         "-j", "0", "--epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine",
-         "--warmup_epochs", "0.5", "--label_smoothing", "0.1", "--channels_last", "--sync_bn", "--data_parallel",
-         "--with_tracking", "--output_dir", out])
+    with pytest.warns(UserWarning, match="--data_parallel uses legacy single-process nn.DataParallel"):
+        run_here(SCRIPT, ["--cpu", "--dummy", "128", "--image_size", "16", "--val_resize", "16", "-b", "32",
+                          "-j", "0", "--epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine",
+                          "--warmup_epochs", "0.5", "--label_smoothing", "0.1", "--channels_last", "--sync_bn",
+                          "--data_parallel", "--with_tracking", "--output_dir", out])
     results = read_json(out / "all_results.json")
     assert results["train_steps"] == 2 and results["eval_samples"] == 128 * 50_000 // 1_281_167
     exported = torch.load(out / "model_best.pth", weights_only=True)
