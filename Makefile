@@ -64,7 +64,7 @@ gpu-check: $(GPU_SITE)/.installed
 
 # The whole test suite with the GPU machine's Python (it must pass where a GPU is visible, too).
 gpu-check-suite: $(GPU_SITE)/.installed
-	PYTHONPATH=$(GPU_SITE) $(OFFLINE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 tests
+	PYTHONPATH=$(GPU_SITE) $(OFFLINE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) $(LOWER) $(GPU_SITE) demo_data outputs
