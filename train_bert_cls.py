@@ -47,7 +47,7 @@ from utils.runtime import (add_runtime_args, build_accelerator, check_global_bat
                            maybe_data_parallel, print_run_summary, run_info)
 from utils.sampling import LengthGroupedSampler
 from utils.text_batching import (add_padding_args, build_collator, label_targets, resolve_padding, token_lengths,
-                                  tokenize, tokenize_examples)  # noqa: F401 (benchmarks import tokenize from here)
+                                  tokenize_examples)
 from utils.text_data import (add_text_format_args, build_label_list, check_known_labels, find_split_file,
                              read_examples, read_unlabelled, text_format, write_labels_file)
 from utils.sharding import (BestWeights, check_sharding_applies, load_selected_weights, mark_selection,

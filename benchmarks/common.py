@@ -96,7 +96,8 @@ def headline_model(data_root, config_overrides, samples, max_seq_len):
     first `samples` THUCNews headlines, collated padded to a multiple of 8."""
     import torch
     from transformers import DataCollatorWithPadding
-    from train_bert_cls import build_model, tokenize
+    from train_bert_cls import build_model
+    from utils.text_batching import tokenize
     from utils.text_data import build_label_list, read_examples
     train_file = Path(data_root) / "thucnews_titles" / "train.txt"
     examples = read_examples(train_file)[:samples]

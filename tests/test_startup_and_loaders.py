@@ -20,7 +20,7 @@ from utils.image_data import RGBImageFolder, build_transforms
 from utils.loaders import loader_settings
 from utils.preemption import PreemptionGuard
 from utils.runtime import add_runtime_args, build_accelerator, loader_generator
-from utils.timing import ThroughputWindow, seconds_since_process_start
+from utils.timing import ThroughputWindow
 from utils.tokenizer_checks import check_unk_rate, unk_rate
 
 
