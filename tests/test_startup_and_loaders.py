@@ -178,6 +178,29 @@ def test_window_keeps_evaluation_and_epoch_start_out_of_the_speed():
     assert window.startup_seconds == 12.5
 
 
+def test_window_reports_the_data_wait_as_part_of_training_time():
+    clock = FakeClock()
+
+    def slow_batches():  # the first batch after 3 s (workers starting), each later one after 0.25 s
+        clock.now += 3.0
+        yield "a"
+        for batch in ("b", "c", None):  # a batch may be anything
+            clock.now += 0.25
+            yield batch
+
+    window = ThroughputWindow(clock=clock, process_clock=lambda: 1.0, data_wait=True)
+    seen = []
+    for batch in window.epoch(slow_batches()):
+        clock.now += 0.75  # the step
+        window.step(samples=32)
+        seen.append(batch)
+    assert seen == ["a", "b", "c", None]
+    # 4 steps in 3.75 s of training (the 3 s start apart): 0.75 s of it waiting for batches
+    assert window.read() == {"ms_per_step": 937.5, "data_ms_per_step": 187.5, "samples_per_second": 128 / 3.75,
+                             "epoch_start_seconds": 3.0, "startup_seconds": 1.0}
+    assert "data_ms_per_step" not in ThroughputWindow(clock=clock).read()  # BERT's log line is unchanged
+
+
 def test_startup_seconds_counts_from_the_process_start():
     """Time spent before the module is imported (here a 1 s sleep; in a script the imports of torch) is counted."""
     proc = run(["python", "-c", "import time; time.sleep(1.0); from utils.timing import seconds_since_process_start "

@@ -1,5 +1,5 @@
 """The training loops' bookkeeping, without training: the divergence check both scripts run, the ResNet script's
-image counts and unreadable images, the data wait of its log line, the images of a short last window, and where a
+image counts and unreadable images, the images of a short last window, and where a
 resumed epoch starts."""
 import re
 
@@ -11,7 +11,6 @@ from utils.image_counts import ImageCounts
 from utils.loaders import epoch_batches
 from utils.loss_meter import HealthCheck, LossMeter
 from utils.step_weights import StepWeights
-from utils.timing import ThroughputWindow
 
 
 class OneProcess:
@@ -111,37 +110,6 @@ def test_an_unreadable_image_stops_the_run_or_is_reported_once(tmp_path):
     lenient.check_unreadable()
     lenient.check_unreadable()
     assert accelerator.printed == [f"warning: skipping unreadable image {bad}"]
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def test_window_reports_the_data_wait_as_part_of_training_time():
-    clock = FakeClock()
-
-    def slow_batches():  # the first batch after 3 s (workers starting), each later one after 0.25 s
-        clock.now += 3.0
-        yield "a"
-        for batch in ("b", "c", None):  # a batch may be anything
-            clock.now += 0.25
-            yield batch
-
-    window = ThroughputWindow(clock=clock, process_clock=lambda: 1.0, data_wait=True)
-    seen = []
-    for batch in window.epoch(slow_batches()):
-        clock.now += 0.75  # the step
-        window.step(samples=32)
-        seen.append(batch)
-    assert seen == ["a", "b", "c", None]
-    # 4 steps in 3.75 s of training (the 3 s start apart): 0.75 s of it waiting for batches
-    assert window.read() == {"ms_per_step": 937.5, "data_ms_per_step": 187.5, "samples_per_second": 128 / 3.75,
-                             "epoch_start_seconds": 3.0, "startup_seconds": 1.0}
-    assert "data_ms_per_step" not in ThroughputWindow(clock=clock).read()  # BERT's log line is unchanged
 
 
 def test_images_in_each_optimizer_step():
