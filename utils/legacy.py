@@ -157,7 +157,7 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
     if ema_state is not None:
         ema_state = strip_module_prefix(ema_state)
         check_same_keys(ema_state, fresh)
-    extra = {"model_ema": strip_module_prefix(ema_state)} if ema_state is not None else {}
+    extra = {"model_ema": ema_state} if ema_state is not None else {}
     for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
         accelerator.on_main_process(save_exported_checkpoint)(Path(output_dir) / f"{name}{suffix}.pth", state_dict,
                                                               **fields, **(extra if name == "checkpoint" else {}))
