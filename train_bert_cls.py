@@ -7,7 +7,7 @@ One code path for CPU, one GPU, N GPUs and N machines; the hardware is chosen by
         --model_name_or_path hfl/chinese-bert-wwm-ext --do_train --do_eval --do_test --output_dir outputs/cnews
 A tiny CPU run, from scratch on generated headlines in the cnews format (2 processes of gloo DDP; the test suite
 runs these two commands as printed and expects a test accuracy above 0.9, chance being 0.1):
-    python -c "from utils.demo_data import write_text_classification_data as w; w('demo_data/bert_tiny')"
+    python -c "from common.demo_data import write_text_classification_data as w; w('demo_data/bert_tiny')"
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_bert_cls.py --cpu \
         --data_dir demo_data/bert_tiny --model_name_or_path demo_data/bert_tiny/model --from_scratch \
         --config_overrides num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512 \
@@ -28,33 +28,32 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from utils.cadence import Cadence
-from utils.checkpoint import (agree_on_resume, check_output_dir, check_resumable, clear_previous_run, merge_results,
-                              replace_dir_atomically, restore_training_state, save_checkpoint)
-from utils.cli import HelpFormatter
-from utils.errors import UserError, run_cli
-from utils.evaluate_metrics import compute_metrics, load_metrics
-from utils.export import export_state_dict, on_meta_device
-from utils.label_modes import check_problem_type, evaluation_metrics, prediction_rows, training_loss
-from utils.legacy import load_legacy_bert
-from utils.loaders import epoch_batches, loader_settings
-from utils.loss_meter import HealthCheck, LossMeter
-from utils.metrics import save_confusion_matrix
-from utils.preemption import PreemptionGuard
-from utils.pretrained import load_classifier
-from utils.run_log import RunLog, format_step_line, progress, provenance
-from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, loader_generator,
-                           maybe_data_parallel, print_run_summary, run_info)
-from utils.sampling import LengthGroupedSampler
-from utils.text_batching import (add_padding_args, build_collator, label_targets, resolve_padding, token_lengths,
-                                  tokenize_examples)
-from utils.text_data import (add_text_format_args, build_label_list, check_known_labels, find_split_file,
-                             read_examples, read_unlabelled, text_format, write_labels_file)
-from utils.sharding import (BestWeights, check_sharding_applies, load_selected_weights, mark_selection,
-                            prepare_for_inference)
-from utils.step_weights import StepWeights
-from utils.timing import ThroughputWindow
-from utils.tokenizer_checks import check_unk_rate
+from common.loop import Cadence
+from common.checkpoint import agree_on_resume, check_resumable, replace_dir_atomically, restore_training_state, save_checkpoint
+from common.outputs import check_output_dir, clear_previous_run, merge_results
+from common.runtime import HelpFormatter
+from common.runtime import run_cli, UserError
+from text.metrics import compute_metrics, load_metrics
+from common.export import export_state_dict, on_meta_device
+from text.metrics import evaluation_metrics, prediction_rows, training_loss
+from text.model import check_problem_type
+from text.model import load_legacy_bert
+from common.loop import epoch_batches
+from common.runtime import loader_settings
+from common.loop import HealthCheck, LossMeter
+from text.metrics import save_confusion_matrix
+from common.loop import PreemptionGuard
+from text.model import load_classifier
+from common.outputs import format_step_line, progress, provenance, RunLog
+from common.runtime import add_runtime_args, build_accelerator, check_global_batch, loader_generator, maybe_data_parallel, print_run_summary, run_info
+from text.data import LengthGroupedSampler
+from text.data import add_padding_args, build_collator, label_targets, resolve_padding, token_lengths, tokenize_examples
+from text.data import add_text_format_args, build_label_list, check_known_labels, find_split_file, read_examples, read_unlabelled, text_format, write_labels_file
+from common.export import BestWeights, load_selected_weights, mark_selection, prepare_for_inference
+from common.runtime import check_sharding_applies
+from common.loop import StepWeights
+from common.loop import ThroughputWindow
+from text.model import check_unk_rate
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -72,7 +71,7 @@ def parse_args(argv=None):
     add_text_format_args(data)
     add_padding_args(data)
     data.add_argument("--group_by_length", action="store_true",
-                      help="training batches of similar-length texts (less padding; see utils/sampling.py)")
+                      help="training batches of similar-length texts (less padding; see text/data.py)")
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", required=True, help="hub id or local directory")
     model.add_argument("--from_scratch", action="store_true",

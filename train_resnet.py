@@ -8,7 +8,7 @@ path here; the hardware comes from the launcher and accelerate_configs/*.yaml:
     python train_resnet.py /data/imagenet -a resnet50 --resume latest     # exact resume, even mid-epoch
 A tiny CPU run on scikit-learn's real handwritten digits written as an ImageFolder (2 processes of gloo DDP; the
 test suite runs these two commands as printed and expects a top-1 accuracy above 80%, chance being 10%):
-    python -c "from utils.demo_data import write_digits_imagefolder as w; w('demo_data/digits_tiny', size=16)"
+    python -c "from common.demo_data import write_digits_imagefolder as w; w('demo_data/digits_tiny', size=16)"
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_resnet.py --cpu \
         demo_data/digits_tiny --image_size 16 --val_resize 16 --hflip 0 --crop_scale 0.5 -b 64 --lr 0.05 \
         --lr_scheduler cosine --epochs 4 -j 0 --output_dir outputs/resnet_tiny --overwrite_output_dir
@@ -33,33 +33,33 @@ import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from utils.cadence import Cadence
-from utils.checkpoint import (agree_on_resume, check_compatible, check_output_dir, check_resumable, clear_previous_run,
-                              merge_results, read_training_state, restore_training_state, save_checkpoint)
-from utils.cli import HelpFormatter
-from utils.errors import UserError, run_cli
-from utils.augment import (RepeatedAugmentationSampler, add_augment_args, resolve_augment_args, train_transform,
-                           val_transform)
-from utils.ema import add_ema_args, build_ema, update_ema
-from utils.device_decode import EncodedImageFolder, check_decode_on_device, collate_for
-from utils.image_counts import ImageCounts, bad_image_error
-from utils.image_data import IMAGENET_TRAIN_IMAGES, RGBImageFolder, build_datasets, build_dummy_datasets
-from utils.legacy import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible, export_main_py_checkpoints,
-                          load_legacy_checkpoint, load_weights, strip_module_prefix, torchvision_batch_size)
-from utils.export import on_meta_device
-from utils.loaders import epoch_batches, loader_settings
-from utils.loss_meter import HealthCheck, LossMeter
-from utils.metrics import topk_correct
-from utils.mixing import add_mixing_args, build_mixer, dominant_labels, soft_cross_entropy
-from utils.optim import add_optim_args, build_optimizer, lr_lambda, load_optimizer_state, resume_settings
-from utils.plots import plot_training_curves
-from utils.preemption import PreemptionGuard
-from utils.run_log import RunLog, progress, provenance
-from utils.runtime import (add_runtime_args, build_accelerator, check_global_batch, launched_world_size,
-                           loader_generator, maybe_data_parallel, print_run_summary, run_info)
-from utils.sharding import check_sharding_applies, load_checkpoint_weights
-from utils.step_weights import StepWeights
-from utils.timing import ThroughputWindow
+from common.loop import Cadence
+from common.checkpoint import agree_on_resume, check_compatible, check_resumable, read_training_state, restore_training_state, save_checkpoint
+from common.outputs import check_output_dir, clear_previous_run, merge_results
+from common.runtime import HelpFormatter
+from common.runtime import run_cli, UserError
+from vision.augment import add_augment_args, RepeatedAugmentationSampler, resolve_augment_args, train_transform, val_transform
+from vision.optim import add_ema_args, build_ema, update_ema
+from vision.device_decode import check_decode_on_device, collate_for, EncodedImageFolder
+from vision.data import bad_image_error, ImageCounts
+from vision.data import build_datasets, build_dummy_datasets, IMAGENET_TRAIN_IMAGES, RGBImageFolder
+from common.export import load_torch_checkpoint, load_weights, strip_module_prefix
+from vision.references import add_replaced_flags, check_legacy_compatible, export_main_py_checkpoints, torchvision_batch_size, TORCHVISION_FLAGS
+from common.export import on_meta_device
+from common.loop import epoch_batches
+from common.runtime import loader_settings
+from common.loop import HealthCheck, LossMeter
+from vision.data import topk_correct
+from vision.augment import add_mixing_args, build_mixer, dominant_labels, soft_cross_entropy
+from vision.optim import add_optim_args, build_optimizer, load_optimizer_state, lr_lambda, resume_settings
+from common.outputs import plot_training_curves
+from common.loop import PreemptionGuard
+from common.outputs import progress, provenance, RunLog
+from common.runtime import add_runtime_args, build_accelerator, check_global_batch, launched_world_size, loader_generator, maybe_data_parallel, print_run_summary, run_info
+from common.checkpoint import load_checkpoint_weights
+from common.runtime import check_sharding_applies
+from common.loop import StepWeights
+from common.loop import ThroughputWindow
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
     data.add_argument("--decode_on_device", "--decode-on-device", action="store_true",
                       help="workers only read the files; JPEG decoding and augmentation run on the training device, "
-                           "a batch at a time (utils/device_decode.py)")
+                           "a batch at a time (vision/device_decode.py)")
     model = parser.add_argument_group("model")
     model.add_argument("-a", "--arch", "--model", default="resnet18",
                        help="any torchvision classification model name, or timm:NAME for a timm model")
@@ -465,7 +465,7 @@ def main(args):
               "model_ema": args.model_ema}  # an EMA in the checkpoint must be restored into an EMA
     legacy = None
     if legacy_file:
-        legacy = load_legacy_checkpoint(args.resume)
+        legacy = load_torch_checkpoint(args.resume)
         check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
         load_weights(model, legacy["state_dict"], args.resume)
         accelerator.print(f"Loaded {args.resume} (epoch {legacy.get('epoch')}, best_acc1 {legacy.get('best_acc1')})")

@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (puts the repo root on sys.path)
+import harness  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
-from utils.text_data import build_label_list, read_examples  # noqa: E402
+from text.data import build_label_list, read_examples  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
 MAX_SEQ_LEN = 512
@@ -60,12 +60,12 @@ def reference_collate(tokenizer):
 def arm(loader, model, steps):
     """One way of feeding the model: its own loader and model copy; one untimed warm-up step."""
     model = copy.deepcopy(model)
-    optimizer, batches = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=3e-5), common.forever(loader)
+    optimizer, batches = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=3e-5), harness.forever(loader)
 
     def step():  # loading, tokenising and collating included
-        return common.train_step(model, optimizer, next(batches), clip=1.0)
+        return harness.train_step(model, optimizer, next(batches), clip=1.0)
     step()
-    return common.timed(step, steps)
+    return harness.timed(step, steps)
 
 
 def run_dataset(name, path, args, rounds, steps):
@@ -73,9 +73,9 @@ def run_dataset(name, path, args, rounds, steps):
     print(f"\n== {name}: {path}")
     examples = read_examples(path)[:args.quick_samples if args.quick else None]
     labels = build_label_list(examples, None)
-    script_args = common.bert_script_args(args.data_root, path, SMALL_BERT, max_seq_len=MAX_SEQ_LEN,
-                                          train_batch_size=BATCH_SIZE, num_workers=0, seed=common.SEED)
-    torch.manual_seed(common.SEED)
+    script_args = harness.bert_script_args(args.data_root, path, SMALL_BERT, max_seq_len=MAX_SEQ_LEN,
+                                          train_batch_size=BATCH_SIZE, num_workers=0, seed=harness.SEED)
+    torch.manual_seed(harness.SEED)
     tokenizer, model = build_model(script_args, labels)
     start = time.perf_counter()
     project_loader = build_dataloaders(script_args, tokenizer, labels, {"train": examples}, None)[0]["train"]
@@ -84,7 +84,7 @@ def run_dataset(name, path, args, rounds, steps):
     lengths = [len(ids) for ids in dataset["input_ids"]]
     label2id = {label: i for i, label in enumerate(labels)}
     raw = [(e.text, label2id[e.label]) for e in examples]
-    # The epoch's batches as the project's loader draws them (same seed as utils.runtime.loader_generator)
+    # The epoch's batches as the project's loader draws them (same seed as common.runtime.loader_generator)
     epoch_batches = [list(b) for b in project_loader.batch_sampler]
 
     def loader(data, steps_per_round, collate_fn):
@@ -92,8 +92,8 @@ def run_dataset(name, path, args, rounds, steps):
         return DataLoader(data, batch_sampler=schedule, collate_fn=collate_fn)
     arms = {REFERENCE: arm(loader(raw, steps[0], reference_collate(tokenizer)), model, steps[0]),
             PROJECT: arm(loader(dataset, steps[1], collate), model, steps[1])}
-    samples = common.run_rounds(arms, rounds)
-    summary = common.summarize(samples, REFERENCE)
+    samples = harness.run_rounds(arms, rounds)
+    summary = harness.summarize(samples, REFERENCE)
 
     # Tokens computed per real token over a full epoch (no model: cheap). The reference always computes N x 512.
     project_epoch = [collate([dataset[i] for i in b]) for b in epoch_batches]
@@ -104,7 +104,7 @@ def run_dataset(name, path, args, rounds, steps):
         s.update(epoch_real_tokens=sum(lengths), epoch_computed_tokens=computed[arm_name])
         rows.append([arm_name, s["median_rate"], f"{s['ratio_to_baseline']:.2f}x", s["median_cpu_rate"],
                      f"{s['cpu_ratio_to_baseline']:.2f}x", computed[arm_name] / sum(lengths), s["cpu_share"]])
-    table = common.format_table(["arm", "samples/s (median)", "vs reference", "samples per CPU-second",
+    table = harness.format_table(["arm", "samples/s (median)", "vs reference", "samples per CPU-second",
                                  "vs reference, CPU time", "computed/real tokens (full epoch)", "CPU share"], rows)
     print(table)
     ordered = sorted(lengths)
@@ -119,13 +119,13 @@ def run_dataset(name, path, args, rounds, steps):
 
 
 def main(argv=None):
-    parser = common.base_parser(__doc__)
+    parser = harness.base_parser(__doc__)
     parser.add_argument("--quick_samples", type=int, default=600, help="--quick: samples read per dataset")
     args = parser.parse_args(argv)
-    common.require_data(args.data_root, "thucnews_titles/train.txt", "cnews_sample/cnews_1000.txt", "bert-base-chinese")
-    common.set_threads(args.threads)
+    harness.require_data(args.data_root, "thucnews_titles/train.txt", "cnews_sample/cnews_1000.txt", "bert-base-chinese")
+    harness.set_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 5)
-    results = {"provenance": common.provenance(),
+    results = {"provenance": harness.provenance(),
                "setup": {"model": SMALL_BERT + " (random init, bert-base-chinese config, vocab 21,128)",
                          "batch_size": BATCH_SIZE, "max_seq_len": MAX_SEQ_LEN, "optimizer": "AdamW lr 3e-5, clip 1.0",
                          "threads": args.threads, "workers": 0}}
@@ -134,8 +134,8 @@ def main(argv=None):
                                        rounds, (1, 4) if args.quick else (3, 40))
     results["cnews"] = run_dataset("cnews articles", args.data_root / "cnews_sample" / "cnews_1000.txt", args,
                                    rounds, (1, 1) if args.quick else (3, 3))
-    common.write_results("bench_bert_input", results, args.output)
+    harness.write_results("bench_bert_input", results, args.output)
 
 
 if __name__ == "__main__":
-    common.run_cli(main, sys.argv[1:])
+    harness.run_cli(main, sys.argv[1:])

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (puts the repo root on sys.path)
+import harness  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 import torchvision  # noqa: E402
@@ -32,21 +32,21 @@ README_BERT = "num_hidden_layers=6,hidden_size=256,num_attention_heads=4,interme
 
 
 def bert_arms(args):
-    model, dataset, collator = common.headline_model(args.data_root, args.bert_config, args.samples, 64)
-    batches = common.fixed_batches(dataset, collator, args.bert_batch, len(dataset) // args.bert_batch)
+    model, dataset, collator = harness.headline_model(args.data_root, args.bert_config, args.samples, 64)
+    batches = harness.fixed_batches(dataset, collator, args.bert_batch, len(dataset) // args.bert_batch)
 
     def arm(bf16):
         m = copy.deepcopy(model).train()
         optimizer, cursor = torch.optim.AdamW(optimizer_groups(m, 0.01), lr=5e-4, fused=True), itertools.count()
-        return lambda: common.train_step(m, optimizer, batches[next(cursor) % len(batches)], clip=1.0, bf16=bf16)
+        return lambda: harness.train_step(m, optimizer, batches[next(cursor) % len(batches)], clip=1.0, bf16=bf16)
 
     return {"bert fp32": arm(False), "bert bf16 autocast": arm(True)}
 
 
 def resnet_arms(args):
-    torch.manual_seed(common.SEED)
+    torch.manual_seed(harness.SEED)
     model = torchvision.models.resnet18(num_classes=10)
-    generator = torch.Generator().manual_seed(common.SEED)
+    generator = torch.Generator().manual_seed(harness.SEED)
     images = torch.randn(4, args.resnet_batch, 3, args.image_size, args.image_size, generator=generator)
     targets = torch.randint(0, 10, (4, args.resnet_batch), generator=generator)
 
@@ -59,7 +59,7 @@ def resnet_arms(args):
 
         def step():
             i = next(cursor) % len(images)
-            return common.train_step(m, optimizer, (images[i].contiguous(memory_format=layout), targets[i]), bf16=bf16)
+            return harness.train_step(m, optimizer, (images[i].contiguous(memory_format=layout), targets[i]), bf16=bf16)
         return step
 
     return {"resnet18 fp32": arm(False, False), "resnet18 bf16 autocast": arm(True, False),
@@ -67,40 +67,40 @@ def resnet_arms(args):
 
 
 def compare(name, steps_by_arm, rounds, steps):
-    samples, summary = common.compare_steps(name, steps_by_arm, rounds, steps, warmup=2)
+    samples, summary = harness.compare_steps(name, steps_by_arm, rounds, steps, warmup=2)
     rows = [[arm, s["median_rate"], s["ratio_to_baseline"], f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}",
              s["cpu_share"]] for arm, s in summary.items()]
-    table = common.format_table(["arm", "samples/s (median)", f"vs {next(iter(summary))} (median of rounds)",
+    table = harness.format_table(["arm", "samples/s (median)", f"vs {next(iter(summary))} (median of rounds)",
                                  "per-round range", "CPU share (threads busy)"], rows)
     print(table)
     return {"arms": summary, "rounds_raw": samples, "table": table}
 
 
 def main(argv=None):
-    parser = common.base_parser(__doc__)
+    parser = harness.base_parser(__doc__)
     parser.add_argument("--bert_config", default=README_BERT, help="train_bert_cls.py --config_overrides")
     parser.add_argument("--bert_batch", type=int, default=256, help="samples per BERT step")
     parser.add_argument("--samples", type=int, default=4096, help="headlines tokenised for the BERT arms")
     parser.add_argument("--resnet_batch", type=int, default=128, help="images per ResNet step")
     parser.add_argument("--image_size", type=int, default=80, help="pixels, ResNet input")
     args = parser.parse_args(argv)
-    common.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
-    common.set_threads(args.threads)
+    harness.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
+    harness.set_threads(args.threads)
     rounds = args.rounds or (1 if args.quick else 6)
     if args.quick:
         args.samples, args.bert_batch, args.resnet_batch, args.image_size = 256, 32, 16, 32
-    flags = sorted(set((common.cpuinfo_field("flags") or "").split())
+    flags = sorted(set((harness.cpuinfo_field("flags") or "").split())
                    & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})
     print(f"CPU flags: {' '.join(flags) or 'none of avx512f/avx512_bf16/amx_bf16'}; {args.threads} thread(s)")
-    results = {"provenance": common.provenance(), "cpu_flags": flags,
+    results = {"provenance": harness.provenance(), "cpu_flags": flags,
                "setup": {"bert_config": args.bert_config, "bert_batch": args.bert_batch,
                          "resnet_batch": args.resnet_batch, "image_size": args.image_size}}
     results["bert"] = compare(f"BERT ({args.bert_config}) on THUCNews headlines, batch {args.bert_batch}, AdamW",
                               bert_arms(args), rounds, 1 if args.quick else 4)
     results["resnet18"] = compare(f"ResNet-18, {args.image_size}px synthetic, batch {args.resnet_batch}, SGD",
                                   resnet_arms(args), rounds, 1 if args.quick else 3)
-    common.write_results("bench_cpu_precision", results, args.output)
+    harness.write_results("bench_cpu_precision", results, args.output)
 
 
 if __name__ == "__main__":
-    common.run_cli(main, sys.argv[1:])
+    harness.run_cli(main, sys.argv[1:])

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (puts the repo root on sys.path)
+import harness  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -116,7 +116,7 @@ def gradient_errors(arms, accelerator, base_model, batches):
 
 
 def main(argv=None):
-    parser = common.base_parser(__doc__)
+    parser = harness.base_parser(__doc__)
     parser.add_argument("--cpu", action="store_true", help="required on a machine without GPUs (gloo DDP)")
     parser.add_argument("--samples_per_round", type=int, default=None,
                         help="samples each arm trains per round (None: 512, --quick 128)")
@@ -128,23 +128,23 @@ def main(argv=None):
                         help="autocast of the timed steps (bf16 runs on CPUs with AVX512-BF16/AMX); the gradient "
                              "checks stay in fp32, where exactness is defined")
     args = parser.parse_args(argv)
-    common.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
-    common.set_threads(args.threads)
+    harness.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
+    harness.set_threads(args.threads)
     rounds = args.rounds or (1 if args.quick else 4)
     samples_per_round = args.samples_per_round or (128 if args.quick else 512)
-    accelerator = common.script_accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
+    accelerator = harness.script_accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
     if accelerator.num_processes != 2:
-        raise common.UserError("run with 2 processes: accelerate launch --multi_gpu --num_processes 2 "
+        raise harness.UserError("run with 2 processes: accelerate launch --multi_gpu --num_processes 2 "
                                "benchmarks/bench_ddp_scaling.py --cpu")
-    started, say = common.provenance(), accelerator.print
+    started, say = harness.provenance(), accelerator.print
 
     arms = [SimpleNamespace(name=n, procs=p, batch=g, fused=f, ddp=p == 2 and n != CEILING) for n, p, g, f in ARMS]
     if args.arms:
         arms = [a for a in arms if any(part in a.name for part in args.arms.split(","))]
     elif args.quick:
         arms = [arms[0], arms[2]]
-    base_model, dataset, collate = common.headline_model(args.data_root, args.config_overrides, args.train_samples, 512)
-    batches = {g: common.fixed_batches(dataset, collate, g, max(8, samples_per_round // g * 4), common.SEED + g)
+    base_model, dataset, collate = harness.headline_model(args.data_root, args.config_overrides, args.train_samples, 512)
+    batches = {g: harness.fixed_batches(dataset, collate, g, max(8, samples_per_round // g * 4), harness.SEED + g)
                for g in sorted({a.batch for a in arms})}
     parameters = sum(p.numel() for p in base_model.parameters())
     say(f"BERT {args.config_overrides}, {args.mixed_precision=}: {parameters:,} parameters "
@@ -156,7 +156,7 @@ def main(argv=None):
         timed_round(steps[a.name], 1)
     raw = {a.name: [] for a in arms}
     for r in range(rounds):
-        for a in common.interleaved_order(arms, r):
+        for a in harness.interleaved_order(arms, r):
             optimizer_steps = max(1, samples_per_round // a.batch)
             per_rank = timed_round(steps[a.name], optimizer_steps)
             samples, wall = optimizer_steps * a.batch * (2 if a.name == CEILING else 1), per_rank[0]["wall"]
@@ -185,7 +185,7 @@ def main(argv=None):
                            "cpu_share_median": shares}
         rows.append([a.name, summary[a.name]["median_samples_per_second"], summary[a.name]["efficiency"], of_ceiling,
                      "/".join(f"{s:.2f}" for s in shares), f"{err:.1e}" if err is not None else "n/a"])
-    table = common.format_table(["arm", "samples/s (median)", "efficiency", "efficiency / machine ceiling",
+    table = harness.format_table(["arm", "samples/s (median)", "efficiency", "efficiency / machine ceiling",
                                  "CPU share rank0/rank1", "gradient rel. error vs 1p"], rows)
     say(table)
     if accelerator.is_main_process:
@@ -194,7 +194,7 @@ def main(argv=None):
         best = summary[best_name]["efficiency"] if best_name else None
         if best is not None:
             say(f"best efficiency {best:.3f} ({best_name}; goal >= 0.85: {'met' if best >= 0.85 else 'NOT met'})")
-        common.write_results("bench_ddp_scaling", {
+        harness.write_results("bench_ddp_scaling", {
             "provenance": started, "setup": {
                 "model": args.config_overrides, "mixed_precision": args.mixed_precision, "parameters": parameters,
                 "threads_per_process": args.threads, "rounds": rounds, "samples_per_round": samples_per_round,
@@ -206,4 +206,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_cli(main, sys.argv[1:])
+    harness.run_cli(main, sys.argv[1:])

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import harness  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -36,10 +36,10 @@ from accelerate.utils import send_to_device  # noqa: E402
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 from transformers import AutoConfig, BertConfig, BertForSequenceClassification  # noqa: E402
 
-from utils.augment import add_augment_args, resolve_augment_args, train_transform  # noqa: E402
-from utils.demo_data import write_photo_imagefolder  # noqa: E402
-from utils.device_decode import EncodedImageFolder, collate_for  # noqa: E402
-from utils.image_data import IMAGENET_STD, RGBImageFolder  # noqa: E402
+from vision.augment import add_augment_args, resolve_augment_args, train_transform  # noqa: E402
+from common.demo_data import write_photo_imagefolder  # noqa: E402
+from vision.device_decode import collate_for, EncodedImageFolder  # noqa: E402
+from vision.data import IMAGENET_STD, RGBImageFolder  # noqa: E402
 
 SEED = 42
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from NVIDIA's datasheets; matched against
@@ -95,7 +95,7 @@ class Workload:
 
 
 def timed(device, steps, units, step, before=lambda: None, memory_of=None):
-    """An arm for common.run_rounds: before(), then `steps` calls of step() timed between device syncs. With
+    """An arm for harness.run_rounds: before(), then `steps` calls of step() timed between device syncs. With
     `memory_of` (a Workload) on CUDA, also its peak memory: its resident bytes plus the largest allocation the steps
     added (the other arms' weights stay resident: only what this arm adds counts)."""
     def run():
@@ -152,7 +152,7 @@ def bert_workloads(args, device, modes, seq):
 
 
 def input_arms(args, device, workload, work_dir):
-    """ResNet-50's input on ImageNet-sized JPEGs (utils/demo_data.py write_photo_imagefolder): the CPU loader (decode
+    """ResNet-50's input on ImageNet-sized JPEGs (common/demo_data.py write_photo_imagefolder): the CPU loader (decode
     and augment in the workers) and --decode_on_device (the workers read the bytes; decode and augment on `device`),
     each alone (images/s delivered on the device) and feeding `workload`'s steps; and how far apart the two paths'
     images are for the same crops (levels of 255, over the first 64 images)."""
@@ -188,7 +188,7 @@ def input_arms(args, device, workload, work_dir):
 
 
 def main():
-    parser = common.base_parser(__doc__)
+    parser = harness.base_parser(__doc__)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a syntax check")
     parser.add_argument("--torch_compile", choices=["off", "on", "both"], default="both")
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device, for MFU")
@@ -206,7 +206,7 @@ def main():
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or pass --device cpu --quick to check the script")
     if device.type == "cpu":
-        common.set_threads(args.threads)
+        harness.set_threads(args.threads)
     if args.quick:
         args.resnet_batch, args.resnet_image_size = min(args.resnet_batch, 2), min(args.resnet_image_size, 64)
         args.bert_batch, args.bert_seq_len = min(args.bert_batch, 2), [min(seq, 32) for seq in args.bert_seq_len[:1]]
@@ -214,7 +214,7 @@ def main():
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         args.peak_tflops = args.peak_tflops or datasheet_peak_tflops(torch.cuda.get_device_name(device))
-    started = common.provenance()
+    started = harness.provenance()
     rounds = args.rounds or (1 if args.quick else 5)
     steps = args.steps or (1 if args.quick else 20)
     modes = ["off", "on"] if args.torch_compile == "both" else [args.torch_compile]
@@ -230,13 +230,13 @@ def main():
     model_step = list(resnet)[-1]  # compiled where it is: the step the input has to keep up with (issue 19: 0.9x)
     fixture = tempfile.TemporaryDirectory(prefix="bench_gpu_jpegs_")
     inputs, agreement = input_arms(args, device, resnet[model_step], Path(fixture.name))
-    samples = common.run_rounds({**{name: timed(device, steps, w.batch_size, w.step, memory_of=w)
+    samples = harness.run_rounds({**{name: timed(device, steps, w.batch_size, w.step, memory_of=w)
                                     for name, w in workloads.items()}, **inputs}, rounds)
 
     rows, summary = [], {}
     groups = [(resnet, None), *((group, seq) for seq, group in berts.items())]
     for group, tokens_per_sample in groups:
-        stats = common.summarize({name: samples[name] for name in group}, next(iter(group)))
+        stats = harness.summarize({name: samples[name] for name in group}, next(iter(group)))
         for name, s in stats.items():
             mfu = None
             if tokens_per_sample and args.peak_tflops:
@@ -246,11 +246,11 @@ def main():
             summary[name] = s
             rows.append([name, s["median_rate"], s["ratio_to_baseline"], f"{mfu:.1%}" if mfu is not None else "",
                          peak, workloads[name].compile_seconds])
-    table = common.format_table(["arm", "images or samples/s (median)", "vs compile off", "MFU",
+    table = harness.format_table(["arm", "images or samples/s (median)", "vs compile off", "MFU",
                                  "peak memory GiB", "warm-up s (incl. compile)"], rows)
-    input_stats = common.summarize({model_step: samples[model_step], **{n: samples[n] for n in inputs}}, model_step)
+    input_stats = harness.summarize({model_step: samples[model_step], **{n: samples[n] for n in inputs}}, model_step)
     summary.update({name: input_stats[name] for name in inputs})
-    table += "\n\n" + common.format_table(
+    table += "\n\n" + harness.format_table(
         ["input arm (ImageNet-sized JPEGs)", "images/s (median)", f"vs {model_step}"],
         [[name, input_stats[name]["median_rate"], input_stats[name]["ratio_to_baseline"]] for name in inputs])
     table += (f"\ndevice decode vs CPU loader, same crops: mean |difference| {agreement['mean_abs_levels']:.3f}, "
@@ -258,13 +258,13 @@ def main():
     print(table)
     if args.peak_tflops is None:
         print("MFU not computed: no dense bf16 peak known for this device (PEAK_BF16_TFLOPS); pass --peak_tflops")
-    common.write_results("bench_gpu", {
+    harness.write_results("bench_gpu", {
         "provenance": started, "device": str(device),
         "setup": {**vars(args), "steps": steps, "rounds": rounds, "bert_layers": bert_layers,
                   "bert_parameters": bert_parameters},
         "model_step_arm": model_step, "input_arms": list(inputs), "input_agreement": agreement,
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else common.cpuinfo_field("model name")),
+                        else harness.cpuinfo_field("model name")),
         "arms": summary, "rounds_raw": samples, "table": table}, args.output)
 
 

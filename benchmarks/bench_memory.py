@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (puts the repo root on sys.path)
-from common import REPO as ROOT  # noqa: E402
+import harness  # noqa: E402  (puts the repo root on sys.path)
+from harness import REPO as ROOT  # noqa: E402
 
-from utils.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
+from common.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
 
 
 def rss_mib(pid):
@@ -57,7 +57,7 @@ def measure(name, command, out, steps, threads):
 
 def main(argv=None):
     # Built-in data, one run per script: no --data_root, no --rounds.
-    parser = common.base_parser(__doc__, data=False, rounds=False)
+    parser = harness.base_parser(__doc__, data=False, rounds=False)
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per script (--quick: 200)")
     args = parser.parse_args(argv)
     steps = 200 if args.quick else args.steps
@@ -76,14 +76,14 @@ def main(argv=None):
                                     "--epochs", -(-steps // (1348 // 16)), "-p", max(1, steps // 40),
                                     "--output_dir", resnet_out], resnet_out, steps, args.threads),
     ]
-    print(common.format_table(["script", "steps", "RSS at step (early)", "RSS at step (end)", "growth"], [
+    print(harness.format_table(["script", "steps", "RSS at step (early)", "RSS at step (end)", "growth"], [
         [r["name"], r["steps"], f"{r['early_rss_mib']:.0f} MiB at {r['early_step']}",
          f"{r['late_rss_mib']:.0f} MiB at {r['late_step']}", f"{100 * r['growth']:+.1f}%"] for r in runs]))
     ok = all(abs(r["growth"]) <= 0.10 for r in runs)
     print(f"goal: within 10% -> {'met' if ok else 'NOT met'}")
-    common.write_results("bench_memory", {"provenance": common.provenance(), "threads": args.threads, "runs": runs,
+    harness.write_results("bench_memory", {"provenance": harness.provenance(), "threads": args.threads, "runs": runs,
                                           "goal_met": ok}, args.output)
 
 
 if __name__ == "__main__":
-    common.run_cli(main, sys.argv[1:])
+    harness.run_cli(main, sys.argv[1:])

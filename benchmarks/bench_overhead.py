@@ -1,7 +1,7 @@
 """Framework overhead: a training step the way the scripts do it on Accelerate vs a minimal torch loop.
 
 Arms, for the small BERT on THUCNews headlines (batch 32, AdamW):
-  accelerate  utils.runtime.build_accelerator with the scripts' default flags (split_batches, seedable sampler,
+  accelerate  common.runtime.build_accelerator with the scripts' default flags (split_batches, seedable sampler,
               bounded collectives), accelerator.prepare(model, optimizer, loader, scheduler), and the script's loop:
               `with accelerator.accumulate(model)`, accelerator.backward, accelerator.clip_grad_norm_, prepared
               optimizer and scheduler steps, plus its per-step bookkeeping (LossMeter), without .item() as in the script
@@ -17,15 +17,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (puts the repo root on sys.path)
+import harness  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import get_linear_schedule_with_warmup  # noqa: E402
 
 from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
-from utils.loss_meter import LossMeter  # noqa: E402
-from utils.text_data import build_label_list, read_examples  # noqa: E402
+from common.loop import LossMeter  # noqa: E402
+from text.data import build_label_list, read_examples  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
 TOTAL_STEPS = 100_000  # scheduler length: far beyond the benchmark, so the learning rate stays warm-up-sized
@@ -36,9 +36,9 @@ def bert_arms(accelerator, args):
     train_file = args.data_root / "thucnews_titles" / "train.txt"
     examples = read_examples(train_file)[:args.samples]
     labels = build_label_list(examples, None)
-    torch.manual_seed(common.SEED)
-    script_args = common.bert_script_args(args.data_root, train_file, SMALL_BERT, train_batch_size=32, num_workers=0,
-                                          seed=common.SEED)
+    torch.manual_seed(harness.SEED)
+    script_args = harness.bert_script_args(args.data_root, train_file, SMALL_BERT, train_batch_size=32, num_workers=0,
+                                          seed=harness.SEED)
     tokenizer, model = build_model(script_args, labels)
     loader = build_dataloaders(script_args, tokenizer, labels, {"train": examples}, None)[0]["train"]
 
@@ -50,7 +50,7 @@ def bert_arms(accelerator, args):
     acc_model = copy.deepcopy(model)
     optimizer, scheduler = optimizer_and_schedule(acc_model)
     acc_model, optimizer, acc_loader, scheduler = accelerator.prepare(acc_model, optimizer, loader, scheduler)
-    acc_batches, meter = common.forever(acc_loader), LossMeter(accelerator.device)
+    acc_batches, meter = harness.forever(acc_loader), LossMeter(accelerator.device)
     acc_model.train()
 
     def accelerate_step():
@@ -69,12 +69,12 @@ def bert_arms(accelerator, args):
     # plain: the same model, optimizer and schedule by hand, an ordinary DataLoader over the same dataset
     plain_model = copy.deepcopy(model).to(accelerator.device).train()
     plain_optimizer, plain_scheduler = optimizer_and_schedule(plain_model)
-    plain_batches = common.forever(DataLoader(loader.dataset, batch_size=32, shuffle=True, collate_fn=loader.collate_fn,
-                                              generator=torch.Generator().manual_seed(common.SEED)))
+    plain_batches = harness.forever(DataLoader(loader.dataset, batch_size=32, shuffle=True, collate_fn=loader.collate_fn,
+                                              generator=torch.Generator().manual_seed(harness.SEED)))
 
     def plain_step():
         batch = {k: v.to(accelerator.device) for k, v in next(plain_batches).items()}
-        samples = common.train_step(plain_model, plain_optimizer, batch, clip=1.0)
+        samples = harness.train_step(plain_model, plain_optimizer, batch, clip=1.0)
         plain_scheduler.step()
         return samples
 
@@ -82,23 +82,23 @@ def bert_arms(accelerator, args):
 
 
 def main(argv=None):
-    parser = common.base_parser(__doc__)
+    parser = harness.base_parser(__doc__)
     parser.add_argument("--samples", type=int, default=6000, help="headlines tokenised for the BERT arms")
     args = parser.parse_args(argv)
-    common.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
-    common.set_threads(args.threads)
+    harness.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese")
+    harness.set_threads(args.threads)
     # Many short rounds: on a shared machine a burst of other work lands in one round, and the median drops it.
     rounds = args.rounds or (2 if args.quick else 40)
     if args.quick:
         args.samples = 400
-    accelerator = common.script_accelerator()
-    samples, summary = common.compare_steps("small BERT (2x128) on THUCNews headlines, batch 32, AdamW",
+    accelerator = harness.script_accelerator()
+    samples, summary = harness.compare_steps("small BERT (2x128) on THUCNews headlines, batch 32, AdamW",
                                             bert_arms(accelerator, args), rounds, 3 if args.quick else 4, warmup=3,
                                             baseline=PLAIN)
     rows = [[arm, s["median_rate"], 1000 * 32 / s["median_rate"], s["ratio_to_baseline"],
              f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}", s["median_cpu_rate"], s["cpu_ratio_to_baseline"],
              f"{s['cpu_ratio_min']:.2f}-{s['cpu_ratio_max']:.2f}", s["cpu_share"]] for arm, s in summary.items()]
-    table = common.format_table(["arm", "samples/s (median)", "ms/step", "vs plain, wall (median of rounds)",
+    table = harness.format_table(["arm", "samples/s (median)", "ms/step", "vs plain, wall (median of rounds)",
                                  "per-round range", "samples per CPU-second", "vs plain, CPU time",
                                  "per-round range", "CPU share"], rows)
     print(table)
@@ -106,12 +106,12 @@ def main(argv=None):
     verdict = ("met" if min(ratio, cpu_ratio) >= 0.97 else "NOT met" if max(ratio, cpu_ratio) < 0.97
                else "met on one measure only")
     print(f"accelerate / plain = {ratio:.3f} wall-clock, {cpu_ratio:.3f} CPU time (goal >= 0.97: {verdict})")
-    common.write_results("bench_overhead", {
-        "provenance": common.provenance(), "accelerator": {"device": str(accelerator.device),
+    harness.write_results("bench_overhead", {
+        "provenance": harness.provenance(), "accelerator": {"device": str(accelerator.device),
                                                            "mixed_precision": accelerator.mixed_precision},
         "bert": {"arms": summary, "rounds_raw": samples, "table": table, "ratio_wall": ratio, "ratio_cpu": cpu_ratio,
                  "goal_met_wall": ratio >= 0.97, "goal_met_cpu": cpu_ratio >= 0.97}}, args.output)
 
 
 if __name__ == "__main__":
-    common.run_cli(main, sys.argv[1:])
+    harness.run_cli(main, sys.argv[1:])

@@ -31,7 +31,7 @@ PROBE_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     from pathlib import Path
-    if "--cpu" in sys.argv:  # CPU on any machine, as utils.runtime.hide_gpus_under_cpu does for the scripts
+    if "--cpu" in sys.argv:  # CPU on any machine, as common.runtime.hide_gpus_under_cpu does for the scripts
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch.distributed as dist
     from accelerate import Accelerator

@@ -45,7 +45,7 @@ def test_missing_data_root_is_one_line(name, tmp_path, capsys):
     missing = tmp_path / "no_data"
     argv = ["--quick", "--rounds", "1", "--threads", "1", "--output", str(tmp_path / "r.json"), "--data_root", str(missing)]
     with pytest.raises(SystemExit) as exit_info:
-        benchmark(name).common.run_cli(benchmark(name).main, argv)
+        benchmark(name).harness.run_cli(benchmark(name).main, argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {missing}/") and "not found" in err[0], err

@@ -1,7 +1,7 @@
-"""utils/cadence.py: after which optimizer steps both scripts log, validate, checkpoint and stop. No training."""
+"""common/loop.py: after which optimizer steps both scripts log, validate, checkpoint and stop. No training."""
 import pytest
 
-from utils.cadence import Cadence
+from common.loop import Cadence
 
 
 def walk(cadence, accumulation=1):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-import utils.image_data as image_data
+import vision.data as image_data
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from launch_options import default_config, launch_with_config, launch_with_preci
 from safetensors.torch import load_file
 
 import train_bert_cls
-from utils.errors import UserError
+from common.runtime import UserError
 
 SCRIPT = "train_bert_cls.py"
 LAYOUTS = {"bin_gamma_beta": bert_base_chinese_layout, "sharded_tokenizer_json": sharded_bert_layout,

@@ -1,12 +1,11 @@
-"""utils/image_data.py: every image mode loads as RGB, unreadable files are marked (not raised), class checks."""
+"""vision/data.py: every image mode loads as RGB, unreadable files are marked (not raised), class checks."""
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from utils.errors import UserError
-from utils.image_data import (RGBImageFolder, build_datasets, build_dummy_datasets, build_transforms, decode_rgb,
-                              describe_bad_image, image_classes)
+from common.runtime import UserError
+from vision.data import build_datasets, build_dummy_datasets, build_transforms, decode_rgb, describe_bad_image, image_classes, RGBImageFolder
 
 
 def picture(width=40, height=30):

@@ -1,11 +1,11 @@
-"""utils.label_modes: multi-label loss, metrics at the threshold and prediction rows, against hand-made cases."""
+"""text.metrics: multi-label loss, metrics at the threshold and prediction rows, against hand-made cases."""
 import math
 
 import pytest
 import torch
 
-from utils.label_modes import evaluation_metrics, prediction_rows, training_loss
-from utils.text_data import Example
+from text.metrics import evaluation_metrics, prediction_rows, training_loss
+from text.data import Example
 
 LABELS = ["a", "b", "c"]
 

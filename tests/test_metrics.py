@@ -1,10 +1,11 @@
-"""utils.metrics against hand-computed values and scikit-learn."""
+"""text.metrics against hand-computed values and scikit-learn."""
 import numpy as np
 import pytest
 import torch
 from sklearn.metrics import f1_score, precision_recall_fscore_support
 
-from utils.metrics import classification_metrics, save_confusion_matrix, topk_correct
+from text.metrics import classification_metrics, save_confusion_matrix
+from vision.data import topk_correct
 
 
 def test_classification_metrics_by_hand():

@@ -13,9 +13,10 @@ from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, 
 from PIL import Image
 
 import train_resnet
-from utils.demo_data import write_digits_imagefolder
-from utils.errors import UserError
-from utils.legacy import check_legacy_compatible, load_legacy_checkpoint, strip_module_prefix
+from common.demo_data import write_digits_imagefolder
+from common.runtime import UserError
+from common.export import load_torch_checkpoint, strip_module_prefix
+from vision.references import check_legacy_compatible
 
 SCRIPT = "train_resnet.py"
 EPOCHS = 3
@@ -208,15 +209,15 @@ def test_legacy_checkpoint_files(tmp_path):
         "conv.weight": weights["module.conv.weight"], "fc.bias": weights["module.fc.bias"]}  # DP inside DDP
     assert strip_module_prefix({"module.a": 1, "b": 2}) == {"module.a": 1, "b": 2}  # not all prefixed: a real name
     torch.save(weights, tmp_path / "bare.pth")  # torch.save(model.state_dict()) from any script
-    assert load_legacy_checkpoint(tmp_path / "bare.pth")["state_dict"].keys() == {"conv.weight", "fc.bias"}
+    assert load_torch_checkpoint(tmp_path / "bare.pth")["state_dict"].keys() == {"conv.weight", "fc.bias"}
     torch.save({"state_dict": weights, "best_acc1": torch.tensor(76.1), "args": urllib.error.URLError("x")},
                tmp_path / "pickled.pth.tar")
     with pytest.raises(UserError, match=r"pickled.pth.tar: holds a pickled \S*URLError, which torch.load\("
                                         r"weights_only=True\) refuses"):
-        load_legacy_checkpoint(tmp_path / "pickled.pth.tar")
+        load_torch_checkpoint(tmp_path / "pickled.pth.tar")
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match=r"junk.pth: not a PyTorch checkpoint"):
-        load_legacy_checkpoint(tmp_path / "junk.pth")
+        load_torch_checkpoint(tmp_path / "junk.pth")
     with pytest.raises(UserError, match=r"x.pth: checkpoint's class_to_idx: 10 classes \[0, 1, 2, 3, ...\]; "
                                         r"this run's: 2 classes \[cat, dog\]"):
         check_legacy_compatible({"class_to_idx": {str(d): d for d in range(10)}, "arch": "resnet18"},

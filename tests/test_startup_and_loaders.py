@@ -14,14 +14,14 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
-from utils.demo_data import write_small_bert
-from utils.errors import UserError
-from utils.image_data import RGBImageFolder, build_transforms
-from utils.loaders import loader_settings
-from utils.preemption import PreemptionGuard
-from utils.runtime import add_runtime_args, build_accelerator, loader_generator
-from utils.timing import ThroughputWindow
-from utils.tokenizer_checks import check_unk_rate, unk_rate
+from common.demo_data import write_small_bert
+from common.runtime import UserError
+from vision.data import build_transforms, RGBImageFolder
+from common.runtime import loader_settings
+from common.loop import PreemptionGuard
+from common.runtime import add_runtime_args, build_accelerator, loader_generator
+from common.loop import ThroughputWindow
+from text.model import check_unk_rate, unk_rate
 
 
 @pytest.fixture(autouse=True)
@@ -203,7 +203,7 @@ def test_window_reports_the_data_wait_as_part_of_training_time():
 
 def test_startup_seconds_counts_from_the_process_start():
     """Time spent before the module is imported (here a 1 s sleep; in a script the imports of torch) is counted."""
-    proc = run(["python", "-c", "import time; time.sleep(1.0); from utils.timing import seconds_since_process_start "
+    proc = run(["python", "-c", "import time; time.sleep(1.0); from common.loop import seconds_since_process_start "
                 "as s; print(s())"])
     assert 1.0 <= float(proc.stdout) < 30.0
 

@@ -6,11 +6,11 @@ import re
 import pytest
 import torch
 
-from utils.errors import UserError
-from utils.image_counts import ImageCounts
-from utils.loaders import epoch_batches
-from utils.loss_meter import HealthCheck, LossMeter
-from utils.step_weights import StepWeights
+from common.runtime import UserError
+from vision.data import ImageCounts
+from common.loop import epoch_batches
+from common.loop import HealthCheck, LossMeter
+from common.loop import StepWeights
 
 
 class OneProcess:

@@ -1,11 +1,10 @@
-"""utils.text_data: every format, every bad line named by file and line, deterministic label order."""
+"""text.data: every format, every bad line named by file and line, deterministic label order."""
 import json
 
 import pytest
 
-from utils.errors import UserError
-from utils.text_data import (TextFormat, build_label_list, check_known_labels, find_split_file, read_examples,
-                             read_labels_file, read_texts, read_unlabelled)
+from common.runtime import UserError
+from text.data import build_label_list, check_known_labels, find_split_file, read_examples, read_labels_file, read_texts, read_unlabelled, TextFormat
 
 
 def write(path, text, encoding="utf-8"):

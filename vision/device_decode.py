@@ -1,6 +1,6 @@
 """--decode_on_device: ResNet's JPEGs decoded and augmented on the training device, a batch at a time.
 
-The CPU loader (utils/image_data.py) decodes and augments every image in a DataLoader worker. With this option a
+The CPU loader (vision/data.py) decodes and augments every image in a DataLoader worker. With this option a
 worker only reads the file's bytes and draws what the image's random steps draw (crop box, flip, erasing box), seeded
 by sample_key exactly as the CPU loader seeds them, so any number of processes, workers or resumes see the same
 crops. The training process then decodes the whole batch on its device in one call (TorchCodec's decode_jpeg:
@@ -33,8 +33,9 @@ from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
-from .errors import UserError
-from .image_data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, torchcodec_decoder
+from common.runtime import UserError
+
+from .data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, torchcodec_decoder
 
 EXIF_ORIENTATION = 0x0112  # the EXIF tag; 1 (or none): stored upright
 RANDOM_STEPS = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.RandomErasing)
@@ -158,7 +159,7 @@ class EncodedBatch:
 @functools.cache
 def jpeg_decoder():
     """decode(list of JPEG bytes, device) -> list of (3, H, W) uint8 RGB on `device`, one call per batch:
-    TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (utils/image_data.py)."""
+    TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (vision/data.py)."""
     if torchcodec_decoder() is not None:
         from torchcodec.decoders import decode_jpeg as torchcodec_decode_jpeg
         return lambda jpegs, device: torchcodec_decode_jpeg(jpegs, mode="RGB", device=device)

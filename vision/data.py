@@ -1,4 +1,5 @@
-"""ImageFolder data as pytorch/examples imagenet/main.py reads it, with the failures made explicit.
+"""The image classifier's data: ImageFolder data as pytorch/examples imagenet/main.py reads it, with the failures
+made explicit, main.py's --dummy data, and what the training loop counts of its images.
 
 - Every image decodes to 3-channel uint8 RGB (grayscale, palette, RGBA, CMYK alike), with TorchCodec's image
   decoders (torchcodec.decoders, which supersede torchvision.io's, deprecated since torchvision 0.29), with
@@ -7,8 +8,13 @@
   hanging in a collective): the sample comes back as a placeholder with target `-1 - index`, which the
   training loop turns into a one-line error naming the file, or skips and counts (`--skip_bad_images`).
 - Augmentation randomness depends only on (seed, epoch, index), so a resumed run, any number of
-  processes and any number of workers see the same crops and flips.
-- main.py's transforms: RandomResizedCrop + flip for training, Resize + CenterCrop for validation.
+  processes and any number of workers see the same crops and flips (the epoch reaches persistent workers through
+  `EpochValue`).
+- `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
+  counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
+  checking are collectives: every rank calls them at the same points.
+
+Neighbours: vision/augment.py (the transforms), vision/device_decode.py (decoding on the training device).
 """
 import functools
 import io
@@ -23,14 +29,17 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from .errors import UserError
-from .loaders import EpochValue
+from common.runtime import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
+
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
 # What a decoder raises for a broken file (PIL raises SyntaxError for some broken PNGs).
 DECODE_ERRORS = (OSError, RuntimeError, ValueError, SyntaxError, Image.DecompressionBombError)
+
 DUMMY_CLASSES = 1000
+
 IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES = 1_281_167, 50_000
 
 
@@ -170,8 +179,8 @@ def _few(names, limit=5):
 def build_datasets(data, image_size, val_resize, seed, crop_scale=0.08, transforms=None, folder=RGBImageFolder):
     """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes.
 
-    transforms: (train, val, train_crop, val_crop) from utils/augment.py; default main.py's at image_size.
-    folder: the dataset class, RGBImageFolder or a subclass (utils/device_decode.py EncodedImageFolder)."""
+    transforms: (train, val, train_crop, val_crop) from vision/augment.py; default main.py's at image_size.
+    folder: the dataset class, RGBImageFolder or a subclass (vision/device_decode.py EncodedImageFolder)."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     train_classes, val_classes = image_classes(train_root), image_classes(val_root)
     check_same_classes(train_classes, val_classes, train_root, val_root)
@@ -206,3 +215,68 @@ def build_dummy_datasets(train_images, image_size, val_image_size=None):
     val = FakeImages(val_images, (3, val_image_size, val_image_size), DUMMY_CLASSES, to_tensor,
                      random_offset=train_images)  # different images from the training ones
     return train, val
+
+
+class EpochValue:
+    """An epoch number that DataLoader workers see change: kept in shared memory, so `set` in the main process
+    reaches the dataset copies of persistent workers (a plain attribute would stay at its value when they started).
+    The loader hands out the next epoch's indices only when its iterator is (re)started, after `set`."""
+
+    def __init__(self, epoch=0):
+        self.value = torch.tensor(epoch, dtype=torch.long).share_memory_()
+
+    def set(self, epoch):
+        self.value.fill_(epoch)
+
+    def get(self):
+        return int(self.value)
+
+
+def bad_image_error(dataset, target):
+    """The one-line error for the unreadable image whose placeholder target is `target` (< 0)."""
+    path = dataset.bad_image_path(target)
+    return UserError(f"{path}: unreadable image ({describe_bad_image(path)}); "
+                     "replace or remove it, or pass --skip_bad_images")
+
+
+class ImageCounts:
+    def __init__(self, accelerator, dataset, skip_bad_images):
+        self.accelerator, self.dataset, self.skip_bad_images = accelerator, dataset, skip_bad_images
+        self.window = torch.zeros(4, dtype=torch.long, device=accelerator.device)  # readable, top-1, top-5, skipped
+        self.lowest_target = torch.zeros((), dtype=torch.long, device=accelerator.device)  # < 0: an unreadable one
+        self.reported, self.skipped_total = set(), 0
+
+    def add(self, logits, targets):
+        """Count one batch, logits (B, C) and targets (B,); returns how many of its images were readable."""
+        readable = targets >= 0
+        hits = logits.detach().topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])  # (B, 5)
+        self.window += torch.stack([readable.sum(), hits[:, 0].sum(), hits.any(dim=1).sum(), (~readable).sum()])
+        self.lowest_target = torch.minimum(self.lowest_target, targets.min())
+        return readable.sum()
+
+    def read(self):
+        """Top-1/top-5 accuracy (%) over the window's readable images on all ranks, and the images skipped; then
+        start a new window. A collective."""
+        readable, top1, top5, skipped = self.accelerator.reduce(self.window, reduction="sum").tolist()
+        self.window.zero_()
+        self.skipped_total += skipped
+        n = max(1, readable)
+        return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "skipped_images": skipped}
+
+    def check_unreadable(self):
+        """Stop on the first unreadable image any rank has seen, or without stopping report each one once. A
+        collective."""
+        lowest = self.accelerator.gather(self.lowest_target.view(1)).min().item()
+        if lowest < 0 and not self.skip_bad_images:
+            raise bad_image_error(self.dataset, lowest)
+        if lowest < 0 and lowest not in self.reported:
+            self.reported.add(lowest)
+            self.accelerator.print(f"warning: skipping unreadable image {self.dataset.bad_image_path(lowest)}")
+
+
+def topk_correct(logits, targets, ks=(1, 5)):
+    """Number of samples whose target is among the k highest logits, for each k (k capped at the class count)."""
+    maxk = min(max(ks), logits.shape[1])
+    top = logits.topk(maxk, dim=1).indices  # (N, maxk)
+    hits = top.eq(targets.view(-1, 1))  # (N, maxk)
+    return {k: int(hits[:, : min(k, maxk)].any(dim=1).sum()) for k in ks}

@@ -1,9 +1,31 @@
-"""Reading labelled text files (cnews `label<TAB>text`, CSV, JSON lines) and the label mapping.
+"""The text classifier's data: reading labelled text files, the label list, tokenising once, padding per batch,
+and the length-grouped training order.
 
-Every problem is a UserError that names the file and the line, so a bad line in a 50k-line file
-is found in seconds instead of surfacing as a shape error three layers down.
-CSV and JSON files may name their columns (`TextFormat`): one text or a sentence pair (LCQMC, AFQMC, OCNLI),
-one label or several (multi-label, separated by `label_separator`), in any ASCII-compatible encoding.
+Files: cnews `label<TAB>text` (.txt/.tsv), CSV and JSON (lines or one array) with named columns (`TextFormat`):
+one text or a sentence pair (LCQMC, AFQMC, OCNLI), one label or several (multi-label, separated by
+`label_separator`), in any ASCII-compatible encoding. Every problem is a UserError that names the file and the
+line, so a bad line in a 50k-line file is found in seconds instead of surfacing as a shape error three layers down.
+
+Padding is chosen per device, because it only pays where the hardware wants it:
+- CPU: none beyond the longest text of the batch (a multiple of 8 only adds tokens: up to a quarter more work on
+  ~25-token headlines);
+- CUDA: multiples of 8 (tensor-core friendly shapes);
+- under torch.compile (the launcher's dynamo backend): multiples of COMPILE_PAD_MULTIPLE, so the compiler sees a
+  bounded number of sequence lengths instead of recompiling for each new one.
+`--pad_to_multiple_of N` and `--pad_to_max_length` override it.
+
+Length-grouped order (`--group_by_length`, `LengthGroupedSampler`): transformers' idea (megabatches of 50 batches,
+each sorted by length), made to fit this project's exactness rules:
+- The order is a pure function of (seed, epoch): `set_epoch` is called by the prepared loader (Accelerate's
+  seedable-sampler recipe), every process computes the same order, and `skip_first_batches` on resume skips
+  exactly the batches already trained.
+- It is a sampler of indices, batched by the DataLoader with the GLOBAL batch size (split_batches=True): a global
+  batch is the same set of samples on any number of processes; each process then takes its consecutive slice of
+  that batch (the longer half on rank 0), so per-process padding stays tight.
+A batch then holds samples of similar length drawn from one megabatch (50 global batches of the shuffled data)
+instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
+
+Neighbours: text/model.py (the model and tokenizer), text/metrics.py (loss, metrics, predictions).
 """
 import codecs
 import csv
@@ -11,11 +33,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+import torch
+from accelerate.utils import DynamoBackend
+from datasets import Dataset
+from torch.utils.data import Sampler
+from transformers import DataCollatorWithPadding
+
+from common.runtime import UserError
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
+
 CSV_SUFFIXES = {".csv"}
+
 JSON_SUFFIXES = {".json", ".jsonl"}
+
 SPLIT_NAMES = {  # file names looked for in --data_dir, first match wins
     "train": ("train.txt", "cnews.train.txt", "train.tsv", "train.csv", "train.jsonl", "train.json"),
     "validation": ("val.txt", "cnews.val.txt", "dev.txt", "val.tsv", "val.csv", "val.jsonl", "val.json"),
@@ -43,7 +74,6 @@ class TextFormat:
     @property
     def multi_label(self):
         return self.label_separator is not None
-
 
 DEFAULT_FORMAT = TextFormat()
 
@@ -277,3 +307,120 @@ def check_known_labels(examples, labels, source="the train file"):
 
 def write_labels_file(labels, path):
     Path(path).write_text("".join(f"{label}\n" for label in labels), encoding="utf-8")
+
+CUDA_PAD_MULTIPLE = 8
+
+COMPILE_PAD_MULTIPLE = 32  # at 512 tokens: at most 16 lengths per batch size to compile; at 64 tokens: 2
+
+
+def add_padding_args(group):
+    padding = group.add_mutually_exclusive_group()
+    padding.add_argument("--pad_to_multiple_of", type=int, default=None,
+                         help=f"tokens; default: none on CPU, {CUDA_PAD_MULTIPLE} on CUDA, "
+                              f"{COMPILE_PAD_MULTIPLE} under torch.compile (bounds the shapes it compiles)")
+    padding.add_argument("--pad_to_max_length", action="store_true",
+                         help="pad every batch to --max_seq_len (one shape; most padding)")
+
+
+def default_pad_multiple(device_type, compiled):
+    """The padding multiple for a device when the user did not choose one (None: pad to the longest text)."""
+    if compiled:
+        return COMPILE_PAD_MULTIPLE
+    return CUDA_PAD_MULTIPLE if device_type == "cuda" else None
+
+
+def resolve_padding(args, accelerator):
+    """{"pad_to_multiple_of": N or None, "pad_to_max_length": bool} for this run, recorded with its results."""
+    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
+        raise UserError(f"--pad_to_multiple_of {args.pad_to_multiple_of}: must be a positive number of tokens")
+    compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
+    multiple = args.pad_to_multiple_of
+    if multiple is None and not args.pad_to_max_length:
+        multiple = default_pad_multiple(accelerator.device.type, compiled)
+    return {"pad_to_multiple_of": multiple, "pad_to_max_length": args.pad_to_max_length}
+
+
+def build_collator(tokenizer, max_seq_len, pad_to_multiple_of=None, pad_to_max_length=False):
+    if pad_to_max_length:
+        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_seq_len)
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def label_targets(examples, labels, multi_label):
+    """Class ids (single-label) or multi-hot float rows (multi-label) in the id order of `labels`."""
+    label2id = {label: i for i, label in enumerate(labels)}
+    if not multi_label:
+        return [label2id[e.label] for e in examples]
+    targets = []
+    for example in examples:
+        row = [0.0] * len(labels)
+        for label in label_set(example):
+            row[label2id[label]] = 1.0
+        targets.append(row)
+    return targets
+
+
+def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None):
+    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator.
+
+    A sentence pair becomes the tokenizer's pair encoding ([CLS] a [SEP] b [SEP], token_type_ids 0/1), truncated
+    longest_first: the longer sentence loses tokens first, so a short question keeps all of its words."""
+    columns = {"text": list(texts)}
+    paired = text_pairs is not None
+    if paired:
+        columns["text_pair"] = list(text_pairs)
+    if targets is not None:
+        columns["labels"] = targets
+
+    def encode(batch):
+        pair = batch["text_pair"] if paired else None
+        return tokenizer(batch["text"], pair, truncation="longest_first", max_length=max_seq_len)
+
+    dataset = Dataset.from_dict(columns)
+    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"])
+
+
+def tokenize_examples(tokenizer, examples, targets, max_seq_len):
+    """`tokenize` for Examples: texts, and sentence pairs when the examples have them."""
+    pairs = [e.text_pair for e in examples] if examples[0].text_pair is not None else None
+    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs)
+
+
+def token_lengths(dataset):
+    """Tokens per sample, for length-grouped batching."""
+    return [len(ids) for ids in dataset["input_ids"]]
+
+MEGABATCH_BATCHES = 50  # transformers' choice: large enough to group well, small enough to stay random
+
+
+class LengthGroupedSampler(Sampler):
+    def __init__(self, lengths, batch_size, seed, megabatch_batches=MEGABATCH_BATCHES):
+        self.lengths = torch.as_tensor(lengths)
+        self.batch_size = batch_size  # the GLOBAL batch size of the DataLoader that batches these indices
+        self.seed = seed
+        self.megabatch = batch_size * megabatch_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def batches(self):
+        """The epoch's batches of indices; only the last one may be short, as in an unshuffled DataLoader."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator)
+        grouped = []
+        for megabatch in order.split(self.megabatch):
+            # stable sort, longest first: ties keep the shuffled order
+            by_length = torch.sort(self.lengths[megabatch], descending=True, stable=True).indices
+            grouped.append(megabatch[by_length])
+        batches = list(torch.cat(grouped).split(self.batch_size))
+        short = batches.pop() if len(batches[-1]) < self.batch_size else None
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator)]
+        return [b.tolist() for b in batches] + ([short.tolist()] if short is not None else [])
+
+    def __iter__(self):
+        for batch in self.batches():
+            yield from batch

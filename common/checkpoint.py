@@ -1,12 +1,16 @@
-"""Resumable checkpoints that a kill can never leave half-written, and their rotation.
+"""Resumable checkpoints that a kill can never leave half-written: writing, rotating, finding and restoring them.
 
-Layout: output_dir/checkpoints/step_<N>/ holds what `accelerator.save_state` writes (model, optimizer,
-scheduler, RNG states of every rank, sampler) plus training_state.json (where in training we were).
-A checkpoint is first written to `.tmp-step_<N>`, and renamed to `step_<N>` only once every rank has
-finished and training_state.json is on disk, so `latest` always resolves to a complete one.
+Layout: output_dir/checkpoints/step_<N>/ holds what `accelerator.save_state` writes (model, optimizer, scheduler,
+RNG states of every rank, sampler) plus training_state.json (`training_state`: where in training the run was, what
+it had selected, what must match for a resume, and the settings a resume may change).
+A checkpoint is first written to `.tmp-step_<N>`, and renamed to `step_<N>` only once every rank has finished and
+training_state.json is on disk, so `latest` always resolves to a complete one.
 An --output_dir on each node's own disk (not shared) gets a complete copy on every node (accelerate's
-save_on_each_node): the first save finds out which it is.
-All functions that call save_state/load_state must run on every process.
+save_on_each_node): `Checkpoints` finds out which it is when a run starts (`output_dir_is_shared`).
+Every function that calls save_state/load_state, or takes a decision all ranks must share, runs on every process.
+
+Neighbours: common/loop.py (when a checkpoint is due), common/export.py (the exported weights beside the
+checkpoints), common/outputs.py (the output directory's other files).
 """
 import json
 import os
@@ -19,11 +23,11 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .errors import UserError
+from .runtime import UserError
 
 STATE_FILE = "training_state.json"
+
 _NAME = re.compile(r"^step_(\d+)$")
-RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth")
 
 
 def complete_checkpoints(checkpoint_dir):
@@ -252,7 +256,6 @@ def restore_training_state(accelerator, path, expected, fresh_state, batches_per
         state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
     return state
 
-
 _HYPERPARAMETERS = ("lr", "initial_lr", "weight_decay", "momentum", "betas", "eps")
 
 
@@ -314,41 +317,27 @@ def replace_dir_atomically(tmp, final):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_output_dir(output_dir, overwrite, resuming):
-    """Refuse to write a new run over another one's results unless asked to."""
-    output_dir = Path(output_dir)
-    taken = [name for name in RUN_MARKERS if (output_dir / name).exists()]
-    if taken and not overwrite and not resuming:
-        raise UserError(
-            f"{output_dir}: holds another run ({', '.join(taken)}); pass --overwrite_output_dir to replace it "
-            "or --resume_from_checkpoint/--resume latest to continue it"
-        )
-
-
-def clear_previous_run(output_dir):
-    """With --overwrite_output_dir: remove the old run's results and checkpoints so `latest` cannot find them."""
-    for name in RUN_MARKERS:
-        path = Path(output_dir) / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
-def merge_results(path, results, prefixes=("eval_", "test_")):
-    """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
-    the training results there are kept, and the run information stays that of the training run."""
-    path = Path(path)
-    if not path.is_file():
-        merged = dict(results)
-    else:
-        merged = json.loads(path.read_text())
-        merged.update({k: v for k, v in results.items() if k.startswith(prefixes)})
-    path.write_text(json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
-
-
 def _write_json_durably(path, data):
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
+
+
+class _Ignored:
+    """Stands in for an object the checkpoint's run registered for checkpointing (the EMA) and this one does not."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def load_checkpoint_weights(accelerator, path):
+    """A resumable checkpoint's model weights into the prepared model for evaluation, in whatever layout
+    save_state wrote them (DDP, FSDP, DeepSpeed): through load_state, which also reads what else the run registered
+    (its EMA), here into stand-ins: the model is what is evaluated."""
+    for _ in Path(path).glob("custom_checkpoint_*.pkl"):
+        accelerator.register_for_checkpointing(_Ignored())
+    accelerator.load_state(str(path))

@@ -29,9 +29,9 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 if str(REPO) not in sys.path:  # the benchmarks import the training scripts and utils/ from the repo root
     sys.path.insert(0, str(REPO))
 
-from utils.cli import HelpFormatter  # noqa: E402
-from utils.errors import UserError, run_cli  # noqa: E402,F401  (run_cli: every benchmark's entry point)
-from utils.runtime import cpuinfo_field  # noqa: E402,F401  (the benchmarks' provenance and CPU flags)
+from common.runtime import HelpFormatter  # noqa: E402
+from common.runtime import run_cli, UserError  # noqa: E402,F401  (run_cli: every benchmark's entry point)
+from common.runtime import cpuinfo_field  # noqa: E402,F401  (the benchmarks' provenance and CPU flags)
 
 
 def base_parser(description, data=True, rounds=True):
@@ -80,9 +80,9 @@ def bert_script_args(data_root, train_file, config_overrides, **overrides):
 
 
 def script_accelerator(**flags):
-    """The scripts' Accelerator (utils.runtime.build_accelerator) with their default runtime flags, `flags` set."""
+    """The scripts' Accelerator (common.runtime.build_accelerator) with their default runtime flags, `flags` set."""
     import tempfile
-    from utils.runtime import add_runtime_args, build_accelerator
+    from common.runtime import add_runtime_args, build_accelerator
     parser = argparse.ArgumentParser()
     add_runtime_args(parser)
     runtime = parser.parse_args([])
@@ -97,8 +97,8 @@ def headline_model(data_root, config_overrides, samples, max_seq_len):
     import torch
     from transformers import DataCollatorWithPadding
     from train_bert_cls import build_model
-    from utils.text_batching import tokenize
-    from utils.text_data import build_label_list, read_examples
+    from text.data import tokenize
+    from text.data import build_label_list, read_examples
     train_file = Path(data_root) / "thucnews_titles" / "train.txt"
     examples = read_examples(train_file)[:samples]
     labels = build_label_list(examples, None)

@@ -1,16 +1,23 @@
-"""What a run writes about itself: metrics.jsonl, all_results.json, run_config.json, TensorBoard.
+"""What a run writes about itself, and the policy of its output directory: metrics.jsonl, all_results.json,
+run_config.json, the training curves, TensorBoard; the console lines and the progress bar.
 
-Every method may be called on every process; only the main process writes, so the training scripts
-need no `if is_main_process` around logging.
+Every RunLog method may be called on every process; only the main process writes, so the training scripts need
+no `if is_main_process` around logging.
+
+Neighbours: common/checkpoint.py (the checkpoints in output_dir/checkpoints), common/export.py (the exported
+models).
 """
 import importlib.metadata
 import json
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from .runtime import UserError
 
 
 class RunLog:
@@ -126,3 +133,64 @@ def format_step_line(epoch, step, total_steps, values):
 def progress(accelerator, iterable=None, **kwargs):
     """tqdm on the local main process only, and only on a terminal: log files get the step lines instead."""
     return tqdm(iterable, disable=True if not accelerator.is_local_main_process else None, **kwargs)
+
+
+def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, title="training curves"):
+    """Loss and top-1 accuracy (%) against epochs: training at each log line, validation after each epoch.
+
+    train_events: dicts with step, loss and acc1; eval_events: dicts with epoch, loss and acc1.
+    """
+    import matplotlib  # imported where used: it adds about half a second to every process start
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    train_x = [e["step"] / steps_per_epoch for e in train_events]
+    eval_x = [e["epoch"] for e in eval_events]
+    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "acc1", "top-1 accuracy (%)")):
+        ax.plot(train_x, [e[key] for e in train_events], label="train", alpha=0.7)
+        ax.plot(eval_x, [e[key] for e in eval_events], "o-", label="validation")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth")
+
+
+def check_output_dir(output_dir, overwrite, resuming):
+    """Refuse to write a new run over another one's results unless asked to."""
+    output_dir = Path(output_dir)
+    taken = [name for name in RUN_MARKERS if (output_dir / name).exists()]
+    if taken and not overwrite and not resuming:
+        raise UserError(
+            f"{output_dir}: holds another run ({', '.join(taken)}); pass --overwrite_output_dir to replace it "
+            "or --resume_from_checkpoint/--resume latest to continue it"
+        )
+
+
+def clear_previous_run(output_dir):
+    """With --overwrite_output_dir: remove the old run's results and checkpoints so `latest` cannot find them."""
+    for name in RUN_MARKERS:
+        path = Path(output_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def merge_results(path, results, prefixes=("eval_", "test_")):
+    """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
+    the training results there are kept, and the run information stays that of the training run."""
+    path = Path(path)
+    if not path.is_file():
+        merged = dict(results)
+    else:
+        merged = json.loads(path.read_text())
+        merged.update({k: v for k, v in results.items() if k.startswith(prefixes)})
+    path.write_text(json.dumps(merged, indent=2, ensure_ascii=False) + "\n")

@@ -1,19 +1,71 @@
-"""Building the Accelerator the same way in both scripts, and refusing launches that would go wrong silently.
+"""How a run is launched and executed, the same in both scripts: the Accelerator, the launches refused because they
+would go wrong silently, the DataLoader settings, the command-line look, and user-facing errors.
 
 What the hardware is (CPU, 1 GPU, N GPUs, N machines, precision) comes from the launcher and
-accelerate_configs/*.yaml; these flags only cover what a config file cannot say.
+accelerate_configs/*.yaml; the flags here only cover what a config file cannot say.
+
+Errors: a problem with the user's input is a `UserError`, which `run_cli` turns into one line on stderr and exit
+status 2, no traceback. Under a multi-process launch every rank usually meets the same bad input: the line is
+printed once, by each machine's first process, and every rank writes it into the error file torch's elastic agent
+gives it (TORCHELASTIC_ERROR_FILE), so that the launcher's failure summary, the last thing `accelerate launch` and
+`torchrun` print, ends with this line instead of "To enable traceback see ...". The launcher's own traceback above
+that summary is its business: it exits 1 there, the processes exit 2.
+
+DataLoaders: pin_memory on CUDA (batches land in page-locked memory, so the copy to the GPU overlaps compute; the
+Accelerator's `non_blocking=True` needs it), and persistent workers (started once per loader, not again every
+epoch and every evaluation). A dataset whose samples depend on the epoch must then carry the epoch to the workers
+itself (vision/data.py EpochValue): each worker holds its own copy of the dataset, made when the workers started.
+
+Neighbours: common/loop.py (the training loop's bookkeeping), common/checkpoint.py, common/export.py,
+common/outputs.py.
 """
+import argparse
 import datetime
+import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, parse_flag_from_env
+from accelerate import Accelerator, PartialState
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
+                              parse_flag_from_env)
+from tqdm.auto import tqdm
 
-from .errors import UserError
+
+class UserError(Exception):
+    """A problem with the user's input or command line, not a bug in this code."""
+
+
+def run_cli(main, args):
+    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2."""
+    try:
+        return main(args)
+    except UserError as err:
+        line = f"error: {err}"
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            tqdm.write(line, file=sys.stderr)  # on its own line even under a progress bar
+        record_for_launcher(line)
+        sys.exit(2)
+
+
+def record_for_launcher(line):
+    """Write `line` where torch's elastic agent reads a failed worker's error (its summary prints it)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the summary then says less; the line is on stderr already
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the module docstring's layout (its commands) and shows every flag's default."""
 
 DATA_PARALLEL_WARNING = (
     "--data_parallel uses legacy single-process nn.DataParallel; multi-process DDP is several times faster "
@@ -101,7 +153,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
-        non_blocking=True,  # host-to-GPU copies overlap compute; needs pinned memory (utils/loaders.py)
+        non_blocking=True,  # host-to-GPU copies overlap compute; needs pinned memory (common/runtime.py)
     )
     accelerator = Accelerator(
         cpu=args.cpu,
@@ -192,3 +244,21 @@ def print_run_summary(accelerator, title, rows):
     width = max(len(key) for key in rows)
     lines = [f"***** {title} *****"] + [f"  {key:<{width}} : {value}" for key, value in rows.items()]
     accelerator.print("\n".join(lines), flush=True)
+
+
+def loader_settings(num_workers):
+    """DataLoader keyword arguments for `num_workers` worker processes on the device this run trains on."""
+    return {"num_workers": num_workers, "pin_memory": PartialState().device.type == "cuda",
+            "persistent_workers": num_workers > 0}
+
+
+def check_sharding_applies(accelerator):
+    """An accelerate config asking for FSDP or DeepSpeed that accelerate did not apply (it ignores both with
+    cpu=True) would train as plain DDP without a word: refuse it."""
+    for variable, wanted in (("ACCELERATE_USE_FSDP", DistributedType.FSDP),
+                             ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
+        if os.environ.get(variable, "false").lower() == "true" and accelerator.distributed_type != wanted:
+            got = str(accelerator.distributed_type).split(".")[-1]
+            raise UserError(f"the accelerate config asks for {wanted.value} (distributed_type: {wanted.value}), "
+                            f"which does not run {'on CPU (--cpu)' if accelerator.device.type == 'cpu' else 'here'}: "
+                            f"this run would be plain {got}. Use accelerate_configs/cpu_ddp.yaml on CPU, or GPUs")

@@ -1,22 +1,24 @@
-"""What users bring from the scripts these ones replace: their flags and their checkpoint files.
+"""What users bring from the scripts train_resnet.py replaces, pytorch/examples imagenet/main.py and torchvision's
+references/classification/train.py: their flags, their batch-size convention and their checkpoint files.
 
-pytorch/examples imagenet/main.py:
-- its distribution flags are replaced by the launcher; passing one prints what replaces it (MAIN_PY_FLAGS);
-- its `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the
-  `module.` prefix of DataParallel/DDP) load with `weights_only=True`, and the exports written here have
+- main.py's distribution flags are replaced by the launcher, and a few torchvision flags have no counterpart:
+  passing one prints what replaces it (MAIN_PY_FLAGS, TORCHVISION_FLAGS).
+- torchvision's -b/--batch-size is per process, main.py's and ours global: `global_batch_size` decides from the
+  command which one it is, and the run summary says so.
+- main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
+  prefix of DataParallel/DDP) load with `weights_only=True` (common/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files.
+
+Neighbours: vision/optim.py, common/export.py.
 """
 import argparse
 import os
-import pickle
-import re
-import struct
 from pathlib import Path
 
 import torch
 
-from .errors import UserError
-from .export import check_same_keys, export_state_dict
+from common.export import check_same_keys, export_state_dict, strip_module_prefix
+from common.runtime import UserError
 
 MAIN_PY_FLAGS = {
     "--multiprocessing-distributed": "accelerate launch --multi_gpu --num_processes N (config: distributed_type "
@@ -31,7 +33,6 @@ MAIN_PY_FLAGS = {
     "--gpu": "accelerate launch --gpu_ids I --num_processes 1 (or CUDA_VISIBLE_DEVICES=I; "
              "accelerate_configs/single_gpu.yaml)",
 }
-
 
 # torchvision references/classification/train.py flags that have no counterpart here, and what to do instead
 # (its other flags are accepted under their own spelling: docs/resnet_recipes.md).
@@ -88,43 +89,6 @@ def torchvision_batch_size(argv, parsed_batch_size, world_size):
                    "--batch_size sets the global batch directly")
 
 
-def strip_module_prefix(state_dict):
-    """Keys as a plain model has them: drop the `module.` that DataParallel/DDP (even nested) put in front."""
-    while state_dict and all(key.startswith("module.") for key in state_dict):
-        state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
-    return state_dict
-
-
-def load_legacy_checkpoint(path):
-    """A main.py-style checkpoint (or a bare state_dict) as a dict with a prefix-free `state_dict`.
-
-    `weights_only=True`: a checkpoint is data, and unpickling arbitrary objects runs arbitrary code.
-    """
-    path = Path(path)
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such checkpoint file") from None
-    except pickle.UnpicklingError as err:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if refused is None:  # random bytes fail the same way
-            reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
-            raise UserError(f"{path}: not a PyTorch checkpoint (unpickling failed: {reason})") from None
-        raise UserError(f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; "
-                        "only tensors and plain values are loaded from checkpoints") from None
-    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as err:
-        raise UserError(f"{path}: not a PyTorch checkpoint ({type(err).__name__}: {err})".splitlines()[0]) from None
-    if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
-        checkpoint = {"state_dict": checkpoint}  # a bare state_dict, as torch.save(model.state_dict()) writes
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UserError(f"{path}: no 'state_dict' in this checkpoint (expected main.py's keys state_dict, "
-                        "optimizer, epoch, best_acc1, or a bare state_dict)")
-    checkpoint["state_dict"] = strip_module_prefix(checkpoint["state_dict"])
-    if torch.is_tensor(checkpoint.get("best_acc1")):  # main.py stores a (CUDA) tensor
-        checkpoint["best_acc1"] = checkpoint["best_acc1"].item()
-    return checkpoint
-
-
 def check_legacy_compatible(checkpoint, expected, path):
     """Fields a checkpoint records (arch, class_to_idx) must match this run's; main.py's lack class_to_idx."""
     for key, value in expected.items():
@@ -161,50 +125,3 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
     for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
         accelerator.on_main_process(save_exported_checkpoint)(Path(output_dir) / f"{name}{suffix}.pth", state_dict,
                                                               **fields, **(extra if name == "checkpoint" else {}))
-
-
-def load_weights(model, state_dict, source):
-    """Load `state_dict` into `model` (strict), or stop with one line naming `source` and the first mismatch."""
-    try:
-        model.load_state_dict(state_dict)
-    except RuntimeError as err:  # "Error(s) in loading state_dict for ResNet:\n\tsize mismatch for fc.weight ..."
-        detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
-        raise UserError(f"{source}: weights do not fit this model ({detail})") from None
-
-
-
-# The reference BERT cnews repository saved `best.pt` as {"state_dict": model.state_dict(), ...} for a module
-# holding `self.bert = BertModel(...)` and a `self.linear` head, `module.`-prefixed when trained under
-# DataParallel. Its label order came from a Python set: pass the order it used with --labels_file.
-LEGACY_BERT_HEADS = ("linear.", "fc.", "classifier.")
-
-
-def load_legacy_bert(path, model):
-    """Load the reference repo's best.pt into a Hugging Face *ForSequenceClassification model, or say why not."""
-    state_dict = load_legacy_checkpoint(path)["state_dict"]
-    renamed = {}
-    for key, value in state_dict.items():
-        head = next((h for h in LEGACY_BERT_HEADS if key.startswith(h)), None)
-        key = "classifier." + key[len(head):] if head else key
-        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        if not key.startswith(("bert.", "classifier.")):
-            key = "bert." + key  # a bare BertModel state_dict
-        if not key.endswith("position_ids"):  # a buffer, rebuilt by the model
-            renamed[key] = value
-    expected = {k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
-    unknown = sorted(set(renamed) - set(expected))
-    missing = sorted(set(expected) - set(renamed))
-    if unknown or missing:
-        raise UserError(f"{path}: does not fit {type(model).__name__}: "
-                        + (f"unknown key(s) {', '.join(unknown[:3])}" if unknown else "")
-                        + ("; " if unknown and missing else "")
-                        + (f"missing key(s) {', '.join(missing[:3])}" if missing else ""))
-    for key, value in renamed.items():
-        if value.shape != expected[key].shape and key.startswith("classifier."):
-            raise UserError(f"{path}: its head predicts {value.shape[0]} classes, this run has "
-                            f"{expected[key].shape[0]} labels (check --labels_file)")
-        if value.shape != expected[key].shape:
-            raise UserError(f"{path}: {key} has shape {tuple(value.shape)}, this model {tuple(expected[key].shape)} "
-                            "(check --model_name_or_path / --config_overrides)")
-    model.load_state_dict(renamed, strict=False)
-    return model

@@ -1,0 +1,184 @@
+"""Model weights in and out of a run, the same under DDP, FSDP and DeepSpeed: the exports (the model's own
+parameter names, whatever wrapped it during training), the best weights kept in memory for the end of training,
+weights read back from an export, and PyTorch checkpoint files read without running any code.
+
+DDP/DataParallel add `module.`, torch.compile adds `_orig_mod.` (before every key when the whole model is
+compiled, inside each block under regional compilation). A file with those names loads into a fresh model as random
+weights with no error (transformers reports every weight MISSING and initialises it), so both scripts export through
+`export_state_dict`, which also refuses to return anything a fresh model would not load.
+Every function that gathers or broadcasts weights runs on every process (collectives under FSDP/DeepSpeed).
+
+Neighbours: common/checkpoint.py (resumable checkpoints), vision/references.py (main.py's .pth layout),
+text/model.py (the Hugging Face export's loading).
+"""
+import json
+import pickle
+import re
+import struct
+from pathlib import Path
+
+import torch
+from accelerate.utils import broadcast_object_list
+
+from .runtime import UserError
+
+COMPILE_PREFIX = "_orig_mod."
+
+
+def export_state_dict(accelerator, model, reference):
+    """The full state dict of the prepared `model` under the names of `reference` (a freshly built model).
+
+    Every rank must call it: under FSDP/DeepSpeed it gathers the shards (and only the main process gets the
+    weights back; the others get an empty dict).
+    """
+    # get_state_dict gathers shards and strips DDP/FSDP/DeepSpeed, but unwraps with keep_torch_compile=True
+    # (accelerate 1.15); the compiled wrapper's name is not part of the model, so it goes here.
+    state_dict = accelerator.get_state_dict(model)
+    state_dict = {key.replace(COMPILE_PREFIX, ""): value for key, value in state_dict.items()}
+    if state_dict:
+        check_same_keys(state_dict, reference)
+    return state_dict
+
+
+def check_same_keys(state_dict, reference):
+    """Raise unless `state_dict` has exactly the keys of `reference`'s state dict (nothing would load as random)."""
+    expected = set(reference.state_dict())
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"refusing to export weights a fresh {type(reference).__name__} would not load: "
+                           f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected "
+                           f"(e.g. {unexpected[:2]})")
+
+
+def on_meta_device(build):
+    """build() without allocating or initialising weights: the reference only lends its parameter names."""
+    with torch.device("meta"):
+        return build()
+
+
+def _local(tensor):
+    """This rank's own part of a parameter: an FSDP2 DTensor's shard, a DeepSpeed ZeRO-3 partition, or itself."""
+    if hasattr(tensor, "ds_tensor"):
+        return tensor.ds_tensor
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _tensors(model):
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+class BestWeights:
+    """The best weights so far, copied to CPU memory on every rank (each rank its own shard when sharded).
+
+    Reloading them at the end needs no file: nothing is read from a disk another node wrote, whatever the
+    export's key names or the FSDP/DeepSpeed checkpoint layout. Costs one copy of the (local) weights in RAM.
+    """
+
+    def __init__(self):
+        self.tensors = None
+
+    def keep(self, model):
+        self.tensors = {name: _local(t).detach().to("cpu", copy=True) for name, t in _tensors(model)}
+
+    def restore(self, model):
+        with torch.no_grad():
+            for name, t in _tensors(model):
+                _local(t).copy_(self.tensors[name])
+
+    @property
+    def held(self):
+        return self.tensors is not None
+
+
+def load_full_weights(accelerator, model, path):
+    """Weights exported by the main process (a safetensors file on ITS disk) into the prepared model on every
+    rank: read on the main process only and broadcast, which works for DDP, FSDP and plain models alike."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = getattr(model, "_orig_mod", model)  # under torch.compile: the export's names carry no `_orig_mod.`
+    if accelerator.num_processes == 1:
+        accelerator.unwrap_model(model).load_state_dict(load_file(path))
+        return
+    state_dict = load_file(path) if accelerator.is_main_process else {}
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+SELECTION_FILE = "best_step.json"
+
+
+def mark_selection(best_dir, step):
+    """Which step's weights an export holds (main process), so a resumed run can check it reloads the right ones."""
+    (Path(best_dir) / SELECTION_FILE).write_text(json.dumps({"step": step}) + "\n")
+
+
+def load_selected_weights(accelerator, model, best_dir, step):
+    """The best weights of a run that resumed after selecting them: from the main process's export, after
+    checking (there) that it holds that step, every rank stopping at once if not."""
+    problem = [None]
+    if accelerator.is_main_process:
+        selection = Path(best_dir) / SELECTION_FILE
+        found = json.loads(selection.read_text())["step"] if selection.is_file() else step
+        if not (Path(best_dir) / "model.safetensors").is_file():
+            problem = [f"{best_dir}: no model.safetensors, but the best model (step {step}) was saved there"]
+        elif found != step:
+            problem = [f"{best_dir}: holds the weights of step {found}, not those of the best step {step} of the "
+                       "checkpoint this run resumed from (an abandoned branch's?); resume from a later checkpoint "
+                       "or train again"]
+    broadcast_object_list(problem)
+    if problem[0]:
+        raise UserError(problem[0])
+    load_full_weights(accelerator, model, Path(best_dir) / "model.safetensors")
+
+
+def prepare_for_inference(accelerator, model, loaders):
+    """`prepare(model)` alone is refused under DeepSpeed (it sizes its engine from a dataloader): prepare the
+    model together with every loader it will run on. Returns (model, {split: prepared loader})."""
+    splits = [split for split in loaders if split != "train"]
+    model, *prepared = accelerator.prepare(model, *(loaders[split] for split in splits))
+    return model, dict(zip(splits, prepared))
+
+
+def load_torch_checkpoint(path):
+    """A main.py-style checkpoint (or a bare state_dict) as a dict with a prefix-free `state_dict`.
+
+    `weights_only=True`: a checkpoint is data, and unpickling arbitrary objects runs arbitrary code.
+    """
+    path = Path(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such checkpoint file") from None
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if refused is None:  # random bytes fail the same way
+            reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+            raise UserError(f"{path}: not a PyTorch checkpoint (unpickling failed: {reason})") from None
+        raise UserError(f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; "
+                        "only tensors and plain values are loaded from checkpoints") from None
+    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as err:
+        raise UserError(f"{path}: not a PyTorch checkpoint ({type(err).__name__}: {err})".splitlines()[0]) from None
+    if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
+        checkpoint = {"state_dict": checkpoint}  # a bare state_dict, as torch.save(model.state_dict()) writes
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UserError(f"{path}: no 'state_dict' in this checkpoint (expected main.py's keys state_dict, "
+                        "optimizer, epoch, best_acc1, or a bare state_dict)")
+    checkpoint["state_dict"] = strip_module_prefix(checkpoint["state_dict"])
+    if torch.is_tensor(checkpoint.get("best_acc1")):  # main.py stores a (CUDA) tensor
+        checkpoint["best_acc1"] = checkpoint["best_acc1"].item()
+    return checkpoint
+
+
+def strip_module_prefix(state_dict):
+    """Keys as a plain model has them: drop the `module.` that DataParallel/DDP (even nested) put in front."""
+    while state_dict and all(key.startswith("module.") for key in state_dict):
+        state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
+    return state_dict
+
+
+def load_weights(model, state_dict, source):
+    """Load `state_dict` into `model` (strict), or stop with one line naming `source` and the first mismatch."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as err:  # "Error(s) in loading state_dict for ResNet:\n\tsize mismatch for fc.weight ..."
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
+        raise UserError(f"{source}: weights do not fit this model ({detail})") from None

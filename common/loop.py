@@ -1,0 +1,272 @@
+"""The training loop's bookkeeping, shared by both scripts: what one optimizer step does besides forward, backward
+and `optimizer.step()`.
+
+One optimizer step, as both scripts' `train()` take it:
+1. `epoch_batches` gives the epoch's batches (after a resume, those after the checkpoint's position), and
+   `Throughput.epoch` iterates them, timing the wait for each batch.
+2. Inside `accelerator.accumulate(model)`: forward, the per-sample losses, and `LossScale` turns them into the loss
+   to backward, so that the step's gradient is the mean over exactly the real samples it saw (an epoch's last, short
+   batch and accumulation window included), on any number of processes. Then backward, clipping when the gradients
+   are synchronised, `optimizer.step()`, `scheduler.step()`, `zero_grad`.
+3. `LossMeter.update` adds the batch's loss to per-rank sums on the device (no `.item()`, which is a device sync).
+4. Once the gradients were synchronised (the last micro-batch of the window), the step counts: `Throughput.step`
+   and `Cadence.after_step` say what is due: a log line (`LossMeter.mean` and `Throughput.read`, after
+   `HealthCheck.check` stopped a run whose loss became NaN/inf), a validation, a checkpoint.
+5. `PreemptionGuard.should_stop`: a SIGTERM on any rank (Slurm, a cloud preemption) becomes a checkpoint at this step
+   on every rank, then a clean stop.
+Every method that reduces over ranks is a collective: every rank calls it at the same points.
+
+Neighbours: common/checkpoint.py (what a step's checkpoint writes), common/outputs.py (the log line),
+common/runtime.py (the Accelerator).
+"""
+import math
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import psutil
+import torch
+
+from .checkpoint import resolve_resume
+from .runtime import UserError
+
+
+class Due(NamedTuple):
+    """What the loop does after one optimizer step."""
+    log: bool
+    evaluate: bool
+    checkpoint: bool
+    finished: bool  # the run's last step: nothing follows
+
+
+@dataclass(frozen=True)
+class Cadence:
+    total_steps: int  # optimizer steps of the whole run
+    steps_per_epoch: int  # optimizer steps per epoch (the last one's accumulation window may be short)
+    batches_per_epoch: int  # loader batches per epoch
+    log_every: int  # optimizer steps between log lines
+    eval_every: int | None = None  # optimizer steps between validations; None: at each epoch's end
+    checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: at each epoch's end
+
+    @property
+    def epochs(self):
+        """Epochs the loop starts, the last one perhaps cut short by total_steps."""
+        return math.ceil(self.total_steps / self.steps_per_epoch)
+
+    def finished(self, completed_steps):
+        return completed_steps >= self.total_steps
+
+    def after_step(self, completed_steps, batches_in_epoch):
+        """What is due once optimizer step `completed_steps` (1-based, counted from the run's start) has been taken
+        on the epoch's batch `batches_in_epoch` (1-based)."""
+        finished = self.finished(completed_steps)
+        epoch_end = batches_in_epoch == self.batches_per_epoch or finished
+        return Due(log=completed_steps % self.log_every == 0 or epoch_end,
+                   evaluate=finished or (completed_steps % self.eval_every == 0 if self.eval_every else epoch_end),
+                   checkpoint=(completed_steps % self.checkpoint_every == 0 if self.checkpoint_every
+                               else epoch_end and not finished),
+                   finished=finished)
+
+
+class StepWeights:
+    def __init__(self, accelerator, dataset_size, global_batch_size, accumulation_steps, drop_last=False):
+        self.accelerator = accelerator
+        self.global_batch = global_batch_size
+        self.accumulation = accumulation_steps
+        full, rest = divmod(dataset_size, global_batch_size)
+        self.batches_per_epoch = full if drop_last or rest == 0 else full + 1
+        self.last_batch_real = global_batch_size if drop_last or rest == 0 else rest
+
+    def real_in_batch(self, index):
+        """Real samples in the epoch's batch `index` (0-based), over all processes."""
+        return self.last_batch_real if index == self.batches_per_epoch - 1 else self.global_batch
+
+    def window_real(self, index):
+        """Real samples in the optimizer step that batch `index` belongs to (windows restart every epoch)."""
+        start = index - index % self.accumulation
+        end = min(start + self.accumulation, self.batches_per_epoch)
+        return sum(self.real_in_batch(i) for i in range(start, end))
+
+    def local_real(self, index, local_batch_size):
+        """How many of this process's samples of batch `index` are real: its share is the global positions
+        [rank * b, rank * b + b) and the padding comes after the real samples."""
+        share = self.global_batch // self.accelerator.num_processes
+        first = self.accelerator.process_index * share
+        return max(0, min(local_batch_size, self.real_in_batch(index) - first))
+
+    def loss(self, per_sample_losses, index):
+        """(loss to backward, mean over this process's real samples, their count) for batch `index`.
+
+        DDP averages the gradient over the P processes and accelerate divides by the accumulation count N, so
+        the sum of the real losses is scaled by P * N / (real samples in the step)."""
+        real = self.local_real(index, per_sample_losses.shape[0])
+        mask = torch.arange(per_sample_losses.shape[0], device=per_sample_losses.device) < real
+        total = (per_sample_losses * mask).sum()
+        scale = self.accelerator.num_processes * self.accumulation / self.window_real(index)
+        return total * scale, total.detach() / max(real, 1), real
+
+    def window_batches(self, index):
+        """Loader batches in the optimizer step that batch `index` belongs to: N, or fewer at an epoch's end."""
+        start = index - index % self.accumulation
+        return min(start + self.accumulation, self.batches_per_epoch) - start
+
+    def window_scale(self, index):
+        """For a loss that is already a mean over full batches (drop_last): N / (batches in this window)."""
+        return self.accumulation / self.window_batches(index)
+
+
+class LossMeter:
+    def __init__(self, device):
+        self.device = device
+        self.nonfinite = torch.zeros((), device=device)  # non-finite losses since the start, never reset
+        self.reset()
+
+    def reset(self):
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.samples = torch.zeros((), device=self.device)
+
+    def update(self, loss, num_samples):
+        """`loss` is the mean over `num_samples` local samples."""
+        loss = loss.detach().float()
+        self.loss_sum += loss * num_samples
+        self.samples += num_samples
+        self.nonfinite += (~torch.isfinite(loss)).float()
+
+    def mean(self, accelerator):
+        """Mean loss per sample over all ranks since the last call; a collective, so call it on every rank."""
+        totals = accelerator.reduce(torch.stack([self.loss_sum, self.samples]), reduction="sum")
+        self.reset()
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def diverged(self, accelerator):
+        """True on every rank if any rank has seen a NaN/inf loss; a collective."""
+        return accelerator.reduce(self.nonfinite.clone(), reduction="sum").item() > 0
+
+
+def parameters_finite(accelerator, model):
+    """True on every rank if every weight is finite; checked before a checkpoint is written. A collective."""
+    bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
+    return accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), reduction="sum").item() == 0
+
+
+class HealthCheck:
+    """Stops the run with one line, on every rank, once the loss became NaN/inf; before a save (`weights=True`)
+    the weights are checked too, since the logged loss lags them by a step. `also`: further checks of the same
+    kind (the ResNet script's unreadable images). Collectives: every rank calls `check` at the same points."""
+
+    def __init__(self, accelerator, meter, model, checkpoint_dir, lr_flag, also=()):
+        self.accelerator, self.meter, self.model = accelerator, meter, model
+        self.checkpoint_dir, self.lr_flag, self.also = checkpoint_dir, lr_flag, also
+
+    def check(self, completed_steps, weights=False):
+        if self.meter.diverged(self.accelerator) or (weights and not parameters_finite(self.accelerator, self.model)):
+            raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from it. "
+                            f"Last good checkpoint: {resolve_resume('latest', self.checkpoint_dir)}. Try a lower "
+                            f"{self.lr_flag} or bf16 instead of fp16.")
+        for check in self.also:
+            check()
+
+_END = object()  # an exhausted iterator (a batch may be anything, None included)
+
+
+def seconds_since_process_start():
+    """Wall seconds since this process was started (the interpreter itself, imports and all)."""
+    return time.time() - psutil.Process().create_time()
+
+
+class Pause:
+    """How long one excluded block took (`seconds`, set when it ends)."""
+    seconds = 0.0
+
+
+class ThroughputWindow:
+    """Steps and samples between two log lines, and the time they took without the pauses.
+
+    `clock` is injectable so the bookkeeping can be tested without sleeping. With `data_wait`, read() also gives
+    `data_ms_per_step`: the wait for the batches after an epoch's first (main.py's "Data" time), a part of the
+    training time.
+    """
+
+    def __init__(self, clock=time.perf_counter, process_clock=seconds_since_process_start, data_wait=False):
+        self.clock, self.process_clock, self.data_wait = clock, process_clock, data_wait
+        self.startup_seconds = None  # process start to the end of the first training step of this process
+        self.first_step_in_window = False
+        self.reset()
+
+    def reset(self):
+        self.start, self.steps, self.samples, self.paused, self.waited = self.clock(), 0, 0, {}, 0.0
+
+    def step(self, samples):
+        """One optimizer step of `samples` samples (over all processes) has been taken."""
+        if self.startup_seconds is None:
+            self.startup_seconds = self.process_clock()
+            self.first_step_in_window = True
+        self.steps += 1
+        self.samples += samples
+
+    @contextmanager
+    def pause(self, name):
+        """Time spent inside is not training time; it is reported as `{name}_seconds` with the next read()."""
+        pause, start = Pause(), self.clock()
+        try:
+            yield pause
+        finally:
+            pause.seconds = self.clock() - start
+            self.paused[name] = self.paused.get(name, 0.0) + pause.seconds
+
+    def epoch(self, batches):
+        """Iterate `batches`; the wait for the first one (worker start-up, first fetch) is an `epoch_start` pause,
+        the wait for each later one is data time."""
+        with self.pause("epoch_start"):
+            iterator = iter(batches)
+            batch = next(iterator, _END)
+        while batch is not _END:
+            yield batch
+            start = self.clock()
+            batch = next(iterator, _END)
+            self.waited += self.clock() - start
+
+    def read(self):
+        """ms/step and samples/s of the window's training time, the pauses apart; then start a new window."""
+        elapsed = self.clock() - self.start
+        training = max(elapsed - sum(self.paused.values()), 1e-9)
+        values = {"ms_per_step": 1000 * training / max(1, self.steps), "samples_per_second": self.samples / training,
+                  **({"data_ms_per_step": 1000 * self.waited / max(1, self.steps)} if self.data_wait else {}),
+                  **{f"{name}_seconds": seconds for name, seconds in self.paused.items()}}
+        if self.first_step_in_window:
+            values["startup_seconds"] = self.startup_seconds
+            self.first_step_in_window = False
+        self.reset()
+        return values
+
+
+class PreemptionGuard:
+    def __init__(self, accelerator, signals=(signal.SIGTERM,)):
+        self.accelerator = accelerator
+        self.received = None
+        for sig in signals:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def should_stop(self):
+        """True on every rank once any rank has received the signal. Call on all ranks at the same points."""
+        if self.accelerator.num_processes == 1:  # nothing to agree on: no all-reduce, no `.item()` device sync
+            return self.received is not None
+        if self.received:
+            self.accelerator.set_trigger()
+        return self.accelerator.check_trigger()
+
+
+def epoch_batches(accelerator, loader, epoch, state):
+    """The batches of `epoch` still to train, and the index of the first: all of them, or, in the epoch a run resumed
+    in, those after the checkpoint's position (`state`'s epoch and batches_in_epoch).
+
+    accelerate's exact-resume recipe: set_epoch explicitly every epoch (the seedable sampler's order depends on
+    seed + epoch only), and skip_first_batches for the resumed epoch alone."""
+    loader.set_epoch(epoch)
+    skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
+    return (accelerator.skip_first_batches(loader, skip) if skip else loader), skip

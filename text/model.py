@@ -1,0 +1,121 @@
+"""The text classifier's model: loading it from any checkpoint layout users bring, the checks that it fits the
+text and the task, the reference repository's best.pt, and AdamW's parameter groups.
+
+transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
+`gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
+drops) and maps the names; what it cannot map it initialises at random and only warns. A classifier whose encoder
+starts from random weights trains to a poor model without any error, so here a missing encoder weight is an error
+(a missing pooler is allowed: BertForMaskedLM saves have none).
+
+The tokenizer check counts the share of real tokens mapped to [UNK]. It caught a real failure (transformers 5
+ignoring `vocab_file=` and mapping every Chinese character to [UNK]), so it stays, at the cost it should have: one
+vectorised pass over the tokenised column, on the main process only, while the other processes wait for its verdict
+and stop with it.
+
+Neighbours: text/data.py (tokenising), text/metrics.py, common/export.py (the export and checkpoint files).
+"""
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from accelerate.utils import broadcast
+from transformers import AutoModelForSequenceClassification
+
+from common.export import load_torch_checkpoint
+from common.runtime import UserError
+
+ALLOWED_NEW_IN_ENCODER = ("pooler.",)
+
+
+def load_classifier(model_name_or_path, config, trust_remote_code=False):
+    """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised."""
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        model_name_or_path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
+        trust_remote_code=trust_remote_code, output_loading_info=True)
+    mismatched = {key[0] if isinstance(key, tuple) else key for key in info.get("mismatched_keys", ())}
+    new = sorted(set(info.get("missing_keys", ())) | mismatched)
+    encoder = model.base_model_prefix + "."
+    random_encoder = [key for key in new if key.startswith(encoder)
+                      and not key[len(encoder):].startswith(ALLOWED_NEW_IN_ENCODER)]
+    if random_encoder:
+        raise UserError(f"{model_name_or_path}: {len(random_encoder)} encoder weights are not in the checkpoint "
+                        f"and would start from random (e.g. {random_encoder[0]}); is it a {config.model_type} "
+                        "checkpoint? (--from_scratch trains from random on purpose)")
+    return model
+
+MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
+
+
+def unk_rate(tokenizer, dataset, column="input_ids"):
+    """[UNK] tokens / all tokens that are not special tokens ([CLS], [SEP], [PAD], ...), over a tokenised dataset."""
+    rows = dataset.with_format("arrow")[column]  # the arrow column, in the dataset's row order and selection
+    ids = pc.list_flatten(rows).to_numpy(zero_copy_only=False)  # every row's ids, end to end
+    special = np.fromiter(set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}, dtype=np.int64)
+    real = ids[~np.isin(ids, special)]  # [UNK] is a special token too, but it is what is counted
+    return float(np.count_nonzero(real == tokenizer.unk_token_id)) / max(1, real.size)
+
+
+def check_unk_rate(accelerator, tokenizer, dataset, source, limit=MAX_UNK_RATE):
+    """The training text's [UNK] rate, counted on the main process and shared with every rank; above `limit`, a
+    UserError on every rank at once (so all stop cleanly, none waits in a collective for a rank that has left)."""
+    rate = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+    if accelerator.is_main_process:
+        start = time.perf_counter()
+        rate[0] = unk_rate(tokenizer, dataset)
+        seconds = time.perf_counter() - start
+        if seconds > 1.0:
+            print(f"[UNK] check: {seconds:.1f} s for {len(dataset):,} texts", flush=True)
+    rate = broadcast(rate, from_process=0).item()
+    if rate > limit:
+        raise UserError(f"{source}: the tokenizer maps {rate:.0%} of the training text to [UNK]; "
+                        "its vocab.txt does not fit this text")
+    return rate
+
+
+def check_problem_type(model_name_or_path, multi_label):
+    """A trained model evaluated or used for prediction in the mode it was trained in (config.json problem_type)."""
+    config_file = Path(model_name_or_path) / "config.json"
+    saved = json.loads(config_file.read_text(encoding="utf-8")).get("problem_type") if config_file.is_file() else None
+    wanted = "multi_label_classification" if multi_label else "single_label_classification"
+    if saved in ("multi_label_classification", "single_label_classification") and saved != wanted:
+        flag = "drop --multi_label" if not saved.startswith("multi") else "pass --multi_label"
+        raise UserError(f"{config_file}: the model was trained for {saved}; {flag}")
+
+# The reference BERT cnews repository saved `best.pt` as {"state_dict": model.state_dict(), ...} for a module
+# holding `self.bert = BertModel(...)` and a `self.linear` head, `module.`-prefixed when trained under
+# DataParallel. Its label order came from a Python set: pass the order it used with --labels_file.
+LEGACY_BERT_HEADS = ("linear.", "fc.", "classifier.")
+
+
+def load_legacy_bert(path, model):
+    """Load the reference repo's best.pt into a Hugging Face *ForSequenceClassification model, or say why not."""
+    state_dict = load_torch_checkpoint(path)["state_dict"]
+    renamed = {}
+    for key, value in state_dict.items():
+        head = next((h for h in LEGACY_BERT_HEADS if key.startswith(h)), None)
+        key = "classifier." + key[len(head):] if head else key
+        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if not key.startswith(("bert.", "classifier.")):
+            key = "bert." + key  # a bare BertModel state_dict
+        if not key.endswith("position_ids"):  # a buffer, rebuilt by the model
+            renamed[key] = value
+    expected = {k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
+    unknown = sorted(set(renamed) - set(expected))
+    missing = sorted(set(expected) - set(renamed))
+    if unknown or missing:
+        raise UserError(f"{path}: does not fit {type(model).__name__}: "
+                        + (f"unknown key(s) {', '.join(unknown[:3])}" if unknown else "")
+                        + ("; " if unknown and missing else "")
+                        + (f"missing key(s) {', '.join(missing[:3])}" if missing else ""))
+    for key, value in renamed.items():
+        if value.shape != expected[key].shape and key.startswith("classifier."):
+            raise UserError(f"{path}: its head predicts {value.shape[0]} classes, this run has "
+                            f"{expected[key].shape[0]} labels (check --labels_file)")
+        if value.shape != expected[key].shape:
+            raise UserError(f"{path}: {key} has shape {tuple(value.shape)}, this model {tuple(expected[key].shape)} "
+                            "(check --model_name_or_path / --config_overrides)")
+    model.load_state_dict(renamed, strict=False)
+    return model
