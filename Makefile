@@ -7,12 +7,20 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 # `make test-lower-bounds`: the oldest versions requirements.txt admits, installed exactly, in their own venv.
 LOWER  := .venv-lower
-# `make gpu-check` runs on a GPU machine's own Python (no network there), with the few packages it lacks
-# carried as wheels: `make gpu-wheels` downloads them here beforehand (see docs/gpu.md).
-GPU_PYTHON ?= python3
+# `make gpu-check` runs with the project's .venv by default. On a GPU machine without network, run it with that
+# machine's own Python instead, `make gpu-check GPU_PYTHON=python3`, and the few packages it lacks are carried as
+# wheels that `make gpu-wheels` downloads beforehand where there is network (see docs/gpu.md).
+GPU_PYTHON ?= $(PY)
 WHEELS := wheels
 GPU_SITE := .gpu-site
 GPU_WHEELS := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 torchcodec==0.16.0
+ifeq ($(GPU_PYTHON),$(PY))
+GPU_READY := $(VENV)/.installed-dev
+GPU_ENV :=
+else
+GPU_READY := $(GPU_SITE)/.installed
+GPU_ENV := PYTHONPATH=$(GPU_SITE)
+endif
 
 .PHONY: install install-dev demo test test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
 
@@ -55,16 +63,18 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(WHEELS) $(GPU_WHEELS)
 
 $(GPU_SITE)/.installed:
+	@ls $(WHEELS)/*.whl >/dev/null 2>&1 || { echo "no wheels in $(WHEELS)/: run 'make gpu-wheels' first, on a machine with network"; exit 2; }
 	$(GPU_PYTHON) -m pip install --disable-pip-version-check -q --no-index --no-deps --target $(GPU_SITE) $(WHEELS)/*.whl
 	touch $@
 
-# Every GPU check with tiny fixtures made on the spot, a report under benchmarks/results/ (about 8 min on one H100).
-gpu-check: $(GPU_SITE)/.installed
-	PYTHONPATH=$(GPU_SITE) $(OFFLINE) $(GPU_PYTHON) benchmarks/gpu_check.py
+# Every GPU check with tiny fixtures made on the spot, a report under benchmarks/results/ (about 8 min on one H100);
+# on a machine without a GPU it says so and exits 0.
+gpu-check: $(GPU_READY)
+	$(GPU_ENV) $(OFFLINE) $(GPU_PYTHON) tools/gpu_check.py
 
 # The whole test suite with the GPU machine's Python (it must pass where a GPU is visible, too).
-gpu-check-suite: $(GPU_SITE)/.installed
-	PYTHONPATH=$(GPU_SITE) $(OFFLINE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests
+gpu-check-suite: $(GPU_READY)
+	$(GPU_ENV) $(OFFLINE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) $(LOWER) $(GPU_SITE) demo_data outputs

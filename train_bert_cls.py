@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,32 +29,21 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from common.loop import Cadence
-from common.checkpoint import agree_on_resume, check_resumable, replace_dir_atomically, restore_training_state, save_checkpoint
-from common.outputs import check_output_dir, clear_previous_run, merge_results
-from common.runtime import HelpFormatter
-from common.runtime import run_cli, UserError
-from text.metrics import compute_metrics, load_metrics
-from common.export import export_state_dict, on_meta_device
-from text.metrics import evaluation_metrics, prediction_rows, training_loss
-from text.model import check_problem_type
-from text.model import load_legacy_bert
-from common.loop import epoch_batches
-from common.runtime import loader_settings
-from common.loop import HealthCheck, LossMeter
-from text.metrics import save_confusion_matrix
-from common.loop import PreemptionGuard
-from text.model import load_classifier
-from common.outputs import format_step_line, progress, provenance, RunLog
-from common.runtime import add_runtime_args, build_accelerator, check_global_batch, loader_generator, maybe_data_parallel, print_run_summary, run_info
-from text.data import LengthGroupedSampler
-from text.data import add_padding_args, build_collator, label_targets, resolve_padding, token_lengths, tokenize_examples
-from text.data import add_text_format_args, build_label_list, check_known_labels, find_split_file, read_examples, read_unlabelled, text_format, write_labels_file
-from common.export import BestWeights, load_selected_weights, mark_selection, prepare_for_inference
-from common.runtime import check_sharding_applies
-from common.loop import StepWeights
-from common.loop import ThroughputWindow
-from text.model import check_unk_rate
+from common.checkpoint import Checkpoints, agree_on_resume, replace_dir_atomically, resume_settings
+from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
+                           prepare_for_inference)
+from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput, epoch_batches)
+from common.outputs import RunLog, check_output_dir, format_step_line, progress
+from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
+                            loader_generator, loader_settings, maybe_data_parallel, print_run_summary, run_cli,
+                            run_info)
+from text.data import (LengthGroupedSampler, add_padding_args, add_text_format_args, build_collator, build_label_list,
+                       check_known_labels, find_split_file, label_targets, read_examples, read_unlabelled,
+                       resolve_padding, text_format, token_lengths, tokenize_examples, write_labels_file)
+from text.metrics import (compute_metrics, evaluation_metrics, load_metrics, prediction_rows, save_confusion_matrix,
+                          training_loss)
+from text.model import (check_problem_type, check_unk_rate, load_classifier, load_legacy_bert, optimizer_groups,
+                        saved_labels)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -164,17 +154,6 @@ def load_splits(args, checkpoint_labels):
     return labels, examples
 
 
-def saved_labels(model_name_or_path):
-    """The id order a trained model was saved with (config id2label), or None for a base model."""
-    config_file = Path(model_name_or_path) / "config.json"
-    if not config_file.is_file():
-        return None
-    id2label = json.loads(config_file.read_text(encoding="utf-8")).get("id2label")
-    if not id2label or all(name.startswith("LABEL_") for name in id2label.values()):
-        return None
-    return [id2label[str(i)] for i in range(len(id2label))]
-
-
 def build_model(args, labels):
     """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config."""
     path = Path(args.model_name_or_path)
@@ -230,16 +209,6 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
     return loaders, stats
 
 
-def optimizer_groups(model, weight_decay):
-    """AdamW parameter groups: no weight decay on biases and LayerNorm weights."""
-    no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
-    named = list(model.named_parameters())
-    return [
-        {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
-        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
-    ]
-
-
 @torch.no_grad()
 def predict_logits(accelerator, model, dataloader, desc):
     """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
@@ -276,23 +245,28 @@ def save_best_model(accelerator, model, tokenizer, best_dir):
     accelerator.wait_for_everyone()
 
 
-def resume_settings(args):
-    """Flags a resumed run may change (named when they do, then applied); recorded in every checkpoint."""
-    return {"--learning_rate": args.learning_rate, "--weight_decay": args.weight_decay,
-            "--warmup_ratio": args.warmup_ratio, "--num_train_epochs": args.num_train_epochs,
-            "--max_train_steps": args.max_train_steps, "--max_grad_norm": args.max_grad_norm}
+# Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
+RESUMABLE_FLAGS = {"--learning_rate": "learning_rate", "--weight_decay": "weight_decay",
+                   "--warmup_ratio": "warmup_ratio", "--num_train_epochs": "num_train_epochs",
+                   "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm"}
 
 
-def resumable_state(args, compat, state, completed_steps, epoch, batches_in_epoch):
-    """What a checkpoint records beside the weights (training_state.json): where the run is and what it selected."""
-    return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-            "best_macro_f1": state["best_macro_f1"], "best_step": state["best_step"],
-            "settings": resume_settings(args)}
+@dataclass
+class Training:
+    """What the training loop works with, prepared for this launch (prepare_training)."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    eval_loader: DataLoader | None
+    checkpoints: Checkpoints
+    state: dict  # where the run starts (a checkpoint's position) and what it selected so far (best_*)
+    cadence: Cadence
 
 
-def prepare_training(args, accelerator, model, loaders, log, compat):
+def prepare_training(args, accelerator, model, loaders, log, must_match):
     """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint; prints
-    the run summary. Returns what the training loop needs."""
+    the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
@@ -305,10 +279,11 @@ def prepare_training(args, accelerator, model, loaders, log, compat):
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, loaders["train"], scheduler)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
-    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
+    checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
+                              resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"])
+    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoints.dir)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
-    state = restore_training_state(accelerator, resume_path, compat, fresh, len(train_loader), optimizer, scheduler,
-                                   resume_settings(args), args.output_dir, exports=["best_model"])
+    state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
     cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
                       eval_every=args.eval_steps, checkpoint_every=args.checkpointing_steps)
@@ -320,7 +295,7 @@ def prepare_training(args, accelerator, model, loaders, log, compat):
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
         "resume_step": state["completed_steps"],
     })
-    return model, optimizer, scheduler, train_loader, eval_loader, state, cadence
+    return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence)
 
 
 def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
@@ -331,47 +306,56 @@ def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
                 f"macro_f1 {metrics['macro_f1']:.4f}")
 
 
-def select_best_model(accelerator, model, best, state, last_eval, completed_steps, preempted, best_dir):
-    """Put the weights of the best validation macro-F1 into `model`: this run's from memory, or, selected before the
-    run resumed, from best_model/ (a preempted run keeps its last weights). Returns their validation metrics when
+def select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir):
+    """Put the weights of the best validation macro-F1 into the model: this run's from memory, or, selected before
+    the run resumed, from best_model/ (a preempted run keeps its last weights). Returns their validation metrics when
     they are the last ones measured (nothing to reload or re-evaluate), else None."""
-    if last_eval is not None and last_eval[0] == state["best_step"] == completed_steps:
+    best_step = training.state["best_step"]
+    if last_eval is not None and last_eval[0] == best_step == completed_steps:
         accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation "
                           "results are reused")
         return last_eval[1]
     if best.held and not preempted:
-        best.restore(model)
-    elif state["best_step"] is not None and not preempted:  # selected before this run resumed: on the main disk
-        load_selected_weights(accelerator, model, best_dir, state["best_step"])
+        best.restore(training.model)
+    elif best_step is not None and not preempted:  # selected before this run resumed: on the main disk
+        load_selected_weights(accelerator, training.model, best_dir, best_step)
     return None
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
-    """The training loop; returns the selected model, train results, whether it stopped early for a preemption, and
-    the selected model's validation metrics if they are the last ones measured."""
-    model, optimizer, scheduler, train_loader, eval_loader, state, cadence = prepare_training(
-        args, accelerator, model, loaders, log, compat)
-    checkpoint_dir, best_dir = args.output_dir / "checkpoints", args.output_dir / "best_model"
+@dataclass
+class TrainResult:
+    model: torch.nn.Module  # the selected model (best validation macro-F1), or the last one where nothing selects
+    results: dict  # all_results.json's training entries
+    preempted: bool  # stopped on SIGTERM after saving a checkpoint
+    best_eval: dict | None  # the selected model's validation metrics, when they are the last ones measured
+
+
+def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match):
+    """The training loop."""
+    training = prepare_training(args, accelerator, model, loaders, log, must_match)
+    model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
+                                                   training.state, training.cadence)
+    best_dir = args.output_dir / "best_model"
     guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
-    health = HealthCheck(accelerator, meter, model, checkpoint_dir, "--learning_rate")
+    health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
     best = BestWeights()  # this run's best weights, in memory on every rank
-    weights = StepWeights(accelerator, len(loaders["train"].dataset), args.train_batch_size,
-                          args.gradient_accumulation_steps)
+    loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
+                           args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
     completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
-    window = ThroughputWindow()  # samples/s of training alone: evaluation and epoch starts are timed apart
+    speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
 
     model.train()
     for epoch in range(state["epoch"], cadence.epochs):
-        batches, batches_in_epoch = epoch_batches(accelerator, train_loader, epoch, state)
-        for batch in window.epoch(batches):
+        batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        for batch in speed.epoch(batches):
             with accelerator.accumulate(model):
                 logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
                 losses = training_loss(logits, batch["labels"], args.multi_label, args.label_smoothing)  # (B,)
                 # a mean over the real samples of the whole optimizer step, padding and short windows included
-                loss, local_mean, local_real = weights.loss(losses, batches_in_epoch)
+                loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -379,52 +363,51 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, compat):
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             meter.update(local_mean, local_real)
-            samples_seen += weights.real_in_batch(batches_in_epoch)
+            samples_seen += loss_scale.real_in_batch(batches_in_epoch)
             batches_in_epoch += 1
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
-            window.step(args.gradient_accumulation_steps * args.train_batch_size)
+            speed.step(args.gradient_accumulation_steps * args.train_batch_size)
             bar.update(1)
             due = cadence.after_step(completed_steps, batches_in_epoch)
             if due.log:
                 health.check(completed_steps)
-                values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0], **window.read()}
+                values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0], **speed.read()}
                 log.console(format_step_line(epoch + 1, completed_steps, cadence.total_steps, values))
                 log.log("train", completed_steps, {"epoch": epoch + 1, **values})
-            if due.evaluate and eval_loader is not None:
+            if due.evaluate and training.eval_loader is not None:
                 health.check(completed_steps)
-                with window.pause("eval") as evaluation:
-                    metrics = evaluate(accelerator, model, eval_loader, labels, "validation", args)
+                with speed.pause("eval") as evaluation:
+                    metrics = evaluate(accelerator, model, training.eval_loader, labels, "validation", args)
                 log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - start_time)
                 last_eval = (completed_steps, metrics)
                 if metrics["macro_f1"] > state["best_macro_f1"]:  # a new best model, kept in memory and exported
                     state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
                     best.keep(model)
-                    with window.pause("save"):
+                    with speed.pause("save"):
                         save_best_model(accelerator, model, tokenizer, best_dir)
                         accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
             preempted = guard.should_stop()
             if due.checkpoint or preempted:
-                health.check(completed_steps, weights=True)
-                with window.pause("save"):
-                    path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, resumable_state(
-                        args, compat, state, completed_steps, epoch, batches_in_epoch), args.save_total_limit)
+                health.check(completed_steps, parameters=True)
+                with speed.pause("save"):
+                    path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
                 log.console(f"saved checkpoint {path}")
             if preempted or due.finished:
                 break
         if preempted or cadence.finished(completed_steps):
             break
     bar.close()
-    if eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
+    if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir)
-    best_eval = select_best_model(accelerator, model, best, state, last_eval, completed_steps, preempted, best_dir)
+    best_eval = select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir)
     runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": window.startup_seconds,
+    results = {"startup_seconds": speed.startup_seconds,
                "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
                "train_steps": completed_steps, "best_step": state["best_step"],
                "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
-    return model, results, preempted, best_eval
+    return TrainResult(model, results, preempted, best_eval)
 
 
 def report(accelerator, log, prefix, metrics, labels, output_dir):
@@ -441,6 +424,20 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
             **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
 
 
+def evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained=None):
+    """--do_eval / --do_test on the selected model: `eval_*` / `test_*` results; the validation `trained` (this run's
+    TrainResult) measured last is reused when it was the selected model's (and no --metric module asks for more)."""
+    results, step = {}, trained.results["train_steps"] if trained else 0
+    for split, prefix in (("validation", "eval"), ("test", "test")):
+        if getattr(args, f"do_{prefix}") and split in prepared:
+            reuse = trained.best_eval if trained and split == "validation" and not metric_modules else None
+            metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
+            results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
+            log.log(f"best_model_{prefix}", step, {
+                **{k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}, **metrics["extra"]})
+    return results
+
+
 def write_predictions(accelerator, log, model, loader, examples, labels, args):
     logits, _ = predict_logits(accelerator, model, loader, "predict")
     log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold))
@@ -449,26 +446,23 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
-    check_sharding_applies(accelerator)
     set_seed(args.seed)
     check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
-    resuming = bool(args.resume_from_checkpoint) and args.do_train
     if args.do_train:
-        check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
-        check_resumable(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+        check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
     metric_modules = load_metrics(args.metric, len(labels))
     tokenizer, model = build_model(args, labels)
-    compat = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
-              "model": {k: getattr(model.config, k, None) for k in
-                        ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
-              # another value would change which samples each step sees (or the inputs themselves)
-              "--train_batch_size": args.train_batch_size,
-              "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
+    must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
+                  "model": {k: getattr(model.config, k, None) for k in
+                            ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
+                  # another value would change which samples each step sees (or the inputs themselves)
+                  "--train_batch_size": args.train_batch_size,
+                  "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
     model = maybe_data_parallel(model, args)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
@@ -480,36 +474,24 @@ def main(args):
 
     log = RunLog(accelerator, args.output_dir)
     results = {**run_info(accelerator, args.train_batch_size), **padding, **stats}
+    trained = None
     if args.do_train:
-        if args.overwrite_output_dir and not resuming:
-            accelerator.on_main_process(clear_previous_run)(args.output_dir)
-        args.output_dir.mkdir(parents=True, exist_ok=True)
+        log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint)
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
-        log.write_json("run_config.json", provenance(args))
-        log.start_tracking("bert_cls", vars(args))
-        model, train_results, preempted, best_eval = train(args, accelerator, model, tokenizer, loaders, labels, log,
-                                                           compat)
-        results.update(train_results)
-        if preempted:
+        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
+        results.update(trained.results)
+        if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
                               "--resume_from_checkpoint latest")
             log.write_json("all_results.json", {**results, "preempted": True})
             log.end()
             return results
-        # train() returned the selected model, never the last one
+        model = trained.model
         prepared = {split: accelerator.prepare(loader) for split, loader in loaders.items() if split != "train"}
     else:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        best_eval = None
         model, prepared = prepare_for_inference(accelerator, model, loaders)
-    for split, prefix in (("validation", "eval"), ("test", "test")):
-        if getattr(args, f"do_{prefix}") and split in loaders:
-            # the best model's last validation, if it was measured (without --metric's modules)
-            reuse = best_eval if split == "validation" and not metric_modules else None
-            metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
-            results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
-            log.log(f"best_model_{prefix}", results.get("train_steps", 0), {
-                **{k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}, **metrics["extra"]})
+    results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained))
     if args.do_predict:
         write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
     if args.do_train:
@@ -519,7 +501,7 @@ def main(args):
             if getattr(args, f"do_{prefix}"):
                 log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
                                                           if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
-        accelerator.on_main_process(merge_results)(args.output_dir / "all_results.json", results)
+        log.merge_results(results)
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()
     return results

@@ -25,6 +25,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,33 +34,23 @@ import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from common.loop import Cadence
-from common.checkpoint import agree_on_resume, check_compatible, check_resumable, read_training_state, restore_training_state, save_checkpoint
-from common.outputs import check_output_dir, clear_previous_run, merge_results
-from common.runtime import HelpFormatter
-from common.runtime import run_cli, UserError
-from vision.augment import add_augment_args, RepeatedAugmentationSampler, resolve_augment_args, train_transform, val_transform
-from vision.optim import add_ema_args, build_ema, update_ema
-from vision.device_decode import check_decode_on_device, collate_for, EncodedImageFolder
-from vision.data import bad_image_error, ImageCounts
-from vision.data import build_datasets, build_dummy_datasets, IMAGENET_TRAIN_IMAGES, RGBImageFolder
-from common.export import load_torch_checkpoint, load_weights, strip_module_prefix
-from vision.references import add_replaced_flags, check_legacy_compatible, export_main_py_checkpoints, torchvision_batch_size, TORCHVISION_FLAGS
-from common.export import on_meta_device
-from common.loop import epoch_batches
-from common.runtime import loader_settings
-from common.loop import HealthCheck, LossMeter
-from vision.data import topk_correct
-from vision.augment import add_mixing_args, build_mixer, dominant_labels, soft_cross_entropy
-from vision.optim import add_optim_args, build_optimizer, load_optimizer_state, lr_lambda, resume_settings
-from common.outputs import plot_training_curves
-from common.loop import PreemptionGuard
-from common.outputs import progress, provenance, RunLog
-from common.runtime import add_runtime_args, build_accelerator, check_global_batch, launched_world_size, loader_generator, maybe_data_parallel, print_run_summary, run_info
-from common.checkpoint import load_checkpoint_weights
-from common.runtime import check_sharding_applies
-from common.loop import StepWeights
-from common.loop import ThroughputWindow
+from common.checkpoint import (Checkpoints, agree_on_resume, check_compatible, load_checkpoint_weights,
+                               read_training_state, resume_settings)
+from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
+from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput, epoch_batches)
+from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
+from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
+                            launched_world_size, loader_generator, loader_settings, maybe_data_parallel,
+                            print_run_summary, run_cli, run_info)
+from vision.augment import (RepeatedAugmentationSampler, add_augment_args, add_mixing_args, build_mixer,
+                            dominant_labels, resolve_augment_args, soft_cross_entropy, train_transform, val_transform)
+from vision.data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
+                         build_dummy_datasets, topk_hits)
+from vision.device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
+from vision.optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
+                          load_optimizer_state, lr_lambda, update_ema)
+from vision.references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
+                               export_main_py_checkpoints, global_batch_size)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
@@ -120,7 +111,8 @@ def parse_args(argv=None):
     if args.data is None and args.dummy is None:
         parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
     try:
-        args.batch_size, args.batch_size_note = torchvision_batch_size(argv, args.batch_size, launched_world_size())
+        # -b is GLOBAL, but torchvision's per-process -b in a torchvision command (one naming --model/--data-path)
+        args.batch_size, args.batch_size_note = global_batch_size(argv, args.batch_size, launched_world_size())
         resolve_augment_args(args)
     except UserError as err:
         parser.error(str(err))
@@ -152,16 +144,24 @@ def check_timm_model(parser, args):
                      f"-a {args.arch}: --weights/--pretrained name torchvision weights; timm models start random")
 
 
+@dataclass
+class ImageData:
+    """The datasets and their (unprepared) loaders; batch size = GLOBAL batch."""
+    train_set: torch.utils.data.Dataset
+    val_set: torch.utils.data.Dataset
+    train_loader: DataLoader
+    val_loader: DataLoader
+
+
 def build_dataloaders(accelerator, args):
-    """(train, val) datasets and their unprepared loaders; batch size = GLOBAL batch."""
+    """Train and val ImageFolders of args.data (or --dummy data) and their loaders."""
     check_decode_on_device(args)
     if args.dummy is not None:
         train_set, val_set = build_dummy_datasets(args.dummy, args.train_crop_size, args.val_crop_size)
     else:
         transforms = (train_transform(args), val_transform(args), args.train_crop_size, args.val_crop_size)
         folder = EncodedImageFolder if args.decode_on_device else RGBImageFolder
-        train_set, val_set = build_datasets(args.data, args.image_size, args.val_resize, args.seed,
-                                            transforms=transforms, folder=folder)
+        train_set, val_set = build_datasets(args.data, args.seed, transforms, folder)
     common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
     # a sampler seeded by (seed, epoch) itself; otherwise accelerate's seedable sampler shuffles
     order = (dict(sampler=RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps, args.seed))
@@ -172,7 +172,7 @@ def build_dataloaders(accelerator, args):
     if len(train_loader) == 0 and not args.evaluate:
         raise UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch "
                         f"(-b {args.batch_size})")
-    return train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set))
+    return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
 
 
 def build_model(args, num_classes):
@@ -222,7 +222,8 @@ def evaluate(accelerator, model, loader, args):
     model.eval()
     images = top1 = top5 = skipped = 0
     loss_sum = 0.0
-    for inputs, targets in progress(accelerator, loader, desc="validation", leave=False):
+    for inputs, targets in decode_on_device(progress(accelerator, loader, desc="validation", leave=False),
+                                            accelerator.device):
         if args.channels_last:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         logits = model(inputs).float()  # (B, C)
@@ -231,9 +232,9 @@ def evaluate(accelerator, model, loader, args):
         readable = targets >= 0
         if not args.skip_bad_images and not readable.all():
             raise bad_image_error(loader.dataset, targets.min().item())
-        correct = topk_correct(logits[readable], targets[readable], ks=(1, 5))
+        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()
         images += int(readable.sum())
-        top1, top5, skipped = top1 + correct[1], top5 + correct[5], skipped + int((~readable).sum())
+        top1, top5, skipped = top1 + correct[0], top5 + correct[1], skipped + int((~readable).sum())
         loss_sum += F.cross_entropy(logits[readable], targets[readable], reduction="sum").item()
     model.train()
     n = max(images, 1)
@@ -243,7 +244,7 @@ def evaluate(accelerator, model, loader, args):
 
 def log_values(epoch, accuracy, loss, lr, speed):
     """One log line's values (metrics.jsonl's `train` event): ImageCounts.read()'s accuracy, the window's mean loss,
-    and ThroughputWindow.read()'s speed as main.py's times, in seconds per step."""
+    and Throughput.read()'s speed as main.py's times, in seconds per step."""
     return {"epoch": epoch, "loss": loss, "acc1": accuracy["acc1"], "acc5": accuracy["acc5"], "lr": lr,
             "step_time": speed["ms_per_step"] / 1000, "data_time": speed["data_ms_per_step"] / 1000,
             "images_per_second": speed["samples_per_second"], "skipped_images": accuracy["skipped_images"]}
@@ -256,14 +257,13 @@ def train_line(epoch, batch, num_batches, v):
             f"Acc@5 {v['acc5']:6.2f} | lr {v['lr']:.2e} | {v['images_per_second']:,.0f} images/s")
 
 
-def export_weights(accelerator, model, args, class_to_idx, epoch, acc1, best_acc1, is_best, ema_state=None,
-                   suffix=""):
-    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision.
-    checkpoint.pth also holds the EMA's weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
+def export_weights(accelerator, model, args, fields, is_best, ema_state=None, suffix=""):
+    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision, with
+    `fields` beside the state dict (arch, class_to_idx, epoch, acc1, best_acc1). checkpoint.pth also holds the EMA's
+    weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
     # the names plain torchvision loads: a fresh model of this arch (no weights: names only, no download)
     fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False,
-                                                                     "weights": None}), len(class_to_idx)))
-    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, acc1=acc1, best_acc1=best_acc1)
+                                                                     "weights": None}), len(fields["class_to_idx"])))
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
 
@@ -274,9 +274,10 @@ def validate(accelerator, model, ema, val_loader, args):
     return {**metrics, **{f"ema_{k}": v for k, v in ema_metrics.items()}}
 
 
-def end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch, completed_steps, compat):
+def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class_to_idx):
     """main.py validates and exports after every epoch; the EMA is validated and exported beside the model."""
-    metrics = validate(accelerator, model, ema, val_loader, args)
+    state, ema = training.state, training.ema
+    metrics = validate(accelerator, training.model, ema, training.val_loader, args)
     is_best, ema_best = metrics["acc1"] > state["best_acc1"], ema and metrics["ema_acc1"] > state["best_ema_acc1"]
     if is_best:
         state.update(best_acc1=metrics["acc1"], best_epoch=epoch)
@@ -288,12 +289,14 @@ def end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch, c
     log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
                 f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "
                 f"(epoch {state['best_epoch']}){ema_text}")
-    ema_state = ema.module.state_dict() if ema else None
-    export_weights(accelerator, model, args, compat["class_to_idx"], epoch, metrics["acc1"], state["best_acc1"],
-                   is_best, ema_state)
+    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch)
+    export_weights(accelerator, training.model, args,
+                   {**fields, "acc1": metrics["acc1"], "best_acc1": state["best_acc1"]}, is_best,
+                   ema.module.state_dict() if ema else None)
     if ema:
-        export_weights(accelerator, ema.module, args, compat["class_to_idx"], epoch, metrics["ema_acc1"],
-                       state["best_ema_acc1"], ema_best, suffix="_ema")
+        export_weights(accelerator, ema.module, args,
+                       {**fields, "acc1": metrics["ema_acc1"], "best_acc1": state["best_ema_acc1"]}, ema_best,
+                       suffix="_ema")
     return metrics
 
 
@@ -303,18 +306,25 @@ def plot_curves(log, args, steps_per_epoch):
                          steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}")
 
 
-def resumable_state(args, compat, state, completed_steps, epoch, batches_in_epoch):
-    """What a checkpoint records beside the weights (training_state.json): where the run is and what it selected."""
-    return {**compat, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-            "best_acc1": state["best_acc1"], "best_epoch": state["best_epoch"],
-            "best_ema_acc1": state.get("best_ema_acc1", -1.0), "settings": resume_settings(args)}
+@dataclass
+class Training:
+    """What the training loop works with, prepared for this launch (prepare_training)."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: torch.nn.Module | None  # --model_ema's average of the weights
+    mixer: object | None  # --mixup_alpha/--cutmix_alpha's BatchMixer
+    train_loader: DataLoader
+    val_loader: DataLoader
+    checkpoints: Checkpoints
+    state: dict  # where the run starts (a checkpoint's position) and what it selected so far (best_*)
+    cadence: Cadence
 
 
-def prepare_training(args, accelerator, model, data, log, compat, legacy, resume_dir):
+def prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir):
     """Optimizer, schedule, EMA and batch mixing, prepared, then restored from --resume (or started at main.py's
-    epoch); prints the run summary. Returns what the training loop needs."""
-    train_set, val_set, train_loader, val_loader = data
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    epoch); prints the run summary."""
+    steps_per_epoch = math.ceil(len(data.train_loader) / args.gradient_accumulation_steps)
     total_steps = args.epochs * steps_per_epoch
     start_epoch = legacy.get("epoch", args.start_epoch) if legacy else args.start_epoch  # main.py: epochs done
     optimizer = build_optimizer(model, args)
@@ -327,22 +337,23 @@ def prepare_training(args, accelerator, model, data, log, compat, legacy, resume
     if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
         load_weights(ema.module, strip_module_prefix(legacy["model_ema"]), args.resume)
         ema.n_averaged.fill_(1)  # an average, not a fresh copy: the next update moves it
-    mixer = build_mixer(args, len(compat["class_to_idx"]), args.batch_size // accelerator.num_processes)
+    mixer = build_mixer(args, len(must_match["class_to_idx"]), args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, scheduler)
+        model, optimizer, data.train_loader, data.val_loader, scheduler)
     if ema:
         accelerator.register_for_checkpointing(ema)  # saved and restored with the resumable checkpoints
 
+    checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
+                              resume_settings(args, RESUMABLE_FLAGS),
+                              exports=["model_best.pth", "model_best_ema.pth", "checkpoint_ema.pth"])
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
              "best_acc1": -1.0, "best_epoch": None, "best_ema_acc1": -1.0}
-    state = restore_training_state(accelerator, resume_dir, compat, fresh, len(train_loader), optimizer, scheduler,
-                                   resume_settings(args), args.output_dir,
-                                   exports=["model_best.pth", "model_best_ema.pth", "checkpoint_ema.pth"])
+    state = checkpoints.restore(resume_dir, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_dir else None)
     print_run_summary(accelerator, "Running training", {
-        **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(compat["class_to_idx"]),
-        "train_images": len(train_set), "val_images": len(val_set),
+        **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(must_match["class_to_idx"]),
+        "train_images": len(data.train_set), "val_images": len(data.val_set),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "images_per_optimizer_step": args.batch_size * args.gradient_accumulation_steps,
         "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "total_steps": total_steps,
@@ -352,29 +363,38 @@ def prepare_training(args, accelerator, model, data, log, compat, legacy, resume
     # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
     cadence = Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
                       checkpoint_every=args.checkpointing_steps)
-    return model, optimizer, scheduler, ema, mixer, train_loader, val_loader, state, cadence
+    return Training(model, optimizer, scheduler, ema, mixer, train_loader, val_loader, checkpoints, state, cadence)
 
 
-def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
-    """The training loop; returns the model, the last validation metrics, train results, and whether preempted."""
-    model, optimizer, scheduler, ema, mixer, train_loader, val_loader, state, cadence = prepare_training(
-        args, accelerator, model, data, log, compat, legacy, resume_dir)
-    train_set, checkpoint_dir = data[0], args.output_dir / "checkpoints"
+@dataclass
+class TrainResult:
+    model: torch.nn.Module  # the last model (main.py's; model_best.pth holds the best)
+    metrics: dict | None  # the last validation's metrics (None when preempted before one)
+    results: dict  # all_results.json's training entries
+    preempted: bool  # stopped on SIGTERM after saving a checkpoint
+
+
+def train(args, accelerator, model, data, log, must_match, legacy, resume_dir):
+    """The training loop."""
+    training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir)
+    model, optimizer, scheduler, ema, mixer, state, cadence = (
+        training.model, training.optimizer, training.scheduler, training.ema, training.mixer, training.state,
+        training.cadence)
     guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
-    window = ThroughputWindow(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
-    counts = ImageCounts(accelerator, train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
-    health = HealthCheck(accelerator, meter, model, checkpoint_dir, "--lr", also=[counts.check_unreadable])
-    weights = StepWeights(accelerator, len(train_set), args.batch_size, args.gradient_accumulation_steps,
-                          drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
+    speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
+    counts = ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
+    health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr", also=[counts.check_unreadable])
+    loss_scale = LossScale(accelerator, len(data.train_set), args.batch_size, args.gradient_accumulation_steps,
+                           drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
     completed_steps, images_seen, preempted, last_metrics = state["completed_steps"], 0, False, None
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     state["start_time"] = start_time = time.perf_counter()
 
     model.train()
     for epoch in range(state["epoch"], args.epochs):
-        train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
-        batches, batches_in_epoch = epoch_batches(accelerator, train_loader, epoch, state)
-        for inputs, targets in window.epoch(batches):
+        data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
+        batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        for inputs, targets in speed.epoch(decode_on_device(batches, accelerator.device)):
             if mixer:  # soft targets (B, classes); accuracy against each row's largest-weight label
                 inputs, soft_targets = mixer(accelerator, inputs, targets, epoch, batches_in_epoch)
                 targets = dominant_labels(soft_targets, targets)
@@ -385,7 +405,7 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
                 loss = (soft_cross_entropy(logits, soft_targets, args.label_smoothing) if mixer
                         else classification_loss(logits, targets, args.label_smoothing))
                 # accelerate divides by the full accumulation count, also in an epoch's shorter last window
-                accelerator.backward(loss * weights.window_scale(batches_in_epoch))
+                accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch))
                 if args.clip_grad_norm and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
                 optimizer.step()
@@ -399,27 +419,26 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             completed_steps += 1
             update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * cadence.steps_per_epoch,
                        epoch, args, accelerator)
-            window.step(args.batch_size * weights.window_batches(batches_in_epoch - 1))
+            speed.step(args.batch_size * loss_scale.window_batches(batches_in_epoch - 1))
             bar.update(1)
             due = cadence.after_step(completed_steps, batches_in_epoch)
             if due.log:
                 health.check(completed_steps)
                 values = log_values(epoch + 1, counts.read(), meter.mean(accelerator), scheduler.get_last_lr()[0],
-                                    window.read())
-                log.console(train_line(epoch + 1, batches_in_epoch, len(train_loader), values))
+                                    speed.read())
+                log.console(train_line(epoch + 1, batches_in_epoch, len(training.train_loader), values))
                 log.log("train", completed_steps, values)
             if due.evaluate:  # at each epoch's end
-                health.check(completed_steps, weights=True)
-                with window.pause("eval"):
-                    last_metrics = end_of_epoch(accelerator, model, ema, val_loader, args, log, state, epoch + 1,
-                                                completed_steps, compat)
+                health.check(completed_steps, parameters=True)
+                with speed.pause("eval"):
+                    last_metrics = end_of_epoch(accelerator, training, args, log, epoch + 1, completed_steps,
+                                                must_match["class_to_idx"])
                     accelerator.on_main_process(plot_curves)(log, args, cadence.steps_per_epoch)
             preempted = guard.should_stop()
             if due.checkpoint or preempted:
-                health.check(completed_steps, weights=True)
-                with window.pause("save"):
-                    path = save_checkpoint(accelerator, checkpoint_dir, completed_steps, resumable_state(
-                        args, compat, state, completed_steps, epoch, batches_in_epoch), args.save_total_limit)
+                health.check(completed_steps, parameters=True)
+                with speed.pause("save"):
+                    path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
                 accelerator.print(f"saved checkpoint {path}")
             if preempted:
                 break
@@ -427,19 +446,18 @@ def train(args, accelerator, model, data, log, compat, legacy, resume_dir):
             break
     bar.close()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
-        last_metrics = validate(accelerator, model, ema, val_loader, args)
+        last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": window.startup_seconds,
+    results = {"startup_seconds": speed.startup_seconds,
                "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
                "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
                "best_epoch": state["best_epoch"], "train_skipped_images": counts.skipped_total,
                **({"best_ema_acc1": state["best_ema_acc1"]} if ema else {})}
-    return model, last_metrics, results, preempted
+    return TrainResult(model, last_metrics, results, preempted)
 
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
-    check_sharding_applies(accelerator)
     set_seed(args.seed)
     check_global_batch(accelerator, args.batch_size, "--batch-size")
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
@@ -452,17 +470,16 @@ def main(args):
         raise UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
     resuming = resume_dir is not None or args.resume == "latest"
     if not args.evaluate:
-        check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
-        check_resumable(args.output_dir, args.resume, args.overwrite_output_dir)
+        check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming else None)
     data = build_dataloaders(accelerator, args)
-    class_to_idx = data[0].class_to_idx
+    class_to_idx = data.train_set.class_to_idx
     model = build_model(args, len(class_to_idx))
-    compat = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
-              # another value would change what each step sees
-              "--gradient_accumulation_steps": args.gradient_accumulation_steps,
-              "--train_crop_size": args.train_crop_size,
-              "--opt": args.opt,  # another optimizer cannot take the checkpoint's state
-              "model_ema": args.model_ema}  # an EMA in the checkpoint must be restored into an EMA
+    must_match = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
+                  # another value would change what each step sees
+                  "--gradient_accumulation_steps": args.gradient_accumulation_steps,
+                  "--train_crop_size": args.train_crop_size,
+                  "--opt": args.opt,  # another optimizer cannot take the checkpoint's state
+                  "model_ema": args.model_ema}  # an EMA in the checkpoint must be restored into an EMA
     legacy = None
     if legacy_file:
         legacy = load_torch_checkpoint(args.resume)
@@ -477,28 +494,24 @@ def main(args):
     results = run_info(accelerator, args.batch_size)
     if args.evaluate:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        model, val_loader = accelerator.prepare(model, data[3])  # with a loader: DeepSpeed refuses a model alone
+        # with a loader: DeepSpeed refuses a model alone
+        model, val_loader = accelerator.prepare(model, data.val_loader)
         if resume_dir is not None:
             load_checkpoint_weights(accelerator, resume_dir)
         metrics = evaluate(accelerator, model, val_loader, args)
         results.update({f"eval_{k}": v for k, v in metrics.items()})
         log.write_json("eval_results.json", {**results, "weights": str(args.resume or args.weights)})
-        accelerator.on_main_process(merge_results)(args.output_dir / "all_results.json", results)
+        log.merge_results(results)
     else:
-        if args.overwrite_output_dir and not resuming:
-            accelerator.on_main_process(clear_previous_run)(args.output_dir)
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        log.write_json("run_config.json", provenance(args))
-        log.start_tracking("resnet", vars(args))
-        model, metrics, train_results, preempted = train(args, accelerator, model, data, log, compat, legacy,
-                                                         resume_dir)
-        results.update(train_results)
-        if preempted:
+        log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming)
+        trained = train(args, accelerator, model, data, log, must_match, legacy, resume_dir)
+        results.update(trained.results)
+        if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
             log.write_json("all_results.json", {**results, "preempted": True})
             log.end()
             return results
-        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        results.update({f"eval_{k}": v for k, v in trained.metrics.items()})
         log.write_json("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2))
     log.end()

@@ -24,7 +24,7 @@ import harness  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
+from text.model import optimizer_groups  # noqa: E402
 from text.data import build_label_list, read_examples  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
@@ -76,9 +76,9 @@ def run_dataset(name, path, args, rounds, steps):
     script_args = harness.bert_script_args(args.data_root, path, SMALL_BERT, max_seq_len=MAX_SEQ_LEN,
                                           train_batch_size=BATCH_SIZE, num_workers=0, seed=harness.SEED)
     torch.manual_seed(harness.SEED)
-    tokenizer, model = build_model(script_args, labels)
+    tokenizer, model = harness.bert_model(script_args, labels)
     start = time.perf_counter()
-    project_loader = build_dataloaders(script_args, tokenizer, labels, {"train": examples}, None)[0]["train"]
+    project_loader = harness.bert_train_loader(script_args, tokenizer, labels, examples)
     tokenize_seconds = time.perf_counter() - start  # one-off, before the first epoch
     dataset, collate = project_loader.dataset, project_loader.collate_fn
     lengths = [len(ids) for ids in dataset["input_ids"]]

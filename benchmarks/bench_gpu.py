@@ -4,7 +4,7 @@ samples/s with model FLOPs utilisation and peak memory, torch.compile off vs on,
 Synthetic inputs on the device, so these arms measure the model step alone. Beside them, ResNet-50's input on
 ImageNet-sized JPEGs: train_resnet.py's CPU loader (decode and augment in --loader_workers workers) and its
 --decode_on_device (the workers read the bytes; nvJPEG decodes the batch, crop/flip/normalise run on the GPU),
-each alone and feeding the compiled ResNet-50 step, against that step's bare rate (issue 19's goal: 0.9x), and the
+each alone and feeding the compiled ResNet-50 step, against that step's bare rate (the goal: 0.9x), and the
 mean and largest difference between the two paths' images for the same crops.
 
 MFU = 6 x parameters x tokens/s / peak FLOP/s: the usual training estimate (2 FLOPs per parameter per token
@@ -38,7 +38,7 @@ from transformers import AutoConfig, BertConfig, BertForSequenceClassification  
 
 from vision.augment import add_augment_args, resolve_augment_args, train_transform  # noqa: E402
 from common.demo_data import write_photo_imagefolder  # noqa: E402
-from vision.device_decode import collate_for, EncodedImageFolder  # noqa: E402
+from vision.device_decode import collate_for, decode_on_device, EncodedImageFolder  # noqa: E402
 from vision.data import IMAGENET_STD, RGBImageFolder  # noqa: E402
 
 SEED = 42
@@ -165,7 +165,7 @@ def input_arms(args, device, workload, work_dir):
                     for folder in (RGBImageFolder, EncodedImageFolder))
     first = range(min(64, len(cpu)))
     expected = torch.stack([cpu[i][0] for i in first])
-    got = encoded.collate([encoded[i] for i in first]).to(device)[0].cpu()
+    got = encoded.collate([encoded[i] for i in first]).decode(device)[0].cpu()
     levels = (got - expected).abs() * torch.tensor(IMAGENET_STD)[:, None, None] * 255  # undo the normalisation
     agreement = {"images": len(first), "mean_abs_levels": levels.mean().item(), "max_abs_levels": levels.max().item()}
     workers = args.loader_workers
@@ -176,7 +176,8 @@ def input_arms(args, device, workload, work_dir):
         loader = DataLoader(dataset, args.resnet_batch, collate_fn=collate_for(dataset), num_workers=workers,
                             pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                             sampler=RandomSampler(dataset, num_samples=1 << 30))  # one endless epoch
-        batches = (send_to_device(batch, device, non_blocking=True) for batch in loader)  # as accelerate moves them
+        # as accelerate moves them, then as the training loop takes them (decode_on_device)
+        batches = decode_on_device((send_to_device(batch, device, non_blocking=True) for batch in loader), device)
         for arm, consume in ((f"resnet50 input alone: {name}", lambda batch: None),
                              (f"resnet50 step fed by {name}",
                               lambda batch: workload.step((batch[0].contiguous(memory_format=torch.channels_last),
@@ -227,7 +228,7 @@ def main():
     for name, workload in workloads.items():
         workload.warm_up(2 if args.quick else 5)
         print(f"  warm-up {name}: {workload.compile_seconds:.1f} s")
-    model_step = list(resnet)[-1]  # compiled where it is: the step the input has to keep up with (issue 19: 0.9x)
+    model_step = list(resnet)[-1]  # compiled where it is: the step the input has to keep up with (goal: 0.9x)
     fixture = tempfile.TemporaryDirectory(prefix="bench_gpu_jpegs_")
     inputs, agreement = input_arms(args, device, resnet[model_step], Path(fixture.name))
     samples = harness.run_rounds({**{name: timed(device, steps, w.batch_size, w.step, memory_of=w)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import get_linear_schedule_with_warmup  # noqa: E402
 
-from train_bert_cls import build_dataloaders, build_model, optimizer_groups  # noqa: E402
+from text.model import optimizer_groups  # noqa: E402
 from common.loop import LossMeter  # noqa: E402
 from text.data import build_label_list, read_examples  # noqa: E402
 
@@ -39,8 +39,8 @@ def bert_arms(accelerator, args):
     torch.manual_seed(harness.SEED)
     script_args = harness.bert_script_args(args.data_root, train_file, SMALL_BERT, train_batch_size=32, num_workers=0,
                                           seed=harness.SEED)
-    tokenizer, model = build_model(script_args, labels)
-    loader = build_dataloaders(script_args, tokenizer, labels, {"train": examples}, None)[0]["train"]
+    tokenizer, model = harness.bert_model(script_args, labels)
+    loader = harness.bert_train_loader(script_args, tokenizer, labels, examples)
 
     def optimizer_and_schedule(m):
         optimizer = torch.optim.AdamW(optimizer_groups(m, 0.01), lr=3e-5)

@@ -1,10 +1,10 @@
-"""train_bert_cls.py against transformers' Trainer (run_classification.py style), start to finish (issue 18).
+"""train_bert_cls.py against transformers' Trainer (run_classification.py style), start to finish.
 
 Both train the same randomly initialised BERT (bert-base-chinese's config and vocabulary, --config_overrides) on the
 same files with the same settings (global batch, lr, linear schedule with warmup, weight decay, one epoch, fp32, one
 process). Each arm is a whole command timed from outside, rounds alternating; reported: wall time, time to first
 step, steady samples/s and validation accuracy (how each is measured: benchmarks/README.md). Cases: THUCNews
-headlines at 64 tokens (the issue's settings: 9,000 headlines, 4x256 BERT, global batch 64, lr 1e-3, 10% warmup,
+headlines at 64 tokens (the settings of RESULTS.md: 9,000 headlines, 4x256 BERT, global batch 64, lr 1e-3, 10% warmup,
 weight decay 0.01, 2 threads) and cnews articles at 512 tokens (900 train / 100 validation of cnews_1000.txt). (Our
 start-up's parts as a fraction of one epoch were measured once and removed: RESULTS.md section 8.)
 

@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -43,13 +44,18 @@ def complete_checkpoints(checkpoint_dir):
     return [path for _, path in sorted(found)]
 
 
+def latest_checkpoint(checkpoint_dir):
+    """The newest complete checkpoint in checkpoint_dir, or None."""
+    found = complete_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
 def resolve_resume(resume, checkpoint_dir):
     """`latest` -> newest complete checkpoint (None if there is none yet); a path must be complete."""
     if not resume:
         return None
     if resume == "latest":
-        found = complete_checkpoints(checkpoint_dir)
-        return found[-1] if found else None
+        return latest_checkpoint(checkpoint_dir)
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}); resume from `latest` or a "
@@ -87,22 +93,7 @@ def agree_on_resume(accelerator, resume, checkpoint_dir):
     return path
 
 
-def check_resumable(output_dir, resume, overwrite):
-    """`latest` in a directory that holds a finished run but no checkpoint would train it again from scratch, over
-    its results. (A run killed before its first checkpoint left no all_results.json: `latest` starts it afresh.)"""
-    results = Path(output_dir) / "all_results.json"
-    if resume != "latest" or overwrite or not results.is_file() or complete_checkpoints(Path(output_dir) / "checkpoints"):
-        return
-    try:
-        preempted = json.loads(results.read_text()).get("preempted", False)
-    except (OSError, json.JSONDecodeError):
-        preempted = False
-    if not preempted:
-        raise UserError(f"{output_dir}: holds a finished run (all_results.json) but no checkpoint to resume from "
-                        "(--checkpointing_steps longer than the run?); pass --overwrite_output_dir to train again")
-
-
-def start_new_branch(accelerator, path, output_dir, exports=()):
+def start_new_branch(accelerator, path, output_dir, writer, exports=()):
     """Resuming from an older checkpoint abandons the later ones: move them aside, named so, before this run's own
     step_N could pass for theirs. The best-model exports go aside too when the abandoned branch replaced them.
     Returns whether it did (the resumed run then selects its best model afresh)."""
@@ -111,14 +102,17 @@ def start_new_branch(accelerator, path, output_dir, exports=()):
         return False
     step = int(_NAME.match(path.name).group(1))
     later = [p for p in complete_checkpoints(path.parent) if int(_NAME.match(p.name).group(1)) > step]
+    moved_exports = []
+    if later:
+        best_now = {k: v for k, v in read_training_state(path).items() if k.startswith("best_")}
+        best_then = {k: v for k, v in read_training_state(later[-1]).items() if k.startswith("best_")}
+        if best_then != best_now:
+            moved_exports = [Path(output_dir) / e for e in exports if (Path(output_dir) / e).exists()]
+    accelerator.wait_for_everyone()  # every rank has read what it needs before the writer moves anything
     if not later:
         return False
     suffix = f".abandoned_on_resume_from_step_{step}"
-    best_now = {k: v for k, v in read_training_state(path).items() if k.startswith("best_")}
-    best_then = {k: v for k, v in read_training_state(later[-1]).items() if k.startswith("best_")}
-    moved_exports = [Path(output_dir) / e for e in exports if (Path(output_dir) / e).exists()] \
-        if best_then != best_now else []
-    if _writes_here(accelerator, path.parent):
+    if writer:
         for old in later + moved_exports:
             os.replace(old, old.with_name(old.name + suffix))
     accelerator.wait_for_everyone()
@@ -156,46 +150,101 @@ def check_precision(accelerator, path):
                         "scale); resume with the checkpoint's precision (bf16 or no)")
 
 
-def save_checkpoint(accelerator, checkpoint_dir, step, training_state, total_limit=None):
-    """Write checkpoint `step_<step>` atomically on all ranks; keep only the newest `total_limit`.
+class Checkpoints:
+    """The run's resumable checkpoints in output_dir/checkpoints: `save` one at a step, `restore` a run from one,
+    `latest`. `must_match`: what a resumed run must share with the checkpoint (model, labels, batch layout); keys
+    starting with `--` are flags, named in the error. `settings`: the flags a resumed run may change (named, then
+    applied). `exports`: files in output_dir that an abandoned branch's best model replaced (start_new_branch).
 
-    An existing step_<step> (a SIGTERM right after resuming from it) is replaced, not kept: the log's
-    "saved" must be true of the file."""
-    checkpoint_dir = Path(checkpoint_dir)
-    final = checkpoint_dir / f"step_{step}"
-    tmp = checkpoint_dir / f".tmp-step_{step}"
-    writer = _writes_here(accelerator, checkpoint_dir)
-    if writer:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if writer:
-        _write_json_durably(tmp / STATE_FILE, {**training_state, "num_processes": accelerator.num_processes})
-        replace_dir_atomically(tmp, final)
-        if total_limit:
-            for old in complete_checkpoints(checkpoint_dir)[:-total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
+    Constructing it is a collective: every rank finds out whether output_dir is one disk shared by the nodes or each
+    node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
+
+    def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=()):
+        self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
+        self.dir = self.output_dir / "checkpoints"
+        self.must_match, self.settings, self.exports = must_match, settings, exports
+        shared = output_dir_is_shared(accelerator, self.dir)
+        accelerator.project_configuration.save_on_each_node = not shared
+        if not shared:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            accelerator.print("--output_dir is not shared between the nodes: every node keeps its own complete copy "
+                              "of each checkpoint")
+
+    @property
+    def writer(self):
+        """Whether this process renames and rotates checkpoints: the main process on a shared --output_dir, each
+        node's local main process when every node has its own disk."""
+        if self.accelerator.project_configuration.save_on_each_node:
+            return self.accelerator.is_local_main_process
+        return self.accelerator.is_main_process
+
+    def latest(self):
+        """The newest complete checkpoint, or None."""
+        return latest_checkpoint(self.dir)
+
+    def save(self, step, state, epoch, batches_in_epoch):
+        """Write checkpoint `step_<step>` atomically on all ranks, with `training_state` beside the weights; keep only
+        the newest `total_limit`. An existing step_<step> (a SIGTERM right after resuming from it) is replaced, not
+        kept: the log's "saved" must be true of the file."""
+        final, tmp = self.dir / f"step_{step}", self.dir / f".tmp-step_{step}"
+        if self.writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+            tmp.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(tmp))
+        self.accelerator.wait_for_everyone()
+        if self.writer:
+            _write_json_durably(tmp / STATE_FILE, {
+                **training_state(self.must_match, state, self.settings, step, epoch, batches_in_epoch),
+                "num_processes": self.accelerator.num_processes})
+            replace_dir_atomically(tmp, final)
+            if self.total_limit:
+                for old in complete_checkpoints(self.dir)[:-self.total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def restore(self, path, fresh_state, batches_per_epoch, optimizer=None, scheduler=None):
+        """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects.
+
+        A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
+        optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and `settings`
+        that differ from the checkpoint's are named in one line. A checkpoint older than the newest starts a new
+        branch (start_new_branch).
+        """
+        state = dict(fresh_state)
+        if path is not None:
+            command_line = _hyperparameters(optimizer)
+            state = load_checkpoint(self.accelerator, path, self.must_match)
+            if start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports):
+                state.update({k: v for k, v in fresh_state.items() if k.startswith("best_")})
+            _apply_hyperparameters(optimizer, scheduler, command_line)
+            self.accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
+            _report_changes(self.accelerator, path, state, self.settings)
+        if state["batches_in_epoch"] >= batches_per_epoch:
+            state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
+        return state
 
 
-def _writes_here(accelerator, checkpoint_dir=None):
-    """Whether this process renames and rotates checkpoints: the main process on a shared --output_dir, each
-    node's local main process when every node has its own disk (found out once, at the first save)."""
-    if checkpoint_dir is not None and not getattr(accelerator, "_output_dir_checked", False):
-        _detect_node_local_disk(accelerator, Path(checkpoint_dir))
-    if accelerator.project_configuration.save_on_each_node:
-        return accelerator.is_local_main_process
-    return accelerator.is_main_process
+def training_state(must_match, state, settings, completed_steps, epoch, batches_in_epoch):
+    """What a checkpoint records beside the weights (training_state.json): what must match, where the run is, what it
+    selected (the `best_*` entries of the loop's `state`) and the settings a resume may change."""
+    return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
+            **{key: value for key, value in state.items() if key.startswith("best_")}, "settings": settings}
 
 
-def _detect_node_local_disk(accelerator, checkpoint_dir):
-    """The main process leaves a token in checkpoint_dir; a rank that cannot read it has a disk of its own."""
-    accelerator._output_dir_checked = True
+def resume_settings(args, flags):
+    """{flag: value} of the flags a resumed run may change (`flags`: {flag: args attribute}); every checkpoint
+    records them, and a resumed run names the ones that differ and applies them from there on."""
+    return {flag: getattr(args, dest) for flag, dest in flags.items()}
+
+
+def output_dir_is_shared(accelerator, checkpoint_dir):
+    """Whether every node sees the same checkpoint_dir: the main process leaves a token there, and a rank that cannot
+    read it has a disk of its own. A collective; True on one process."""
     if accelerator.num_processes == 1:
-        return
+        return True
+    checkpoint_dir = Path(checkpoint_dir)
     token = [secrets.token_hex(8) if accelerator.is_main_process else None]
     marker = checkpoint_dir / ".node-check"
     if accelerator.is_main_process:
@@ -217,15 +266,11 @@ def _detect_node_local_disk(accelerator, checkpoint_dir):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         marker.unlink(missing_ok=True)
-    accelerator.project_configuration.save_on_each_node = not shared
-    if not shared:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        accelerator.print("--output_dir is not shared between the nodes: every node keeps its own complete copy "
-                          "of each checkpoint")
+    return shared
 
 
 def load_checkpoint(accelerator, path, expected):
-    """Restore everything save_checkpoint wrote, after checking it belongs to this run; return its training state."""
+    """Restore everything a checkpoint holds, after checking it belongs to this run; return its training state."""
     state = read_training_state(path)
     check_compatible(state, expected, path)  # before load_state, whose size-mismatch error is a traceback
     check_precision(accelerator, path)
@@ -233,28 +278,6 @@ def load_checkpoint(accelerator, path, expected):
     accelerator.load_state(str(path))
     return state
 
-
-def restore_training_state(accelerator, path, expected, fresh_state, batches_per_epoch, optimizer=None,
-                           scheduler=None, settings=None, output_dir=None, exports=()):
-    """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects.
-
-    A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
-    optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and
-    `settings` that differ from the checkpoint's are named in one line. A checkpoint older than the newest
-    starts a new branch (start_new_branch).
-    """
-    state = dict(fresh_state)
-    if path is not None:
-        command_line = _hyperparameters(optimizer)
-        state = load_checkpoint(accelerator, path, expected)
-        if output_dir is not None and start_new_branch(accelerator, path, output_dir, exports):
-            state.update({k: v for k, v in fresh_state.items() if k.startswith("best_")})
-        _apply_hyperparameters(optimizer, scheduler, command_line)
-        accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
-        _report_changes(accelerator, path, state, settings or {})
-    if state["batches_in_epoch"] >= batches_per_epoch:
-        state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
-    return state
 
 _HYPERPARAMETERS = ("lr", "initial_lr", "weight_decay", "momentum", "betas", "eps")
 
@@ -301,8 +324,6 @@ def _report_changes(accelerator, path, saved, settings):
 
 
 def _warn(message):
-    import sys
-
     print(message, file=sys.stderr, flush=True)
 
 

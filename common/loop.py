@@ -29,7 +29,6 @@ from typing import NamedTuple
 import psutil
 import torch
 
-from .checkpoint import resolve_resume
 from .runtime import UserError
 
 
@@ -43,6 +42,14 @@ class Due(NamedTuple):
 
 @dataclass(frozen=True)
 class Cadence:
+    """When a run logs, validates and saves a resumable checkpoint, counted in optimizer steps; a pure value.
+
+    - a log line every `log_every` steps and at each epoch's end, so that no log window spans two epochs;
+    - validation every `eval_every` steps, or, without it, at each epoch's end; always after the run's last step;
+    - a resumable checkpoint every `checkpoint_every` steps, or, without it, at each epoch's end but the run's last
+      (a finished run needs none: its results and exports are written).
+    An epoch ends at its last batch, or at the run's last step (--max_train_steps may stop inside an epoch).
+    """
     total_steps: int  # optimizer steps of the whole run
     steps_per_epoch: int  # optimizer steps per epoch (the last one's accumulation window may be short)
     batches_per_epoch: int  # loader batches per epoch
@@ -70,7 +77,20 @@ class Cadence:
                    finished=finished)
 
 
-class StepWeights:
+class LossScale:
+    """A training loss that is the mean over exactly the real samples of each optimizer step, on any number of
+    processes.
+
+    Two things accelerate does would otherwise make N processes train differently from 1:
+    - an epoch's last, short GLOBAL batch is completed with samples from the epoch's start (`even_batches`), so
+      that every process gets a share: on 2 processes 200 samples at a batch of 16 train 208;
+    - `backward` divides every micro-batch's loss by the full accumulation count, also in an epoch's last, shorter
+      window: a window of 1 batch out of 4 would take a quarter-strength step.
+    Here each real sample weighs 1 / (real samples in its optimizer step) and a padded one 0, so the step's
+    gradient is the mean over the samples it really saw, as on 1 process. (`even_batches=False` instead would leave
+    a process without a last batch: the others would wait for its gradients in the all-reduce.)
+    """
+
     def __init__(self, accelerator, dataset_size, global_batch_size, accumulation_steps, drop_last=False):
         self.accelerator = accelerator
         self.global_batch = global_batch_size
@@ -118,6 +138,9 @@ class StepWeights:
 
 
 class LossMeter:
+    """Training loss as a mean over samples, kept as per-rank sums on the device so the hot loop never calls
+    `.item()` (a device sync), read (and synchronised over ranks) only when logging."""
+
     def __init__(self, device):
         self.device = device
         self.nonfinite = torch.zeros((), device=device)  # non-finite losses since the start, never reset
@@ -152,21 +175,24 @@ def parameters_finite(accelerator, model):
 
 
 class HealthCheck:
-    """Stops the run with one line, on every rank, once the loss became NaN/inf; before a save (`weights=True`)
-    the weights are checked too, since the logged loss lags them by a step. `also`: further checks of the same
-    kind (the ResNet script's unreadable images). Collectives: every rank calls `check` at the same points."""
+    """Stops the run with one line, on every rank, once the loss became NaN/inf, before anything is saved from it;
+    before a save (`parameters=True`) the parameters are checked too, since the logged loss lags them by a step.
+    `last_good()`: the checkpoint the message points to. `also`: further checks of the same kind (the ResNet script's
+    unreadable images). Collectives: every rank calls `check` at the same points."""
 
-    def __init__(self, accelerator, meter, model, checkpoint_dir, lr_flag, also=()):
+    def __init__(self, accelerator, meter, model, last_good, lr_flag, also=()):
         self.accelerator, self.meter, self.model = accelerator, meter, model
-        self.checkpoint_dir, self.lr_flag, self.also = checkpoint_dir, lr_flag, also
+        self.last_good, self.lr_flag, self.also = last_good, lr_flag, also
 
-    def check(self, completed_steps, weights=False):
-        if self.meter.diverged(self.accelerator) or (weights and not parameters_finite(self.accelerator, self.model)):
+    def check(self, completed_steps, parameters=False):
+        if (self.meter.diverged(self.accelerator)
+                or (parameters and not parameters_finite(self.accelerator, self.model))):
             raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from it. "
-                            f"Last good checkpoint: {resolve_resume('latest', self.checkpoint_dir)}. Try a lower "
-                            f"{self.lr_flag} or bf16 instead of fp16.")
+                            f"Last good checkpoint: {self.last_good()}. Try a lower {self.lr_flag} or bf16 instead "
+                            "of fp16.")
         for check in self.also:
             check()
+
 
 _END = object()  # an exhausted iterator (a batch may be anything, None included)
 
@@ -181,8 +207,14 @@ class Pause:
     seconds = 0.0
 
 
-class ThroughputWindow:
-    """Steps and samples between two log lines, and the time they took without the pauses.
+class Throughput:
+    """Steps and samples between two log lines, and the time they took without the pauses: where a run's wall time
+    goes (start-up until the first step, training steps, and the pauses between them).
+
+    The samples/s of a log line is the speed of training alone: time spent evaluating or checkpointing, and the wait
+    for an epoch's first batch (DataLoader workers starting and filling their queues), is kept out of it and reported
+    on its own (`eval_seconds`, `epoch_start_seconds`, ...). Counted in, an evaluation made the window around it look
+    several times slower than the steps in it were.
 
     `clock` is injectable so the bookkeeping can be tested without sleeping. With `data_wait`, read() also gives
     `data_ms_per_step`: the wait for the batches after an epoch's first (main.py's "Data" time), a part of the
@@ -243,6 +275,13 @@ class ThroughputWindow:
 
 
 class PreemptionGuard:
+    """SIGTERM (what Slurm and cloud preemption send) becomes "checkpoint at the next step boundary, then exit".
+
+    The signal may reach only some ranks; `should_stop` turns it into a decision all ranks share (one tiny
+    all-reduce per optimizer step, and a device sync with it: skipped when there is a single process), so every
+    rank saves the same checkpoint and none hangs.
+    """
+
     def __init__(self, accelerator, signals=(signal.SIGTERM,)):
         self.accelerator = accelerator
         self.received = None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .checkpoint import complete_checkpoints
 from .runtime import UserError
 
 
@@ -43,9 +44,16 @@ class RunLog:
                 if line.strip() and json.loads(line).get("step", 0) <= step]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
-    def start_tracking(self, project_name, config):
+    def start(self, args, project_name, clear):
+        """A training run's output directory before its first step (every rank): with `clear` (--overwrite_output_dir,
+        not resuming) the previous run's results and checkpoints removed, so that `latest` cannot find them; the
+        directory; run_config.json (resolved arguments, versions, git revision); the trackers."""
+        if clear:
+            self.accelerator.on_main_process(clear_previous_run)(self.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.write_json("run_config.json", provenance(args))
         if self.accelerator.log_with:
-            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
+            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
             self.accelerator.init_trackers(project_name, config=flat)
 
     def log(self, event, step, values):
@@ -65,6 +73,12 @@ class RunLog:
     def write_json(self, name, data):
         if self.accelerator.is_main_process:
             (self.output_dir / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+    def merge_results(self, results, prefixes=("eval_", "test_")):
+        """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process): the
+        training results there are kept, and the run information stays that of the training run."""
+        if self.accelerator.is_main_process:
+            merge_results(self.output_dir / "all_results.json", results, prefixes)
 
     def write_jsonl(self, name, rows):
         if self.accelerator.is_main_process:
@@ -160,18 +174,32 @@ def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, t
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
 
+
 RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth")
 
 
-def check_output_dir(output_dir, overwrite, resuming):
-    """Refuse to write a new run over another one's results unless asked to."""
+def check_output_dir(output_dir, overwrite, resume):
+    """Before a training run writes anything: refuse to write a new run over another one's results unless asked to
+    (`resume`: --resume_from_checkpoint/--resume, a checkpoint or `latest`, else None), and refuse `latest` in a
+    directory that holds a finished run but no checkpoint, which would train it again from scratch, over its results
+    (a run killed before its first checkpoint left no all_results.json: `latest` starts it afresh)."""
     output_dir = Path(output_dir)
     taken = [name for name in RUN_MARKERS if (output_dir / name).exists()]
-    if taken and not overwrite and not resuming:
+    if taken and not overwrite and not resume:
         raise UserError(
             f"{output_dir}: holds another run ({', '.join(taken)}); pass --overwrite_output_dir to replace it "
             "or --resume_from_checkpoint/--resume latest to continue it"
         )
+    results = output_dir / "all_results.json"
+    if resume != "latest" or overwrite or not results.is_file() or complete_checkpoints(output_dir / "checkpoints"):
+        return
+    try:
+        preempted = json.loads(results.read_text()).get("preempted", False)
+    except (OSError, json.JSONDecodeError):
+        preempted = False
+    if not preempted:
+        raise UserError(f"{output_dir}: holds a finished run (all_results.json) but no checkpoint to resume from "
+                        "(--checkpointing_steps longer than the run?); pass --overwrite_output_dir to train again")
 
 
 def clear_previous_run(output_dir):

@@ -69,15 +69,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 DATA_PARALLEL_WARNING = (
     "--data_parallel uses legacy single-process nn.DataParallel; multi-process DDP is several times faster "
-    "(a 4xV100 ImageNet comparison measured DataParallel 4138 s vs DDP 1188 s): prefer "
-    "`accelerate launch --config_file accelerate_configs/4gpu.yaml ...`"
+    "(docs/launching.md): prefer `accelerate launch --config_file accelerate_configs/4gpu.yaml ...`"
 )
 
-# Measured in issue 19 with benchmarks/bench_cpu_precision.py --threads 2 on an AMD EPYC with avx512_bf16, no AMX.
 CPU_BF16_WITHOUT_AMX = (
     "note: this CPU has no AMX (no amx_bf16 flag in /proc/cpuinfo), and bf16 autocast without it is usually slower "
-    "than fp32: 0.82-0.85x fp32 for BERT, 0.73-0.77x for ResNet-18 on an AMD EPYC with avx512_bf16 (issue 19); "
-    "drop --mixed_precision bf16 here for speed"
+    "than fp32 (docs/gpu.md#precision-defaults); drop --mixed_precision bf16 here for speed"
 )
 
 
@@ -164,6 +161,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
         log_with="tensorboard" if args.with_tracking else None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=os.path.join(output_dir, "runs")),
     )
+    check_sharding_applies(accelerator)
     if effective_precision(accelerator) != accelerator.mixed_precision:
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")
@@ -189,7 +187,7 @@ def cpu_has_amx(cpuinfo="/proc/cpuinfo"):
 
 
 def cpu_bf16_note(device, precision, cpuinfo="/proc/cpuinfo"):
-    """The one line a bf16 run on a CPU without AMX prints (its measured slowdown), else None."""
+    """The one line a bf16 run on a CPU without AMX prints, else None."""
     if torch.device(device).type == "cpu" and precision == "bf16" and cpu_has_amx(cpuinfo) is False:
         return CPU_BF16_WITHOUT_AMX
     return None

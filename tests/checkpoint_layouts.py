@@ -22,7 +22,7 @@ def vocab_size(vocab_dir):
 
 def bert_base_chinese_layout(vocab_dir, out_dir, seed=0):
     """The hub's bert-base-chinese shape: BertForPreTraining weights (MLM + NSP heads) in pytorch_model.bin with
-    the original Google conversion's LayerNorm names `gamma`/`beta` (transformers issue 11809), vocab.txt only."""
+    the original Google conversion's LayerNorm names `gamma`/`beta` (as transformers' conversion scripts wrote them), vocab.txt only."""
     torch.manual_seed(seed)
     model = BertForPreTraining(BertConfig(vocab_size=vocab_size(vocab_dir), **TINY))
     state_dict = {key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): value

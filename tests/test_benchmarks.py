@@ -54,7 +54,7 @@ def test_missing_data_root_is_one_line(name, tmp_path, capsys):
 
 
 def test_missing_data_root_from_the_command_line(tmp_path):
-    """The issue's case, as a user runs it: no traceback, exit status 2, the path named."""
+    """A missing data directory, as a user meets it: no traceback, exit status 2, the path named."""
     proc = run(["python", "benchmarks/bench_bert_input.py", "--quick", "--data_root", tmp_path / "none"], check=False)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -60,7 +60,7 @@ def both_loaders(root, transform, size, epoch, seed=3):
     samples = [cpu[i] for i in range(len(cpu))]
     expected = torch.stack([image for image, _ in samples]), torch.tensor([target for _, target in samples])
     batch = device_decode.collate_for(encoded)([encoded[i] for i in range(len(encoded))])
-    return expected, batch.to("cpu"), batch
+    return expected, batch.decode("cpu"), batch
 
 
 @pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])

@@ -1,5 +1,5 @@
 """Nothing lost at the edges: nodes without a shared disk, going back to an earlier checkpoint, changed settings on
-resume, short accumulation windows, FSDP/DeepSpeed configs that cannot apply, finished runs (issue 16)."""
+resume, short accumulation windows, FSDP/DeepSpeed configs that cannot apply, finished runs."""
 import shutil
 import subprocess
 import time
@@ -222,12 +222,12 @@ def test_resnet_rollback_changed_settings_and_finished_runs(digits, tmp_path, ca
         main_here(resnet_args(digits, tmp_path / "fsdp", "--epochs", "1"))
 
 
-def test_step_weights_give_every_real_sample_one_share_of_its_step():
+def test_loss_scale_gives_every_real_sample_one_share_of_its_step():
     """88 samples, global batch 16 on 2 processes (8 each), 4 micro-batches per step: the second step of an epoch is
     batches 4 and 5 (16 + 8 real samples); rank 1's part of batch 5 is all padding."""
-    from common.loop import StepWeights
+    from common.loop import LossScale
 
-    ranks = [StepWeights(SimpleNamespace(num_processes=2, process_index=r), 88, 16, 4) for r in (0, 1)]
+    ranks = [LossScale(SimpleNamespace(num_processes=2, process_index=r), 88, 16, 4) for r in (0, 1)]
     assert ranks[0].batches_per_epoch == 6 and ranks[0].window_real(5) == 24 and ranks[0].window_real(0) == 64
     assert [w.local_real(5, 8) for w in ranks] == [8, 0] and [w.local_real(4, 8) for w in ranks] == [8, 8]
     losses = torch.ones(8)

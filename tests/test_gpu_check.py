@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py (`make gpu-check`): its harness in dry mode on CPU, so it cannot rot between GPU runs."""
+"""tools/gpu_check.py (`make gpu-check`): its harness in dry mode on CPU, so it cannot rot between GPU runs."""
 import sys
 
 import pytest
@@ -19,13 +19,22 @@ def test_datasheet_peak_by_device_name(name, peak):
 
 
 def test_without_a_gpu_it_says_so_and_exits_0():
-    proc = run(["python", "benchmarks/gpu_check.py"], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60)
+    proc = run(["python", "tools/gpu_check.py"], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60)
+    assert "no GPU visible here, nothing to check" in proc.stdout
+
+
+def test_make_gpu_check_runs_with_the_project_venv_and_says_no_gpu():
+    """`make gpu-check` as a user with the project's .venv runs it (here: this test's Python as the venv's) on a
+    machine without a GPU: no wheels needed, one line, exit 0."""
+    proc = run(["make", "--no-print-directory", "gpu-check", f"PY={sys.executable}", "GPU_READY="],
+               env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60)
+    assert f"{sys.executable} tools/gpu_check.py" in proc.stdout
     assert "no GPU visible here, nothing to check" in proc.stdout
 
 
 def test_dry_mode_runs_every_check_on_cpu(tmp_path):
     report = tmp_path / "report.md"
-    proc = run(["python", "benchmarks/gpu_check.py", "--device", "cpu", "--budget", "600", "--report", report],
+    proc = run(["python", "tools/gpu_check.py", "--device", "cpu", "--budget", "600", "--report", report],
                env={"CUDA_VISIBLE_DEVICES": ""}, timeout=700)
     out = proc.stdout
     for check in ("bench_gpu.py", "BERT bf16, compile off", "ResNet fp32 channels_last, compile off",

@@ -5,7 +5,9 @@ import torch
 from PIL import Image
 
 from common.runtime import UserError
-from vision.data import build_datasets, build_dummy_datasets, build_transforms, decode_rgb, describe_bad_image, image_classes, RGBImageFolder
+from train_resnet import parse_args
+from vision.augment import train_transform, val_transform
+from vision.data import build_datasets, build_dummy_datasets, decode_rgb, describe_bad_image, image_classes, RGBImageFolder
 
 
 def picture(width=40, height=30):
@@ -43,11 +45,17 @@ def write_folder(root, classes=("cat", "dog"), per_class=3):
     return root
 
 
+def transforms(image_size, val_resize):
+    """train_resnet.py's default (main.py's) training and validation transforms at these sizes."""
+    args = parse_args(["--dummy", "--image_size", str(image_size), "--val_resize", str(val_resize)])
+    return train_transform(args), val_transform(args)
+
+
 def test_unreadable_image_is_marked_with_its_index(tmp_path):
     root = write_folder(tmp_path / "train")
     bad = root / "dog" / "1.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a png")
-    dataset = RGBImageFolder(root, build_transforms(16, 16, train=False), image_size=16)
+    dataset = RGBImageFolder(root, transforms(16, 16)[1], image_size=16)
     index = [path for path, _ in dataset.samples].index(str(bad))
     image, target = dataset[index]
     assert target < 0 and dataset.bad_image_path(target) == str(bad)
@@ -58,7 +66,7 @@ def test_unreadable_image_is_marked_with_its_index(tmp_path):
 
 
 def test_augmentation_depends_on_seed_epoch_and_index_only(tmp_path):
-    dataset = RGBImageFolder(write_folder(tmp_path / "train"), build_transforms(16, 20, train=True), 16, seed=3)
+    dataset = RGBImageFolder(write_folder(tmp_path / "train"), transforms(16, 20)[0], 16, seed=3)
     first = dataset[2][0]
     torch.manual_seed(123)  # the global RNG does not matter
     assert torch.equal(dataset[2][0], first)
@@ -71,8 +79,9 @@ def test_augmentation_depends_on_seed_epoch_and_index_only(tmp_path):
 
 def test_transforms_shapes():
     image = torch.from_numpy(picture(50, 30)).permute(2, 0, 1)
-    assert build_transforms(24, 28, train=True)(image).shape == (3, 24, 24)
-    val = build_transforms(24, 28, train=False)(image)
+    train, val = transforms(24, 28)
+    assert train(image).shape == (3, 24, 24)
+    val = val(image)
     assert val.shape == (3, 24, 24) and val.dtype == torch.float32
 
 
@@ -96,13 +105,13 @@ def test_train_val_class_mismatch(tmp_path):
     write_folder(tmp_path / "train", classes=("cat", "dog", "fox"))
     write_folder(tmp_path / "val", classes=("cat", "dog", "owl"))
     with pytest.raises(UserError, match=r"only in train: fox; only in val: owl"):
-        build_datasets(tmp_path, 16, 16, seed=0)
+        build_datasets(tmp_path, 0, (*transforms(16, 16), 16, 16))
 
 
 def test_datasets_share_class_indices(tmp_path):
     write_folder(tmp_path / "train", classes=("b", "a"))
     write_folder(tmp_path / "val", classes=("a", "b"), per_class=1)
-    train, val = build_datasets(tmp_path, 16, 16, seed=0)
+    train, val = build_datasets(tmp_path, 0, (*transforms(16, 16), 16, 16))
     assert train.class_to_idx == val.class_to_idx == {"a": 0, "b": 1}
     assert len(train) == 6 and len(val) == 2
 

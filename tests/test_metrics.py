@@ -5,7 +5,7 @@ import torch
 from sklearn.metrics import f1_score, precision_recall_fscore_support
 
 from text.metrics import classification_metrics, save_confusion_matrix
-from vision.data import topk_correct
+from vision.data import topk_hits
 
 
 def test_classification_metrics_by_hand():
@@ -41,12 +41,12 @@ def test_topk_by_hand():
         [0.0, 0.0, 0.9, 0.8, 0.0, 0.0],  # target 3: 2nd -> top-5 hit only
     ])
     targets = torch.tensor([1, 4, 5, 3])
-    assert topk_correct(logits, targets, ks=(1, 5)) == {1: 1, 5: 3}
+    assert topk_hits(logits, targets, ks=(1, 5)).tolist() == [1, 3]
 
 
 def test_topk_with_fewer_classes_than_k():
     logits = torch.tensor([[0.2, 0.8], [0.9, 0.1]])
-    assert topk_correct(logits, torch.tensor([0, 1]), ks=(1, 5)) == {1: 0, 5: 2}
+    assert topk_hits(logits, torch.tensor([0, 1]), ks=(1, 5)).tolist() == [0, 2]
 
 
 def test_confusion_matrix_files(tmp_path):

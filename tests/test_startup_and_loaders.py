@@ -16,11 +16,13 @@ from transformers import AutoTokenizer
 
 from common.demo_data import write_small_bert
 from common.runtime import UserError
-from vision.data import build_transforms, RGBImageFolder
+import train_resnet
+from vision.augment import train_transform
+from vision.data import RGBImageFolder
 from common.runtime import loader_settings
 from common.loop import PreemptionGuard
 from common.runtime import add_runtime_args, build_accelerator, loader_generator
-from common.loop import ThroughputWindow
+from common.loop import Throughput
 from text.model import check_unk_rate, unk_rate
 
 
@@ -115,7 +117,7 @@ def pictures(tmp_path_factory):
 
 def epochs_of_crops(accelerator, root, num_workers, epochs=2, skip=0):
     """Each epoch's training batches through the prepared loader, as the training script makes them."""
-    dataset = RGBImageFolder(root, build_transforms(8, 8, train=True), 8, seed=3)
+    dataset = RGBImageFolder(root, train_transform(train_resnet.parse_args(["--dummy", "--image_size", "8"])), 8, seed=3)
     loader = accelerator.prepare(DataLoader(dataset, batch_size=2, shuffle=True, generator=loader_generator(3),
                                             **loader_settings(num_workers)))
     crops = []
@@ -150,7 +152,7 @@ class FakeClock:
 
 def test_window_keeps_evaluation_and_epoch_start_out_of_the_speed():
     clock = FakeClock()
-    window = ThroughputWindow(clock=clock, process_clock=lambda: 12.5)
+    window = Throughput(clock=clock, process_clock=lambda: 12.5)
     batches = iter([1, 2, 3, 4])
 
     class SlowStart:  # a loader whose workers take 3 s to deliver the first batch
@@ -188,7 +190,7 @@ def test_window_reports_the_data_wait_as_part_of_training_time():
             clock.now += 0.25
             yield batch
 
-    window = ThroughputWindow(clock=clock, process_clock=lambda: 1.0, data_wait=True)
+    window = Throughput(clock=clock, process_clock=lambda: 1.0, data_wait=True)
     seen = []
     for batch in window.epoch(slow_batches()):
         clock.now += 0.75  # the step
@@ -198,7 +200,7 @@ def test_window_reports_the_data_wait_as_part_of_training_time():
     # 4 steps in 3.75 s of training (the 3 s start apart): 0.75 s of it waiting for batches
     assert window.read() == {"ms_per_step": 937.5, "data_ms_per_step": 187.5, "samples_per_second": 128 / 3.75,
                              "epoch_start_seconds": 3.0, "startup_seconds": 1.0}
-    assert "data_ms_per_step" not in ThroughputWindow(clock=clock).read()  # BERT's log line is unchanged
+    assert "data_ms_per_step" not in Throughput(clock=clock).read()  # BERT's log line is unchanged
 
 
 def test_startup_seconds_counts_from_the_process_start():

@@ -9,8 +9,9 @@ import torch
 from common.runtime import UserError
 from vision.data import ImageCounts
 from common.loop import epoch_batches
+from common.checkpoint import latest_checkpoint
 from common.loop import HealthCheck, LossMeter
-from common.loop import StepWeights
+from common.loop import LossScale
 
 
 class OneProcess:
@@ -40,9 +41,9 @@ def test_health_check_stops_on_a_nan_loss_and_names_the_last_good_checkpoint(tmp
     (tmp_path / "step_5" / "training_state.json").write_text("{}")
     (tmp_path / ".tmp-step_6").mkdir()  # an interrupted save is never the last good one
     calls = []
-    health = HealthCheck(accelerator, meter, model, tmp_path, "--lr", also=[lambda: calls.append(1)])
+    health = HealthCheck(accelerator, meter, model, lambda: latest_checkpoint(tmp_path), "--lr", also=[lambda: calls.append(1)])
     meter.update(torch.tensor(0.5), 4)
-    health.check(6, weights=True)
+    health.check(6, parameters=True)
     assert len(calls) == 1  # the further checks run after the loss's
     meter.mean(accelerator)  # a log line resets the window, not the count of NaN/inf losses
     meter.update(torch.tensor(float("nan")), 4)
@@ -56,13 +57,13 @@ def test_health_check_stops_on_a_nan_loss_and_names_the_last_good_checkpoint(tmp
 
 def test_health_check_looks_at_the_weights_before_a_save(tmp_path):
     accelerator, meter, model = OneProcess(), LossMeter("cpu"), torch.nn.Linear(2, 2)
-    health = HealthCheck(accelerator, meter, model, tmp_path, "--learning_rate")
+    health = HealthCheck(accelerator, meter, model, lambda: latest_checkpoint(tmp_path), "--learning_rate")
     meter.update(torch.tensor(0.5), 4)
     with torch.no_grad():
         model.weight[0, 0] = float("inf")  # the step after the last logged loss
     health.check(3)  # a log line: the loss alone
     with pytest.raises(UserError, match=r"by step 3; .*Last good checkpoint: None\. Try a lower --learning_rate"):
-        health.check(3, weights=True)
+        health.check(3, parameters=True)
 
 
 class Images:
@@ -114,7 +115,7 @@ def test_an_unreadable_image_stops_the_run_or_is_reported_once(tmp_path):
 
 def test_images_in_each_optimizer_step():
     """21 full batches of 64 per epoch, 4 per step: the epoch's 6th step has 1 batch (and a 4x loss scale)."""
-    weights = StepWeights(OneProcess(), 21 * 64 + 10, 64, 4, drop_last=True)
+    weights = LossScale(OneProcess(), 21 * 64 + 10, 64, 4, drop_last=True)
     assert [weights.window_batches(i) for i in (0, 3, 19, 20)] == [4, 4, 4, 1]
     assert weights.window_scale(20) == 4.0 and weights.window_scale(3) == 1.0
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from common.runtime import UserError
-from text.data import build_label_list, check_known_labels, find_split_file, read_examples, read_labels_file, read_texts, read_unlabelled, TextFormat
+from text.data import build_label_list, check_known_labels, find_split_file, read_examples, read_labels_file, read_unlabelled, TextFormat
 
 
 def write(path, text, encoding="utf-8"):
@@ -91,8 +91,10 @@ def test_find_split_files_accepts_cnews_names(tmp_path):
 
 
 def test_predict_texts_one_per_line_or_jsonl(tmp_path):
-    assert read_texts(write(tmp_path / "p.txt", "第一条\n\n第二条\n")) == ["第一条", "第二条"]
-    assert read_texts(write(tmp_path / "p.jsonl", '{"text": "甲"}\n{"text": "乙", "id": 3}\n')) == ["甲", "乙"]
+    def texts(path):
+        return [example.text for example in read_unlabelled(path)]
+    assert texts(write(tmp_path / "p.txt", "第一条\n\n第二条\n")) == ["第一条", "第二条"]
+    assert texts(write(tmp_path / "p.jsonl", '{"text": "甲"}\n{"text": "乙", "id": 3}\n')) == ["甲", "乙"]
 
 
 PAIRS = TextFormat(text_column="sentence1", text_pair_column="sentence2", label_column="tags")

@@ -268,11 +268,6 @@ def read_unlabelled(path, fmt=DEFAULT_FORMAT):
     return examples
 
 
-def read_texts(path, fmt=DEFAULT_FORMAT):
-    """The texts of `read_unlabelled`."""
-    return [example.text for example in read_unlabelled(path, fmt)]
-
-
 def read_labels_file(path, encoding="utf-8"):
     """Label names, one per line, in the order that defines their ids."""
     labels = [line.strip() for _, line in _decoded_lines(path, encoding) if line.strip()]

@@ -33,30 +33,20 @@ def training_loss(logits, targets, multi_label, label_smoothing=0.0):
 
 
 def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5):
-    """Accuracy, micro/macro F1, mean loss and the per-class report of gathered logits and targets.
+    """Accuracy, micro/macro F1, mean loss, the per-class report and the confusion matrix of gathered logits and
+    targets.
 
     Multi-label: a label is predicted when its sigmoid probability is at least `threshold`; `accuracy` is the
     exact-match (subset) accuracy, F1 is over every (sample, label) decision (micro) or averaged per label (macro);
     no confusion matrix (None)."""
-    if not multi_label:
-        metrics = classification_metrics(targets.numpy(), logits.argmax(-1).numpy(), labels)
-        metrics["loss"] = F.cross_entropy(logits, targets).item()
-        return metrics
-    from sklearn.metrics import accuracy_score, classification_report, f1_score
-
-    y_true = targets.numpy().astype(np.int64)  # (N, C)
-    y_pred = (torch.sigmoid(logits) >= threshold).numpy().astype(np.int64)  # (N, C)
-    ids = list(range(len(labels)))
-    return {
-        "accuracy": float(accuracy_score(y_true, y_pred)),
-        "macro_f1": float(f1_score(y_true, y_pred, labels=ids, average="macro", zero_division=0)),
-        "micro_f1": float(f1_score(y_true, y_pred, labels=ids, average="micro", zero_division=0)),
-        "samples": int(len(y_true)),
-        "loss": F.binary_cross_entropy_with_logits(logits, targets.float()).item(),
-        "report": classification_report(y_true, y_pred, labels=ids, target_names=labels, output_dict=True,
-                                        zero_division=0),
-        "confusion_matrix": None,
-    }
+    if multi_label:
+        y_true = targets.numpy().astype(np.int64)  # (N, C)
+        y_pred = (torch.sigmoid(logits) >= threshold).numpy().astype(np.int64)  # (N, C)
+        loss = F.binary_cross_entropy_with_logits(logits, targets.float())
+    else:
+        y_true, y_pred = targets.numpy(), logits.argmax(-1).numpy()  # (N,)
+        loss = F.cross_entropy(logits, targets)
+    return {**classification_metrics(y_true, y_pred, labels), "loss": loss.item()}
 
 
 def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
@@ -78,7 +68,8 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
 
 
 def classification_metrics(y_true, y_pred, labels):
-    """Accuracy, micro/macro F1, the per-class report and the confusion matrix for label ids 0..len(labels)-1."""
+    """Accuracy, micro/macro F1, the per-class report and the confusion matrix for label ids 0..len(labels)-1;
+    y_true and y_pred are (N,) ids, or (N, C) 0/1 rows for multi-label (exact-match accuracy, no confusion matrix)."""
     from sklearn.metrics import accuracy_score, classification_report, confusion_matrix, f1_score
 
     ids = list(range(len(labels)))
@@ -92,7 +83,7 @@ def classification_metrics(y_true, y_pred, labels):
         "micro_f1": float(f1_score(y_true, y_pred, labels=ids, average="micro", zero_division=0)),
         "samples": int(len(y_true)),
         "report": report,
-        "confusion_matrix": confusion_matrix(y_true, y_pred, labels=ids),
+        "confusion_matrix": confusion_matrix(y_true, y_pred, labels=ids) if y_true.ndim == 1 else None,
     }
 
 

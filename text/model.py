@@ -119,3 +119,24 @@ def load_legacy_bert(path, model):
                             "(check --model_name_or_path / --config_overrides)")
     model.load_state_dict(renamed, strict=False)
     return model
+
+
+def saved_labels(model_name_or_path):
+    """The id order a trained model was saved with (config id2label), or None for a base model."""
+    config_file = Path(model_name_or_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    id2label = json.loads(config_file.read_text(encoding="utf-8")).get("id2label")
+    if not id2label or all(name.startswith("LABEL_") for name in id2label.values()):
+        return None
+    return [id2label[str(i)] for i in range(len(id2label))]
+
+
+def optimizer_groups(model, weight_decay):
+    """AdamW parameter groups: no weight decay on biases and LayerNorm weights."""
+    no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+    ]

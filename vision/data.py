@@ -93,19 +93,6 @@ def describe_bad_image(path):
     return "cannot be decoded"
 
 
-def build_transforms(image_size, val_resize, train, crop_scale=0.08):
-    """main.py's transforms, on uint8 tensors: (3, H, W) uint8 -> (3, image_size, image_size) float, normalised.
-
-    crop_scale: the smallest fraction of the image area a training crop covers (main.py: 0.08).
-    """
-    if train:
-        geometry = [v2.RandomResizedCrop(image_size, scale=(crop_scale, 1.0), antialias=True),
-                    v2.RandomHorizontalFlip()]
-    else:
-        geometry = [v2.Resize(val_resize, antialias=True), v2.CenterCrop(image_size)]
-    return v2.Compose([*geometry, v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-
-
 class RGBImageFolder(datasets.ImageFolder):
     """ImageFolder that decodes to RGB tensors, marks unreadable files, and seeds augmentation per sample."""
 
@@ -176,17 +163,14 @@ def _few(names, limit=5):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def build_datasets(data, image_size, val_resize, seed, crop_scale=0.08, transforms=None, folder=RGBImageFolder):
+def build_datasets(data, seed, transforms, folder=RGBImageFolder):
     """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes.
 
-    transforms: (train, val, train_crop, val_crop) from vision/augment.py; default main.py's at image_size.
+    transforms: (train, val, train_crop, val_crop) from vision/augment.py.
     folder: the dataset class, RGBImageFolder or a subclass (vision/device_decode.py EncodedImageFolder)."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     train_classes, val_classes = image_classes(train_root), image_classes(val_root)
     check_same_classes(train_classes, val_classes, train_root, val_root)
-    if transforms is None:
-        transforms = (build_transforms(image_size, val_resize, train=True, crop_scale=crop_scale),
-                      build_transforms(image_size, val_resize, train=False), image_size, image_size)
     train = folder(train_root, transforms[0], transforms[2], seed)
     val = folder(val_root, transforms[1], transforms[3], seed)
     return train, val
@@ -240,6 +224,10 @@ def bad_image_error(dataset, target):
 
 
 class ImageCounts:
+    """Top-1/top-5 hits of the readable training images between two log lines, and the unreadable ones (marked by
+    RGBImageFolder with a target `-1 - index`): one stops the run with a line naming the file, or, with
+    --skip_bad_images, is reported once and counted."""
+
     def __init__(self, accelerator, dataset, skip_bad_images):
         self.accelerator, self.dataset, self.skip_bad_images = accelerator, dataset, skip_bad_images
         self.window = torch.zeros(4, dtype=torch.long, device=accelerator.device)  # readable, top-1, top-5, skipped
@@ -248,9 +236,9 @@ class ImageCounts:
 
     def add(self, logits, targets):
         """Count one batch, logits (B, C) and targets (B,); returns how many of its images were readable."""
-        readable = targets >= 0
-        hits = logits.detach().topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])  # (B, 5)
-        self.window += torch.stack([readable.sum(), hits[:, 0].sum(), hits.any(dim=1).sum(), (~readable).sum()])
+        readable = targets >= 0  # an unreadable image's negative target is never among the top k
+        top1, top5 = topk_hits(logits.detach(), targets, ks=(1, 5))
+        self.window += torch.stack([readable.sum(), top1, top5, (~readable).sum()])
         self.lowest_target = torch.minimum(self.lowest_target, targets.min())
         return readable.sum()
 
@@ -274,9 +262,9 @@ class ImageCounts:
             self.accelerator.print(f"warning: skipping unreadable image {self.dataset.bad_image_path(lowest)}")
 
 
-def topk_correct(logits, targets, ks=(1, 5)):
-    """Number of samples whose target is among the k highest logits, for each k (k capped at the class count)."""
+def topk_hits(logits, targets, ks=(1, 5)):
+    """(len(ks),) tensor on the logits' device: how many samples have their target among the k highest logits, for
+    each k (k capped at the class count). No `.item()`: the training loop's counts stay on the device."""
     maxk = min(max(ks), logits.shape[1])
-    top = logits.topk(maxk, dim=1).indices  # (N, maxk)
-    hits = top.eq(targets.view(-1, 1))  # (N, maxk)
-    return {k: int(hits[:, : min(k, maxk)].any(dim=1).sum()) for k in ks}
+    hits = logits.topk(maxk, dim=1).indices.eq(targets.view(-1, 1))  # (N, maxk)
+    return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in ks])

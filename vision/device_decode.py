@@ -7,9 +7,10 @@ crops. The training process then decodes the whole batch on its device in one ca
 nvJPEG on a GPU, libjpeg on the CPU; torchvision.io's where TorchCodec is unusable) and replays the same transform
 objects there with the drawn parameters.
 
-The loader's batches are EncodedBatch objects. accelerate's prepared loader moves every batch with
-`batch.to(device)` (as it moves transformers' BatchEncoding); EncodedBatch.to decodes and augments on that device
-and returns (images (B, 3, S, S) float, targets): the training loop sees what the CPU loader gives it.
+The loader's batches are EncodedBatch objects, which accelerate's prepared loader hands on as they are (they have
+no `.to`). The training and validation loops take their batches through `decode_on_device(batches, device)`, which
+decodes and augments each EncodedBatch on the device and gives (images (B, 3, S, S) float, targets): what the CPU
+loader gives, whose batches it passes through unchanged.
 
 - The device decodes RGB and grayscale JPEGs. Other files (PNG and the other formats, CMYK JPEGs, which
   nvJPEG does not decode, JPEGs with an EXIF orientation) are decoded in the worker with decode_rgb, as the CPU
@@ -134,14 +135,14 @@ def draw_params(transform, shape):
 
 @dataclass
 class EncodedBatch:
-    """A batch as the workers leave it; .to(device) (which accelerate's prepared loader calls) decodes and augments
-    it on the device and returns (images, targets)."""
+    """A batch as the workers leave it; `decode(device)` decodes and augments it on the device (decode_on_device)."""
     images: list  # EncodedImage per sample
     targets: torch.Tensor  # (B,) class indices; -1 - index where the file is unreadable
     transform: v2.Compose
     image_shape: tuple  # (3, S, S): the transform's output, and the zeros an unreadable file becomes
 
-    def to(self, device, non_blocking=False):
+    def decode(self, device):
+        """(images (B, 3, S, S) float, targets (B,)) on `device`: every image decoded and augmented there."""
         device = torch.device(device)
         targets = self.targets.clone()
         decoded = decode_images(self.images, device)
@@ -153,7 +154,14 @@ class EncodedBatch:
         if readable:
             batch[readable] = replay(self.transform, [decoded[row] for row in readable],
                                      [self.images[row].params for row in readable])
-        return batch, targets.to(device, non_blocking=non_blocking)
+        return batch, targets.to(device)
+
+
+def decode_on_device(batches, device):
+    """The loader's batches as (images, targets): an EncodedBatch (--decode_on_device) is decoded and augmented on
+    `device` here, as the loop takes it; any other batch passes through as the loader made it."""
+    for batch in batches:
+        yield batch.decode(device) if isinstance(batch, EncodedBatch) else batch
 
 
 @functools.cache

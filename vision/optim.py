@@ -50,13 +50,11 @@ def add_optim_args(parser):
     return group
 
 
-def resume_settings(args):
-    """add_optim_args' flags (and --epochs, the schedule's length) that a resumed run may change: every checkpoint
-    records them, and a resumed run names the ones that differ and applies them from there on."""
-    return {"--lr": args.lr, "--momentum": args.momentum, "--wd": args.weight_decay, "--epochs": args.epochs,
-            "--lr_scheduler": args.lr_scheduler, "--lr_step_epochs": args.lr_step_epochs,
-            "--warmup_epochs": args.warmup_epochs, "--lr_warmup_method": args.lr_warmup_method,
-            "--lr_warmup_decay": args.lr_warmup_decay, "--lr_min": args.lr_min}
+# add_optim_args' flags (and --epochs, the schedule's length) that a resumed run may change: {flag: args attribute}
+RESUMABLE_FLAGS = {"--lr": "lr", "--momentum": "momentum", "--wd": "weight_decay", "--epochs": "epochs",
+                   "--lr_scheduler": "lr_scheduler", "--lr_step_epochs": "lr_step_epochs",
+                   "--warmup_epochs": "warmup_epochs", "--lr_warmup_method": "lr_warmup_method",
+                   "--lr_warmup_decay": "lr_warmup_decay", "--lr_min": "lr_min"}
 
 
 def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):

@@ -69,7 +69,7 @@ def add_replaced_flags(parser, replacements=MAIN_PY_FLAGS, source="pytorch/examp
         parser.add_argument(flag, action=_ReplacedFlag, replacements=replacements, source=source)
 
 
-def torchvision_batch_size(argv, parsed_batch_size, world_size):
+def global_batch_size(argv, parsed_batch_size, world_size):
     """(global batch, note or None). torchvision's -b/--batch-size is PER PROCESS, main.py's and ours GLOBAL.
 
     The command decides: one that names torchvision's --model or --data-path is a torchvision command, and its

@@ -11,7 +11,7 @@ Checks (each with its own time limit; the whole run is planned to fit 8 minutes 
 It writes benchmarks/results/gpu_check_<time>.md and prints a one-screen summary. Nothing comes from the network.
 
     make gpu-check                                     # on the GPU machine (see docs/gpu.md)
-    python benchmarks/gpu_check.py --device cpu        # dry mode: the same harness on CPU, smallest matrix
+    python tools/gpu_check.py --device cpu        # dry mode: the same harness on CPU, smallest matrix
 Without a visible GPU (and without --device cpu) it says so and exits 0.
 """
 import argparse
@@ -273,7 +273,7 @@ class Harness:
                 figures[f"{arm} MFU"] = (100 * s["mfu"], "%")
             if s.get("peak_memory_gib"):
                 figures[f"{arm} peak memory"] = (s["peak_memory_gib"], "GiB")
-        for arm in result["input_arms"]:  # issue 19's goal: the fed step at 0.9x the bare compiled step or better
+        for arm in result["input_arms"]:  # the goal: the fed step at 0.9x the bare compiled step or better
             figures[f"{arm} vs {result['model_step_arm']}"] = (result["arms"][arm]["ratio_to_baseline"], "x")
         agreement = result["input_agreement"]
         for stat in ("mean", "max"):
@@ -291,7 +291,7 @@ class Harness:
     def plan(self):
         """(name, function) in running order; the training matrix runs a few jobs at a time on a GPU."""
         if self.cpu:  # dry mode: one run per script, every other check once. ResNet in fp32: bf16 with
-            # channels_last on CPU (torch 2.14.1) sometimes yields non-finite weights by step 10 (reported, issue 19)
+            # channels_last on CPU (torch 2.14.1) sometimes yields non-finite weights by step 10 (see docs/gpu.md)
             matrix = [("BERT bf16, compile off", lambda: self.bert_run("bf16", False)),
                       ("ResNet fp32 channels_last, compile off", lambda: self.resnet_run("no", False))]
         else:
