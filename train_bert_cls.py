@@ -46,7 +46,8 @@ from text.data import (LengthGroupedSampler, add_dataset_args, add_padding_args,
 from text.metrics import (Selection, check_task_args, compute_metrics, default_selection, evaluation_metrics,
                           headline_scores, load_metrics, prediction_rows, save_confusion_matrix, training_loss)
 from text.model import (add_model_source_args, check_model_source_args, check_problem_type, check_unk_rate,
-                        hub_options, load_classifier, load_legacy_bert, optimizer_groups, problem_type, saved_labels)
+                        hub_options, load_classifier, load_legacy_bert, loading, optimizer_groups, problem_type,
+                        saved_labels)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -174,19 +175,18 @@ def build_model(args, labels):
                         label2id={label: i for i, label in enumerate(labels)},
                         problem_type=problem_type(args.multi_label, args.do_regression))
     hub, remote = hub_options(args), args.trust_remote_code
-    tokenizer_source = args.tokenizer_name or args.model_name_or_path
-    try:
+    tokenizer_source, config_source = args.tokenizer_name or path, args.config_name or path
+    with loading(tokenizer_source, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=remote, **hub)
-        config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, trust_remote_code=remote,
-                                            **hub, **label_kwargs)
+    with loading(config_source, "config"):
+        config = AutoConfig.from_pretrained(config_source, trust_remote_code=remote, **hub, **label_kwargs)
+    with loading(path, "model"):
         if from_config:
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
         else:
             model = load_classifier(args.model_name_or_path, config, remote, hub)
-    except (OSError, ValueError) as err:
-        raise UserError(f"{args.model_name_or_path}: cannot load model ({str(err).splitlines()[0]})") from None
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
@@ -478,7 +478,7 @@ def main(args):
         accelerator.print(class_weights.line())
     tokenizer, model = build_model(args, labels)
     must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
-                  "regression": args.do_regression, "--class_weights": class_weights and class_weights.by_label,
+                  "regression": args.do_regression, "class_weights": class_weights and class_weights.by_label,
                   "model": {k: getattr(model.config, k, None) for k in
                             ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
                   # another value would change which samples each step sees (or the inputs themselves)

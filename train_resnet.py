@@ -485,7 +485,7 @@ def main(args):
         accelerator.print(class_weights.line())
     model = build_model(args, len(class_to_idx))
     must_match = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
-                  "--class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
+                  "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
                   # another value would change what each step sees
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps,
                   "--train_crop_size": args.train_crop_size,

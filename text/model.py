@@ -17,6 +17,7 @@ Neighbours: text/data.py (tokenising), text/metrics.py, common/export.py (the ex
 """
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,15 @@ def check_model_source_args(args):
     if args.model_revision and all(Path(source).is_dir() for source in sources if source):
         raise UserError(f"--model_revision {args.model_revision}: a revision selects a version of a hub id, and "
                         "the model, config and tokenizer all come from local directories")
+
+
+@contextmanager
+def loading(source, what):
+    """transformers' loading errors (a missing file, no network for a hub id) as one line naming the source."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        raise UserError(f"{source}: cannot load {what} ({str(err).strip().splitlines()[0]})") from None
 
 
 def hub_options(args):
