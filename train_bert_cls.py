@@ -471,7 +471,7 @@ def main(args):
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = examples.pop("predict", None)
-    metric_modules = load_metrics(args.metric, len(labels))
+    metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
     train_ids = label_targets(examples["train"], labels, multi_label=False) if args.class_weights else None
     class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
     if class_weights:

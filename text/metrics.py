@@ -199,8 +199,9 @@ def save_confusion_matrix(matrix, labels, csv_path, png_path, title="confusion m
     plt.close(fig)
 
 
-def load_metrics(names_or_paths, num_labels):
-    """The loaded modules, each checked on predictions = references = 0..num_labels-1."""
+def load_metrics(names_or_paths, num_labels, cache_dir=None):
+    """The loaded modules, each checked on predictions = references = 0..num_labels-1; hub modules are kept in
+    cache_dir (--cache_dir) when given."""
     if not names_or_paths:
         return []
     import evaluate  # a second of start-up, only for runs that ask for it
@@ -209,7 +210,7 @@ def load_metrics(names_or_paths, num_labels):
     for name in names_or_paths:
         try:
             # keep_in_memory: no cache file, so that several processes computing at once do not share a lock
-            modules.append(evaluate.load(name, keep_in_memory=True))
+            modules.append(evaluate.load(name, keep_in_memory=True, cache_dir=cache_dir and str(cache_dir)))
         except Exception as err:  # evaluate raises whatever its download or import raised
             raise UserError(f"--metric {name}: cannot load this evaluate module ({first_line(err)}); offline, "
                             "pass a local metric script or a folder <name>/ holding <name>.py") from None
