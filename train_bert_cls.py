@@ -489,7 +489,7 @@ def main(args):
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
     if "train" in loaders:
         stats["train_unk_rate"] = check_unk_rate(accelerator, tokenizer, loaders["train"].dataset,
-                                                 args.model_name_or_path)
+                                                 args.tokenizer_name or args.model_name_or_path)
         accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
                           f"{stats['train_unk_rate']:.2%}")
 

@@ -54,7 +54,8 @@ def regression_args(data, out, *extra):
             "--tokenizer_name", data / "tokenizer", "--token", SECRET, "--do_train", "--do_eval", "--do_test",
             "--do_predict", "--max_predict_samples", "7", "--max_seq_length", "32", "--train_batch_size", "16",
             "--eval_batch_size", "16", "--learning_rate", "3e-3", "--max_steps", str(STEPS), "--eval_steps", "10",
-            "--save_steps", "10", "--save_total_limit", "3", "--logging_steps", "5", "--output_dir", out, *extra]
+            "--save_steps", "10", "--save_total_limit", "3", "--logging_steps", "5", "--with_tracking",
+            "--output_dir", out, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,9 @@ def test_regression_export_scores_like_predictions_jsonl(regression):
 def test_token_is_never_written_or_printed(regression):
     out, proc, _ = regression
     assert SECRET not in proc.stdout + proc.stderr
-    leaks = [path for path in out.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert any(path.name.startswith("events.out.tfevents") for path in files)  # TensorBoard's copy of the flags too
+    leaks = [path for path in files if SECRET.encode() in path.read_bytes()]
     assert not leaks, leaks
     run_config = read_json(out / "run_config.json")
     assert run_config["args"]["token"] == "***" and "--token ***" in run_config["command"]
