@@ -219,6 +219,12 @@ def test_bad_rows_name_the_split_and_row(tmp_path):
     labels, examples, _ = load("--dataset_name", tmp_path / "floats", "--label_column_name", "score", "--do_train",
                                "--do_regression")
     assert labels == ["score"] and [e.label for e in examples["train"]] == [0.5, 1.5]
+    Dataset.from_dict({"text": NEWS[:2], "tags": [["a", "b"], []]}).save_to_disk(str(tmp_path / "tags"))
+    with pytest.raises(UserError, match=r"tags split 'train': column 'tags' holds lists of labels: pass --multi_lab"):
+        load("--dataset_name", tmp_path / "tags", "--label_column", "tags", "--do_train")
+    labels, examples, _ = load("--dataset_name", tmp_path / "tags", "--label_column", "tags", "--do_train",
+                               "--multi_label")
+    assert labels == ["a", "b"] and [e.label for e in examples["train"]] == [("a", "b"), ()]
 
 
 def test_parquet_files_written_by_pandas_with_joined_text_columns(tmp_path):

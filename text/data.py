@@ -414,6 +414,8 @@ def dataset_labels(dataset, fmt, where):
             raise UserError(f"{where}: column '{fmt.label_column}' is a ClassLabel (categories, not numbers); "
                             "drop --do_regression")
         return None, None
+    if isinstance(feature, (datasets.List, datasets.LargeList)) and not fmt.multi_label:
+        raise UserError(f"{where}: column '{fmt.label_column}' holds lists of labels: pass --multi_label")
     if class_label is not None:
         return list(class_label.names), (f"labels: the ClassLabel names of column '{fmt.label_column}', in the "
                                          "dataset's order (ids as in the dataset)")
