@@ -84,7 +84,7 @@ def test_regression_learns_and_selects_by_validation_mse(regression):
     assert results["best_step"] == best["step"] and results["best_eval_mse"] == best["mse"]
     assert results["eval_mse"] == pytest.approx(best["mse"]) and results["eval_loss"] == results["eval_mse"]
     assert not (out / "eval_report.json").exists() and not (out / "eval_confusion_matrix.csv").exists()
-    assert f"validation <- split 'validation' (41 rows), test <- split 'test' (20 rows)" in proc.stdout
+    assert "validation <- split 'validation' (41 rows), test <- split 'test' (20 rows)" in proc.stdout
 
 
 def test_regression_resumes_mid_epoch_bitwise(regression):
