@@ -17,8 +17,9 @@
 #   - this shell forwards SIGTERM to the training processes (the launcher's children), to each one
 #     once, as soon as it no longer ignores SIGTERM: they inherit the ignored SIGTERM from the
 #     launcher and catch it from the start of their training loop on, so a signal that comes during
-#     start-up stops the run at its first step, with a checkpoint, instead of being lost. Once only:
-#     an exiting Python process restores SIGTERM's default action, and a second one would kill it;
+#     start-up stops the run within a second of training, with a checkpoint, instead of being lost.
+#     Once only: an exiting Python process restores SIGTERM's default action, and a second one would
+#     kill it (exit -15 after a good save);
 #   - on the first SIGTERM it creates the file STOP_MARK (where that directory exists: on the
 #     batch script's node), so the batch script can tell a stopped run from a finished one.
 # DRY_RUN=1 prints what each node would run (with its GPUs and CPUs) instead of running it.
