@@ -14,7 +14,7 @@ WHEELS := wheels
 GPU_SITE := .gpu-site
 GPU_WHEELS := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 torchcodec==0.16.0
 
-.PHONY: install install-dev demo test test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
+.PHONY: install install-dev demo test test-slurm test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
 
 $(VENV)/.installed: requirements.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ demo: install
 TEST_WORKERS ?= 2
 test: install-dev
 	$(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# slurm/multinode.sbatch on a real Slurm: a throwaway 2-node cluster on 127.0.0.1 (tests/slurm/). Needs root; installs
+# Debian's Slurm 22.05 and munge with apt-get if they are missing. About 4 minutes on 2 cores.
+test-slurm: install-dev
+	tests/slurm/install_slurm.sh
+	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests/slurm/check_multinode.py
 
 $(LOWER)/.installed: requirements.txt requirements-dev.txt
 	rm -rf $(LOWER)
