@@ -3,6 +3,7 @@
 A throwaway cluster of two nodes on this machine (slurm_cluster.py), each with 2 GPUs declared as generic resources,
 and the tiny CPU BERT run as the training command, 2 nodes x 1 process (CPU=1: --cpu, gloo):
 - the GPUs Slurm gives a job become the processes per node (DRY_RUN=1 prints each node's launch command and devices);
+- a rendezvous address that another node cannot reach stops the job with one line;
 - an uninterrupted run finishes with exit status 0: the reference;
 - one run of the same command, stopped three times and continued: `scancel --signal=TERM` during start-up, then a
   resubmission that resumes by itself and is stopped by the time limit's --signal, requeued by REQUEUE=1, stopped
@@ -33,7 +34,11 @@ TRAIN_LINE = r"^epoch \d+ step (\d+)/"
 def cluster(tmp_path_factory):
     if os.getuid() != 0 or not slurm_installed():
         pytest.fail("needs root and Debian's slurmctld, slurmd, slurm-client and munge: run `make test-slurm`")
-    cluster = SlurmCluster(tmp_path_factory.mktemp("cluster"))
+    # n1 and n2 share 127.0.0.1, as two nodes of one network; n3 is "another host" at 127.0.0.2, only in partition
+    # `far`, where the first node's loopback address is not one that n3 reaches.
+    cluster = SlurmCluster(tmp_path_factory.mktemp("cluster"),
+                           nodes={"n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.2"},
+                           partitions={"debug": ["n1", "n2"], "far": ["n1", "n3"]})
     try:
         cluster.start()
         yield cluster
@@ -62,12 +67,13 @@ def submit(cluster, command, sbatch_opts=(), env=None, wait=False):
     logs.mkdir(exist_ok=True)
     job_env = {**ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                "CPU": "1", "MAIN_PORT": str(free_port()), **(env or {})}
-    proc = cluster.run("sbatch", "--parsable", *(["--wait"] if wait else []), "--chdir", ROOT,
-                       "--output", logs / "slurm-%j.out", *sbatch_opts, "slurm/multinode.sbatch", *command,
-                       env=job_env, check=False, timeout=600 if wait else 60)
-    job_id = proc.stdout.split(";")[0].strip().splitlines()[0] if proc.stdout.strip() else None
-    assert job_id, f"sbatch failed: {proc.stderr}"
-    return job_id, logs / f"slurm-{job_id}.out"
+    proc = cluster.run("sbatch", "--parsable", "--chdir", ROOT, "--output", logs / "slurm-%j.out", *sbatch_opts,
+                       "slurm/multinode.sbatch", *command, env=job_env, check=False)
+    assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
+    job_id, log = proc.stdout.split(";")[0].strip(), logs / f"slurm-{proc.stdout.split(';')[0].strip()}.out"
+    if wait:  # polled here: `sbatch --wait` polls at growing intervals, up to 10 s late
+        wait_job(cluster, job_id, log)
+    return job_id, log
 
 
 def log_text(path):
@@ -80,7 +86,7 @@ def wait_job(cluster, job_id, log, timeout=300):
         job = cluster.job(job_id)
         if job["JobState"] in ENDED:
             return job
-        time.sleep(1)
+        time.sleep(0.5)
     raise AssertionError(f"job {job_id} still {job['JobState']} after {timeout} s\n{log_text(log)[-4000:]}")
 
 
@@ -105,7 +111,7 @@ def stopped_at(cluster, job_id, log, start):
 
 def release_when_requeued(cluster, job_id, log, start):
     """Slurm holds a requeued job for about two minutes (BeginTime): start it at once, with its 5-minute limit back."""
-    wait_line(cluster, job_id, log, r"^requeued: ", start)
+    wait_line(cluster, job_id, log, r"^requeueing: ", start)
     deadline = time.time() + 120
     while time.time() < deadline:
         job = cluster.job(job_id)
@@ -150,6 +156,20 @@ def test_gpus_given_become_processes(cluster, tmp_path, sbatch_opts, env, proces
         assert "on the CPU" in text and " --cpu" in text
     else:
         assert {cvd for _, cvd, _ in nodes} == {devices} and " --cpu" not in text
+
+
+def test_rendezvous_address_every_node_reaches(cluster, tmp_path):
+    """n1's address, 127.0.0.1, is loopback, and n3 is elsewhere (127.0.0.2): one line, exit 2, instead of a
+    rendezvous that retries forever; MAIN_ADDR overrides the address."""
+    command = bert_command(tmp_path, tmp_path / "out")
+    job_id, log = submit(cluster, command, ["--partition=far"], env={"DRY_RUN": "1"}, wait=True)
+    assert cluster.job(job_id)["ExitCode"] == "2:0"
+    assert log_text(log).strip() == ("error: n1's address 127.0.0.1 is a loopback address, which node n3 (at "
+                                     "127.0.0.2) cannot reach; set MAIN_ADDR=<an address of n1 that every node reaches>")
+    job_id, log = submit(cluster, command, ["--partition=far"], env={"DRY_RUN": "1", "MAIN_ADDR": "127.0.0.1"},
+                         wait=True)
+    assert cluster.job(job_id)["ExitCode"] == "0:0", log_text(log)
+    assert "rendezvous 127.0.0.1:" in log_text(log)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,15 @@
-"""A throwaway Slurm cluster of two nodes on this machine, for tests/slurm/check_multinode.py (`make test-slurm`).
+"""A throwaway Slurm cluster on this machine, for tests/slurm/check_multinode.py (`make test-slurm`).
 
-Debian 12's Slurm 22.05 is built with multiple-slurmd support (`scontrol show config`: MULTIPLE_SLURMD = Yes), so two
-`slurmd -N n1` / `slurmd -N n2`, each with its own port at NodeAddr=127.0.0.1, are two nodes on one host. Each
-declares GPUs as generic resources backed by character devices made here (`mknod c 1 3`, /dev/null's numbers): Slurm
-22.05 drops a GPU gres without File= ("Removing file-less GPU") and the node goes INVAL. There is no slurmdbd, so no
+Debian 12's Slurm 22.05 is built with multiple-slurmd support (`scontrol show config`: MULTIPLE_SLURMD = Yes), so
+several `slurmd -N NAME`, each with its own port, are several nodes on one host. Each declares GPUs as generic
+resources backed by character devices made here (`mknod c 1 3`, /dev/null's numbers): Slurm 22.05 drops a GPU gres
+without File= ("Removing file-less GPU") and the node goes INVAL. There is no slurmdbd, so no
 AccountingStorageTRES=gres/gpu (it stops slurmctld without one). munged listens on its own socket; configuration,
-state, spool and logs live in one temporary directory; every address is 127.0.0.1 and clients find the cluster through
-SLURM_CONF (without it they look for DNS SRV records). The daemons run in the foreground as children of this process
-and stop() ends them by PID, slurmds first: a slurmd that cannot reach slurmctld ignores SIGTERM (it gets SIGKILL after
-a grace). Job processes left behind by a failed test are found by the SLURM_CONF in their environment and killed by PID.
+state, spool and logs live in one temporary directory; every address is a loopback address given as a number (no
+name lookup), and clients find the cluster through SLURM_CONF (without it they look for DNS SRV records). The daemons
+run in the foreground as children of this process and stop() ends them by PID, slurmds first: a slurmd that cannot
+reach slurmctld ignores SIGTERM (it gets SIGKILL after a grace). Job processes left behind by a failed test are found
+by the SLURM_CONF in their environment and killed by PID.
 """
 import os
 import re
@@ -30,9 +31,12 @@ def free_port():
 
 
 class SlurmCluster:
-    def __init__(self, root, nodes=("n1", "n2"), gpus_per_node=2, kill_wait=10):
+    """`nodes`: node name -> NodeAddr; `partitions`: name -> node names (the first is the default partition)."""
+
+    def __init__(self, root, nodes, partitions, gpus_per_node=2, kill_wait=10):
         self.root = Path(root)
-        self.nodes, self.gpus_per_node, self.kill_wait = nodes, gpus_per_node, kill_wait
+        self.nodes, self.partitions = nodes, partitions
+        self.gpus_per_node, self.kill_wait = gpus_per_node, kill_wait
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.daemons = []  # (name, Popen), in start order
@@ -55,8 +59,11 @@ class SlurmCluster:
         ports = [free_port() for _ in range(1 + len(self.nodes))]
         cpus = os.cpu_count()
         node_lines = "\n".join(
-            f"NodeName={n} NodeAddr=127.0.0.1 Port={ports[1 + i]} CPUs={cpus} RealMemory=1000 "
-            f"Gres=gpu:{self.gpus_per_node} State=UNKNOWN" for i, n in enumerate(self.nodes))
+            f"NodeName={n} NodeAddr={addr} Port={ports[1 + i]} CPUs={cpus} RealMemory=1000 "
+            f"Gres=gpu:{self.gpus_per_node} State=UNKNOWN" for i, (n, addr) in enumerate(self.nodes.items()))
+        partition_lines = "\n".join(
+            f"PartitionName={name} Nodes={','.join(nodes)} Default={'YES' if i == 0 else 'NO'} MaxTime=INFINITE "
+            "State=UP" for i, (name, nodes) in enumerate(self.partitions.items()))
         self.conf.write_text(f"""\
 ClusterName=testcluster
 SlurmctldHost={socket.gethostname().split('.')[0]}(127.0.0.1)
@@ -86,7 +93,7 @@ KillWait={self.kill_wait}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 {node_lines}
-PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
+{partition_lines}
 """)
         per_node = [devices[i * self.gpus_per_node:(i + 1) * self.gpus_per_node] for i in range(len(self.nodes))]
         (root / "gres.conf").write_text("".join(
