@@ -37,8 +37,8 @@ TEST_WORKERS ?= 2
 test: install-dev
 	$(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
-# slurm/multinode.sbatch on a real Slurm: a throwaway 2-node cluster on 127.0.0.1 (tests/slurm/). Needs root; installs
-# Debian's Slurm 22.05 and munge with apt-get if they are missing. About 4 minutes on 2 cores.
+# slurm/multinode.sbatch on a real Slurm: a throwaway cluster of slurmds on this machine (tests/slurm/). Needs root;
+# installs Debian's Slurm 22.05 and munge with apt-get if they are missing. About 5 minutes on 2 cores.
 test-slurm: install-dev
 	tests/slurm/install_slurm.sh
 	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests/slurm/check_multinode.py

@@ -1,7 +1,8 @@
 """slurm/multinode.sbatch on a real Slurm (`make test-slurm`: root, Debian's Slurm 22.05, installed by the Makefile).
 
-A throwaway cluster of two nodes on this machine (slurm_cluster.py), each with 2 GPUs declared as generic resources,
-and the tiny CPU BERT run as the training command, 2 nodes x 1 process (CPU=1: --cpu, gloo):
+A throwaway cluster on this machine (slurm_cluster.py): nodes n1 and n2 at 127.0.0.1 (and n3, "another host" at
+127.0.0.2), each with 2 GPUs declared as generic resources; the training command is the tiny CPU BERT run, on 2 nodes x
+1 process (CPU=1: --cpu, gloo):
 - the GPUs Slurm gives a job become the processes per node (DRY_RUN=1 prints each node's launch command and devices);
 - a rendezvous address that another node cannot reach stops the job with one line;
 - an uninterrupted run finishes with exit status 0: the reference;
@@ -28,6 +29,7 @@ from utils.demo_data import write_text_classification_data
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 TRAIN_LINE = r"^epoch \d+ step (\d+)/"
+LIMIT = 30  # minutes: the time limit of the job that is stopped by its time limit, until the test cuts it
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def log_text(path):
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def wait_job(cluster, job_id, log, timeout=300):
+def wait_job(cluster, job_id, log, timeout=600):
     deadline = time.time() + timeout
     while time.time() < deadline:
         job = cluster.job(job_id)
@@ -90,7 +92,7 @@ def wait_job(cluster, job_id, log, timeout=300):
     raise AssertionError(f"job {job_id} still {job['JobState']} after {timeout} s\n{log_text(log)[-4000:]}")
 
 
-def wait_line(cluster, job_id, log, pattern, start=0, timeout=240):
+def wait_line(cluster, job_id, log, pattern, start=0, timeout=300):
     """The first match of `pattern` (a line) in the job's log after offset `start`; fails if the job ends first."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -110,7 +112,7 @@ def stopped_at(cluster, job_id, log, start):
 
 
 def release_when_requeued(cluster, job_id, log, start):
-    """Slurm holds a requeued job for about two minutes (BeginTime): start it at once, with its 5-minute limit back."""
+    """Slurm holds a requeued job for about two minutes (BeginTime): start it at once, with its long limit back."""
     wait_line(cluster, job_id, log, r"^requeueing: ", start)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -118,7 +120,7 @@ def release_when_requeued(cluster, job_id, log, start):
         if job["JobState"] == "RUNNING" and int(job["Restarts"]) > 0:
             return
         if job["JobState"] == "PENDING":
-            cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", "TimeLimit=5", check=False)
+            cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", f"TimeLimit={LIMIT}", check=False)
         time.sleep(1)
     raise AssertionError(f"requeued job {job_id} did not start again: {cluster.job(job_id)}")
 
@@ -179,7 +181,7 @@ def reference(cluster, data, tmp_path_factory):
     job_id, log = submit(cluster, bert_command(data, out), wait=True)
     job, text = cluster.job(job_id), log_text(log)
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), text
-    assert "2 processes, 1 on each of 2 nodes" in text and text.rstrip().endswith("finished"), text
+    assert "2 processes, 1 on each of 2 nodes" in text and text.rstrip().endswith("\nfinished"), text
     results = read_json(out / "all_results.json")
     assert (results["num_processes"], results["distributed_type"]) == (2, "MULTI_CPU")
     assert "preempted" not in results
@@ -211,15 +213,17 @@ def test_stops_save_and_resume_exactly(cluster, data, reference, tmp_path):
     assert read_json(out / "all_results.json")["preempted"] is True
     stops = [step]
 
-    # 2. The same command again, with REQUEUE=1: it resumes by itself. Once it trains, its time limit is cut to 2
-    #    minutes, so that --signal=TERM@100 falls due and slurmctld sends it at its next time-limit check (every 30 s).
-    job_id, log = submit(cluster, command, ["--time=5", "--signal=TERM@100"], env={"REQUEUE": "1"})
+    # 2. The same command again, with REQUEUE=1: it resumes by itself. Once it trains, its time limit is cut to end
+    #    2 to 3 minutes from now, so that --signal=TERM@170 is due at once: slurmctld sends it at its next time-limit
+    #    check (every 30 s), mid-training, at least 89 s before the limit.
+    job_id, log = submit(cluster, command, [f"--time={LIMIT}", "--signal=TERM@170"], env={"REQUEUE": "1"})
     start = 0
     for stop_with in ("time limit", "scancel"):
         resumed = wait_line(cluster, job_id, log, rf"^Resumed from \S+/step_{stops[-1]} at step {stops[-1]}$", start)
         wait_line(cluster, job_id, log, TRAIN_LINE, resumed.end())
         if stop_with == "time limit":
-            cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
+            hours, minutes, seconds = map(int, cluster.job(job_id)["RunTime"].split("-")[-1].split(":"))
+            cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={hours * 60 + minutes + 1 + 2}")
         else:
             cluster.run("scancel", "--signal=TERM", job_id)
         step, start = stopped_at(cluster, job_id, log, resumed.end())
@@ -231,7 +235,7 @@ def test_stops_save_and_resume_exactly(cluster, data, reference, tmp_path):
     wait_line(cluster, job_id, log, rf"^Resumed from \S+/step_{stops[-1]} at step {stops[-1]}$", start)
     job, text = wait_job(cluster, job_id, log), log_text(log)
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "2"), text
-    assert text.rstrip().endswith("finished"), text[-3000:]
+    assert text.rstrip().endswith("\nfinished"), text[-3000:]
     assert len(re.findall(r"^stopped cleanly at step", text, re.M)) == 2
 
     assert_same_run(reference, out, stops)
