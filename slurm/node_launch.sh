@@ -37,9 +37,11 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 fi
 
 stopping=0
+launcher=""
 declare -A forwarded=()
 forward_term() {
     local pid ignored
+    [ -n "$launcher" ] || return 0
     for pid in $(ps -o pid= --ppid "$launcher" 2>/dev/null); do
         [ -z "${forwarded[$pid]:-}" ] || continue
         ignored=$(awk '/^SigIgn:/ {print $2}' "/proc/$pid/status" 2>/dev/null) || continue
