@@ -71,7 +71,8 @@ SlurmctldPort={ports[0]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root}/munge/socket
+# cred_expire (120 s by default) is also how long a requeued job waits before it can start again
+AuthInfo=socket={root}/munge/socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
@@ -84,6 +85,8 @@ MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+# every 2 s instead of 60 / 30: a requeued job starts as soon as it may
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
