@@ -38,7 +38,7 @@ test: install-dev
 	$(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # slurm/multinode.sbatch on a real Slurm: a throwaway cluster of slurmds on this machine (tests/slurm/). Needs root;
-# installs Debian's Slurm 22.05 and munge with apt-get if they are missing. 5 to 6 minutes on 2 cores.
+# installs Debian's Slurm 22.05 and munge with apt-get if they are missing. 5 to 8 minutes on 2 cores.
 test-slurm: install-dev
 	tests/slurm/install_slurm.sh
 	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests/slurm/check_multinode.py
