@@ -5,6 +5,16 @@ Files: cnews `label<TAB>text` (.txt/.tsv), CSV and JSON (lines or one array) wit
 one text or a sentence pair (LCQMC, AFQMC, OCNLI), one label or several (multi-label, separated by
 `label_separator`), in any ASCII-compatible encoding. Every problem is a UserError that names the file and the
 line, so a bad line in a 50k-line file is found in seconds instead of surfacing as a shape error three layers down.
+Each file is read as the program that wrote it meant it:
+- lines end in \n, \r\n or a lone \r, numbered as a text editor shows them; a record is named by its first line;
+- CSV goes to the csv module as raw text (quoted commas, quotes, line breaks, long fields: pandas' and Excel's
+  files), and a record whose field count differs from the header's, or an unclosed quote, is an error;
+- a .txt/.tsv whose first line is a header row (pandas' `to_csv(sep="\t")`, with or without its index) is a
+  tab-separated table read the same way, never a class named "label";
+- predict files (`read_predict_file`) keep one record per input line, blank ones marked `skipped`, so that
+  predictions.jsonl row N is input record N; cnews lines whose labels the model knows are recognised as labelled;
+- labels are strings: one number spelt two ways ('1', '1.0') or a list without multi-label is refused.
+`--data_dir` (`split_files`) finds train/dev/val/validation/test in every supported type and says which it chose.
 
 Padding is chosen per device, because it only pays where the hardware wants it:
 - CPU: none beyond the longest text of the batch (a multiple of 8 only adds tokens: up to a quarter more work on
