@@ -135,7 +135,7 @@ def load_splits(args, checkpoint_labels, say=print):
     if args.do_train and files["validation"] is not None:
         needed["validation"] = True  # model selection uses the validation set, never the test set
     fmt = text_format(args)
-    examples = {split: read_examples(files[split], fmt, say) for split, need in needed.items() if need}
+    examples = {split: read_examples(files[split], fmt=fmt, say=say) for split, need in needed.items() if need}
     if "train" in examples:
         labels = build_label_list(examples["train"], args.labels_file, args.encoding)
     elif args.labels_file:

@@ -109,6 +109,7 @@ def test_named_columns_and_sentence_pairs_in_csv_and_json(tmp_path):
         ("今天下雨", "明天下雨", "0"), ("股市", "楼市", "1")]
     assert [(e.text, e.text_pair, e.label) for e in read_examples(jsonl, fmt=PAIRS)] == [("甲", "乙", "1")]
     assert [(e.text, e.text_pair) for e in read_predict_file(csv_path, PAIRS)] == [("今天下雨", "明天下雨"), ("股市", "楼市")]
+    assert [e.label for e in read_examples(csv_path, labelled=False, fmt=PAIRS)] == [None, None]
 
 
 def test_missing_columns_name_file_line_and_flag(tmp_path):
@@ -174,8 +175,11 @@ def test_tsv_header_rows_written_by_pandas_name_the_columns(tmp_path):
     frame.rename(columns={"label": "category"}).to_csv(tmp_path / "renamed.tsv", sep="\t", index=False)
     with pytest.raises(UserError, match=r"renamed.tsv:1: header lacks column\(s\) label \(--label_column\)"):
         read_examples(tmp_path / "renamed.tsv")
-    assert [e.label for e in read_examples(tmp_path / "renamed.tsv", TextFormat(label_column="category"))] == list(
+    assert [e.label for e in read_examples(tmp_path / "renamed.tsv", fmt=TextFormat(label_column="category"))] == list(
         frame["label"])
+    hand_made = write(tmp_path / "hand.tsv", 'label\ttext\n体育\t"快讯"球队\n')  # a header, then unquoted quotes
+    with pytest.raises(UserError, match=r"hand.tsv:2: 'TAB' expected after '\"' .*remove the header row to read"):
+        read_examples(hand_made)
 
 
 def test_csv_records_are_read_from_the_raw_file(tmp_path):
@@ -292,5 +296,5 @@ def test_list_labels_need_multi_label(tmp_path):
     with pytest.raises(UserError, match=r"l.csv:2: the label \['a', 'b'\] is a list; pass --multi_label"):
         read_examples(tmp_path / "l.csv")
     multi = TextFormat(label_separator="|")  # pandas wrote the lists as Python does: their items are the labels
-    assert [e.label for e in read_examples(tmp_path / "l.csv", multi)] == [("a", "b"), ("c",)]
+    assert [e.label for e in read_examples(tmp_path / "l.csv", fmt=multi)] == [("a", "b"), ("c",)]
     assert read_examples(write(tmp_path / "b.txt", "[体育]\t甲\n"))[0].label == "[体育]"  # brackets alone: a label

@@ -220,8 +220,9 @@ def _table_records(path, codec, delimiter):
             if str(err) == "unexpected end of data":
                 raise UserError(f"{path}:{start}: a quoted field of this record is never closed (the file ends "
                                 "inside it)") from None
-            raise UserError(f"{path}:{reader.line_num}: {err} (a field holding a quote must be quoted as a whole, "
-                            "its quotes doubled)") from None
+            hint = "; or remove the header row to read lines as label<TAB>text" if delimiter == "\t" else ""
+            raise UserError(f"{path}:{reader.line_num}: {str(err).replace(chr(9), 'TAB')} (a field holding a quote "
+                            f"must be quoted as a whole, its quotes doubled{hint})") from None
 
 
 def _table_rows(path, fmt, labelled, delimiter):
@@ -392,19 +393,20 @@ def _check_columns(row, where, fmt, labelled):
             raise UserError(f"{where}: no field '{column}' ({flag}){hint}")
 
 
-def _example(row, where, fmt, line):
-    _check_columns(row, where, fmt, labelled=True)
+def _example(row, where, fmt, line, labelled=True):
+    _check_columns(row, where, fmt, labelled)
+    label = _check_label(row[fmt.label_column], where, fmt) if labelled else None
     pair = _check_text(row[fmt.text_pair_column], where) if fmt.text_pair_column else None
-    return Example(_check_text(row[fmt.text_column], where), _check_label(row[fmt.label_column], where, fmt), where,
-                   pair, line)
+    return Example(_check_text(row[fmt.text_column], where), label, where, pair, line)
 
 
-def read_examples(path, fmt=DEFAULT_FORMAT, say=print):
+def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
     """All examples of a labelled file: .txt/.tsv `label<TAB>text` lines (or a table with a header row), .csv, or
-    .json/.jsonl with the `fmt` columns. `say` prints one-line notes (a header row skipped)."""
+    .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels are not read). `say` prints
+    one-line notes (a header row skipped)."""
     path = Path(path)
-    examples = [_example(row, f"{path}:{line}", fmt, line)
-                for line, row in _rows(path, fmt, say, _cnews_lines) if row is not None]
+    examples = [_example(row, f"{path}:{line}", fmt, line, labelled)
+                for line, row in _rows(path, fmt, say, _cnews_lines, labelled) if row is not None]
     if not examples:
         raise UserError(f"{path}: no examples (the file is empty)")
     return examples
