@@ -2,9 +2,12 @@
 import json
 
 import pytest
+import torch
 
 from common.runtime import UserError
-from text.data import build_label_list, check_known_labels, find_split_file, read_examples, read_labels_file, read_predict_file, TextFormat
+from text.data import (build_label_list, check_known_labels, Example, find_split_file, read_examples, read_labels_file,
+                       read_predict_file, split_files, TextFormat)
+from text.metrics import prediction_rows
 
 
 def write(path, text, encoding="utf-8"):
@@ -243,10 +246,6 @@ def test_predict_file_of_labelled_lines_predicts_on_the_texts(tmp_path):
 
 
 def test_prediction_rows_keep_every_input_record_in_order():
-    from text.data import Example
-    from text.metrics import prediction_rows
-    import torch
-
     examples = [Example("甲", "a", "p:1", line=1), Example("", None, "p:2", line=2, skipped="blank line"),
                 Example("乙", None, "p:3", line=3)]
     rows = prediction_rows(torch.tensor([[2.0, 0.0], [0.0, 2.0]]), examples, ["a", "b"], multi_label=False)
@@ -258,8 +257,6 @@ def test_prediction_rows_keep_every_input_record_in_order():
 
 def test_data_dir_finds_every_split_name_and_type(tmp_path):
     """CLUE's train.json/dev.json/test.json; two candidates for a split are an error naming both."""
-    from text.data import split_files
-
     for name in ("train.json", "dev.json", "test.json"):
         write(tmp_path / name, '{"label": "1", "sentence": "甲"}\n')
     notes = []

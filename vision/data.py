@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision import datasets
-from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
