@@ -40,9 +40,9 @@ from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_ac
                             run_info)
 from text.data import (LengthGroupedSampler, add_dataset_args, add_padding_args, add_text_format_args, build_collator,
                        build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
-                       data_must_match, find_split_file, label_targets, read_dataset_splits,
-                       read_file_splits, resolve_padding, select_examples, text_format, token_lengths,
-                       tokenize_examples, write_labels_file)
+                       data_must_match, label_targets, read_dataset_splits, read_file_splits, read_predict_file,
+                       resolve_padding, select_examples, text_format, token_lengths, tokenize_examples,
+                       write_labels_file)
 from text.metrics import (Selection, check_task_args, compute_metrics, default_selection, evaluation_metrics,
                           headline_scores, load_metrics, prediction_rows, save_confusion_matrix, training_loss)
 from text.model import (add_model_source_args, check_model_source_args, check_problem_type, check_unk_rate,
@@ -55,11 +55,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     data = parser.add_argument_group("data")
-    data.add_argument("--data_dir", type=Path, help="directory with train.txt/val.txt/test.txt (or cnews.*.txt)")
+    data.add_argument("--data_dir", type=Path,
+                      help="directory with train/val/test files (also dev, validation, cnews.*), any supported type")
     data.add_argument("--train_file", type=Path, help=".txt/.tsv (label TAB text), .csv or .json(l) (label, text)")
     data.add_argument("--validation_file", type=Path)
     data.add_argument("--test_file", type=Path)
-    data.add_argument("--predict_file", type=Path, help="one text per line, or .jsonl/.csv; default: the test split")
+    data.add_argument("--predict_file", type=Path, help="texts to predict (docs/bert_data_formats.md); default: the "
+                                                        "test split")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
     data.add_argument("--max_seq_len", "--max_seq_length", type=int, default=512, help="tokens; longer are truncated")
     add_dataset_args(data)
@@ -127,9 +129,6 @@ def parse_args(argv=None):
                      "built-in exact-match accuracy and micro/macro F1")
     if not 0.0 < args.threshold < 1.0:
         parser.error(f"--threshold {args.threshold}: must be in (0, 1)")
-    for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
-        if getattr(args, flag) is None and args.data_dir is not None:
-            setattr(args, flag, find_split_file(args.data_dir, split))
     return args
 
 
@@ -137,7 +136,7 @@ def load_splits(args, checkpoint_labels, say=print):
     """Read and validate every input (files or --dataset_name) before anything is written; say what was read for
     what; return (labels, {split: examples}), "predict" among the splits with --do_predict."""
     fmt = text_format(args)
-    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt)
+    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say)
     examples = data.examples
     if args.do_regression:  # one output, named after what it predicts
         labels = checkpoint_labels if checkpoint_labels and not args.do_train else [args.label_column]
@@ -157,6 +156,9 @@ def load_splits(args, checkpoint_labels, say=print):
     for split in ("validation", "test"):
         if split in examples and not args.do_regression:
             check_known_labels(examples[split], labels, source=f"the labels of the model ({', '.join(labels)})")
+    predict_file = args.predict_file or (None if args.dataset_name else args.test_file)
+    if args.do_predict and predict_file:  # without --predict_file, the test split, as run_classification.py does
+        examples["predict"] = read_predict_file(predict_file, fmt, labels, say)
     examples, cuts = select_examples(examples, args)
     for note in data.notes + cuts:
         say(note)
@@ -212,8 +214,8 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
                                     collate_fn=collator, **loader_settings(args.num_workers),
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
-    if predict_examples is not None:
-        dataset = tokenize_examples(tokenizer, predict_examples, None, args.max_seq_len)
+    if predict_examples is not None:  # blank lines have a row in predictions.jsonl, but nothing to predict
+        dataset = tokenize_examples(tokenizer, [e for e in predict_examples if not e.skipped], None, args.max_seq_len)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
                                         **loader_settings(args.num_workers))
     return loaders, stats
@@ -456,7 +458,9 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
     logits, _ = predict_logits(accelerator, model, loader, "predict")
     log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold,
                                                          args.do_regression))
-    accelerator.print(f"wrote {len(examples)} predictions to {args.output_dir / 'predictions.jsonl'}")
+    skipped = sum(1 for example in examples if example.skipped)
+    accelerator.print(f"wrote {len(examples) - skipped} predictions and {skipped} skipped rows (blank lines, empty "
+                      f"texts) to {args.output_dir / 'predictions.jsonl'}, one row per input record")
 
 
 def main(args):
@@ -467,7 +471,7 @@ def main(args):
     if args.do_train:
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path),
-                                   say=accelerator.print)
+                                   accelerator.print)
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = examples.pop("predict", None)

@@ -127,17 +127,26 @@ def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5, regr
 
 
 def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regression=False):
-    """predictions.jsonl rows: the input, the predicted label(s) with their probability, every probability; for
-    regression the input and the predicted number (`score`, as `pipeline()` names it)."""
-    if regression:
-        return [{"text": e.text, **({"text_pair": e.text_pair} if e.text_pair is not None else {}), "score": value}
-                for e, value in zip(examples, logits.squeeze(-1).tolist())]
-    probabilities = (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist()  # (N, C)
+    """predictions.jsonl rows, one per input record in file order: its `line` (a file's; a dataset's rows are in
+    its order), the input, the label(s) the file gave (`label_given`), the predicted label(s) with their probability,
+    every probability; for regression the predicted number (`score`, as `pipeline()` names it). A skipped record (a
+    blank line) has a row saying why and no prediction; `logits` (N, C) are those of the N others, in order."""
+    outputs = iter(logits.squeeze(-1).tolist() if regression else  # (N,) numbers or (N, C) probabilities
+                   (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist())
     rows = []
-    for example, probs in zip(examples, probabilities):
-        row = {"text": example.text}
+    for example in examples:
+        row = {**({"line": example.line} if example.line is not None else {}), "text": example.text}
+        if example.skipped:
+            rows.append({**row, "skipped": example.skipped})
+            continue
         if example.text_pair is not None:
             row["text_pair"] = example.text_pair
+        if example.label is not None:
+            row["label_given"] = list(example.label) if isinstance(example.label, tuple) else example.label
+        if regression:
+            rows.append({**row, "score": next(outputs)})
+            continue
+        probs = next(outputs)
         ranked = sorted(range(len(labels)), key=probs.__getitem__, reverse=True)
         if multi_label:  # every label at or above the threshold, most probable first (possibly none)
             row["labels"] = {labels[i]: probs[i] for i in ranked if probs[i] >= threshold}
@@ -145,6 +154,8 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regres
             row.update(label=labels[ranked[0]], score=probs[ranked[0]])
         row["probabilities"] = dict(zip(labels, probs))
         rows.append(row)
+    if next(outputs, None) is not None:
+        raise ValueError(f"{len(logits)} predictions for {sum(not e.skipped for e in examples)} texts")
     return rows
 
 
