@@ -448,3 +448,16 @@ def test_data_flags_that_cannot_work_are_refused_while_parsing(flags, message, c
     with pytest.raises(SystemExit):
         bert_args(*flags)
     assert message in capsys.readouterr().err
+
+
+def test_do_predict_without_a_predict_file_predicts_the_test_split(tmp_path):
+    write(tmp_path / "train.txt", "体育\t甲\n财经\t乙\n")
+    write(tmp_path / "test.txt", "财经\t丙\n\n体育\t丁\n")
+    _, examples, _ = load("--data_dir", tmp_path, "--do_train", "--do_predict")
+    assert [(e.text, e.label, e.line, e.skipped) for e in examples["predict"]] == [
+        ("丙", "财经", 1, None), ("", None, 2, "blank line"), ("丁", "体育", 3, None)]  # labels kept as label_given
+    write(tmp_path / "sts.tsv", "0.5\t甲\n4\t乙\n")
+    write(tmp_path / "new.txt", "1.5\t丙\n2\t丁\n")  # every line a number, a TAB, a text: labelled
+    _, examples, _ = load("--train_file", tmp_path / "sts.tsv", "--do_regression", "--do_train", "--do_predict",
+                          "--predict_file", tmp_path / "new.txt")
+    assert [(e.text, e.label) for e in examples["predict"]] == [("丙", 1.5), ("丁", 2.0)]
