@@ -12,9 +12,21 @@ ignoring `vocab_file=` and mapping every Chinese character to [UNK]), so it stay
 vectorised pass over the tokenised column, on the main process only, while the other processes wait for its verdict
 and stop with it.
 
+Hub id or path (`check_hub_id_or_path`): a value that names nothing on the local disk is a hub id only if it has
+the hub's form (NAME or ORG/NAME, huggingface_hub's validate_repo_id) and ORG is not a local directory; anything else
+(`./x`, `../x`, `~/x`, `/x`, `a/b/c`, `d/modle` where `d/` is a local directory) is a path that does not exist: one
+line, before transformers could go to the hub for it.
+
+What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
+max_seq_len, the label mode and, for multi-label, the threshold, which evaluation-only runs use unless given
+(`use_model_settings`, common/export.py settings_from_model). A small JSON beside the weights rather than config.json:
+the config describes the architecture, and transformers copies it into every model built from this one, where a
+training's settings would then pass for that model's own.
+
 Neighbours: text/data.py (tokenising), text/metrics.py, common/export.py (the export and checkpoint files).
 """
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,8 +36,11 @@ import torch
 from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
-from common.export import load_torch_checkpoint
+from common.export import load_torch_checkpoint, on_meta_device, settings_from_model
 from common.runtime import UserError
+
+TRAINED_WITH = "trained_with.json"
+MODEL_SETTINGS = {"max_seq_len": 512, "threshold": 0.5}  # the flags' defaults where no trained model supplies them
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
 
@@ -140,3 +155,82 @@ def optimizer_groups(model, weight_decay):
         {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
         {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
     ]
+
+
+def check_hub_id_or_path(flag, *values):
+    """Values of a hub-or-path flag (--model_name_or_path, --metric) that name nothing local and are no hub id: one
+    line, without any network access (header)."""
+    for value in values:
+        _check_hub_id_or_path(flag, value)
+
+
+def _check_hub_id_or_path(flag, value):
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(value).expanduser().exists():
+        return
+    namespace = value.split("/")[0] if value.count("/") == 1 else None
+    reason = None
+    if value.startswith((".", "~")) or os.path.isabs(value) or (os.altsep and os.altsep in value) or "\\" in value:
+        reason = "it is written as a path"
+    elif value.count("/") > 1:
+        reason = "a hub id has at most one '/'"
+    elif namespace and Path(namespace).is_dir():
+        reason = f"{namespace}/ is a local directory"
+    else:
+        try:
+            validate_repo_id(value)
+        except HFValidationError:
+            reason = "it is not of a hub id's form (NAME or ORG/NAME)"
+    if reason:
+        raise UserError(f"{flag} {value}: no such file or directory (a local path, since {reason})")
+
+
+def position_limit(config, trust_remote_code=False):
+    """The most tokens the model takes: the rows of its learned position table, less the rows before the first position
+    of models that number positions after the padding index (RoBERTa); None for a model without such a table
+    (relative or rotary positions). Read from the model built on the meta device: no weights, no memory."""
+    model = on_meta_device(lambda: AutoModelForSequenceClassification.from_config(
+        config, trust_remote_code=trust_remote_code))
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
+            return module.num_embeddings - (module.padding_idx + 1 if module.padding_idx is not None else 0)
+    return None
+
+
+def check_max_seq_len(max_seq_len, config, source, trust_remote_code=False):
+    """Refuse --max_seq_len above the model's positions before any text is tokenised (a longer batch would stop
+    training with a tensor-size error at the first long text)."""
+    limit = position_limit(config, trust_remote_code)
+    if limit is not None and max_seq_len > limit:
+        raise UserError(f"--max_seq_len {max_seq_len}: {source} takes at most {limit} tokens (its learned position "
+                        f"embeddings); pass --max_seq_len {limit} or less")
+
+
+def trained_with(args):
+    """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
+    return {"max_seq_len": args.max_seq_len, "multi_label": args.multi_label,
+            **({"threshold": args.threshold} if args.multi_label else {})}
+
+
+def recorded_settings(model_name_or_path):
+    """A local model's TRAINED_WITH, else its label mode from config.json's problem_type; {} for a base model."""
+    model_dir = Path(model_name_or_path)
+    if (model_dir / TRAINED_WITH).is_file():
+        return json.loads((model_dir / TRAINED_WITH).read_text(encoding="utf-8"))
+    config_file = model_dir / "config.json"
+    problem_type = (json.loads(config_file.read_text(encoding="utf-8")).get("problem_type")
+                    if config_file.is_file() else None)
+    return {"multi_label": problem_type == "multi_label_classification"} if problem_type else {}
+
+
+def use_model_settings(args, say):
+    """--max_seq_len, --threshold and --multi_label: given, else (a run without --do_train, which evaluates or predicts
+    with a trained model) the model's, else the defaults. Returns settings_from_model's results tag."""
+    recorded = {} if args.do_train else recorded_settings(args.model_name_or_path)
+    if args.multi_label is None:
+        args.multi_label = bool(recorded.get("multi_label", False))
+        if args.multi_label and args.metric:
+            raise UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes one "
+                            "class id per sample; use the built-in exact-match accuracy and micro/macro F1")
+    return settings_from_model(args, MODEL_SETTINGS, recorded, args.model_name_or_path, say)
