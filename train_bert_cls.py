@@ -131,6 +131,8 @@ def parse_args(argv=None):
     for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
         if getattr(args, flag) is None and args.data_dir is not None:
             setattr(args, flag, find_split_file(args.data_dir, split))
+    if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
+        use_model_settings(args, print)
     return args
 
 

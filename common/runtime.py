@@ -323,27 +323,32 @@ _held_locks = []  # [(lock path, token, directories created to hold it)] of this
 def hold_output_dir(accelerator, output_dir):
     """One run per output directory (the module header): the main process's lock first, then each node's local main
     process's on a disk of its own; a refusal stops every rank at once with the same line. A collective."""
-    token = [None]
+    decision = [None]  # ("ok", this job's token) or ("error", the refusal)
     if accelerator.is_main_process:
-        token = [secrets.token_hex(8)]
-        try:
-            _claim(Path(output_dir), token[0])
-        except UserError as err:
-            token = [f"error: {err}"]
-    broadcast_object_list(token)
-    if token[0].startswith("error: "):
-        raise UserError(token[0][len("error: "):])
+        decision = [_claim_or_refusal(Path(output_dir), secrets.token_hex(8))]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(decision)
+    kind, token = decision[0]
+    if kind == "error":
+        raise UserError(token)
     if accelerator.num_processes == 1:
         return
     problem = None
     if accelerator.is_local_main_process and not accelerator.is_main_process:
-        try:  # finds the main process's own lock on a shared disk; takes this node's on a disk of its own
-            _claim(Path(output_dir), token[0])
-        except UserError as err:
-            problem = f"{err} (node {socket.gethostname()})"
+        # finds the main process's lock on a shared disk (the same token); takes this node's on a disk of its own
+        kind, refusal = _claim_or_refusal(Path(output_dir), token)
+        problem = f"{refusal} (node {socket.gethostname()})" if kind == "error" else None
     problems = [p for p in gather_object([problem]) if p]
     if problems:
         raise UserError(problems[0])
+
+
+def _claim_or_refusal(output_dir, token):
+    try:
+        _claim(output_dir, token)
+        return "ok", token
+    except UserError as err:
+        return "error", str(err)
 
 
 def release_output_dirs():
