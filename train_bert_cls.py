@@ -29,7 +29,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from common.checkpoint import DATA_KEY, Checkpoints, agree_on_resume, replace_dir_atomically, resume_settings
+from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
+                               resume_settings)
 from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
 from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput, epoch_batches)
@@ -61,8 +62,7 @@ def parse_args(argv=None):
     data.add_argument("--predict_file", type=Path, help="one text per line, or .jsonl/.csv with a 'text' field")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
     data.add_argument("--max_seq_len", type=positive_int, default=None,
-                      help="tokens; longer texts are truncated (default: 512; evaluating a trained model without "
-                           "--do_train: the model's)")
+                      help="tokens; longer texts are truncated (default: 512; without --do_train: the model's)")
     add_text_format_args(data)
     add_padding_args(data)
     data.add_argument("--group_by_length", action="store_true",
@@ -107,9 +107,7 @@ def parse_args(argv=None):
     output.add_argument("--save_total_limit", type=nonnegative_int, default=2,
                         help="resumable checkpoints kept (0: all)")
     output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
-    output.add_argument("--allow_data_change", action="store_true",
-                        help="resume although the training data differ from the checkpoint's (its epoch may then "
-                             "skip or repeat examples)")
+    add_allow_data_change(output)
     output.add_argument("--metric", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")

@@ -34,8 +34,8 @@ import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from common.checkpoint import (DATA_KEY, Checkpoints, agree_on_resume, check_compatible, load_checkpoint_weights,
-                               read_training_state, resume_settings)
+from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
+                               load_checkpoint_weights, read_training_state, resume_settings)
 from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
 from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput, epoch_batches)
 from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
@@ -103,11 +103,8 @@ def parse_args(argv=None):
                         help="'latest' or checkpoints/step_N (exact resume), or a .pth/.pth.tar file (main.py's, "
                              "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
     output.add_argument("-e", "--evaluate", "--test-only", "--test_only", action="store_true",
-                        help="evaluate --resume's (or --weights) weights on val/, no training; at the image sizes "
-                             "the model was trained with unless given")
-    output.add_argument("--allow_data_change", action="store_true",
-                        help="resume although the training images differ from the checkpoint's (its epoch may then "
-                             "skip or repeat images)")
+                        help="evaluate --resume's (or --weights) weights on val/, no training, at the model's sizes")
+    add_allow_data_change(output)
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
         add_group(parser)
     add_replaced_flags(parser)

@@ -137,6 +137,13 @@ def read_training_state(path):
         raise UserError(f"{Path(path) / STATE_FILE}: unreadable checkpoint state ({err})") from None
 
 
+def add_allow_data_change(group):
+    """The flag that resumes on changed training data (`Checkpoints(allow_data_change=...)`)."""
+    group.add_argument("--allow_data_change", action="store_true",
+                       help="resume although the training data differ from the checkpoint's (its epoch may then skip "
+                            "or repeat examples)")
+
+
 def data_fingerprint(source, records):
     """must_match[DATA_KEY]: `records` (one string per training example, in the order read) as their count and
     SHA-256; `source`: the file or directory they came from, named in messages."""

@@ -25,6 +25,9 @@ each sorted by length), made to fit this project's exactness rules:
 A batch then holds samples of similar length drawn from one megabatch (50 global batches of the shuffled data)
 instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
 
+The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
+checkpoint, so that a resume on changed data is refused (common/checkpoint.py).
+
 Neighbours: text/model.py (the model and tokenizer), text/metrics.py (loss, metrics, predictions).
 """
 import codecs
