@@ -20,8 +20,9 @@ O_EXCL) before anything is written, holding its host, PID, start time and comman
 stops with one line naming the holder, having written nothing. Every node's local main process then does the same
 on its own disk: on a shared disk it finds the main process's lock (the same job token) and leaves it; on a node-local
 disk it takes that node's own lock. A lock whose holder is gone is taken over with one line: on this host, a PID that
-no longer runs (or now runs another program: its start time differs). A lock from another host cannot be checked from
-here: the run refuses and says which file to remove once that run is over. The locks are released at the end of the
+no longer runs (or now runs another program: its start time differs); anywhere, an earlier attempt of this same
+requeued Slurm job. Another host's lock cannot be checked from here: the run refuses and says which file to remove
+once that run is over. The locks are released at the end of the
 run (RunLog.end), and by `run_cli` whatever way the run ends (errors, SIGTERM's preemption path), together with the
 directories created only to hold them.
 
@@ -376,7 +377,10 @@ def _claim(output_dir, token):
     job's, seen on a shared disk); raise UserError naming a live holder."""
     path = output_dir / LOCK_NAME
     created = [d for d in (output_dir, *output_dir.parents) if not d.exists()][::-1]
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file of that name, no permission
+        raise UserError(f"{output_dir}: cannot create the output directory ({err.strerror or err})") from None
     for _ in range(5):  # each round: create, or judge the holder (and take a stale lock over)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -391,10 +395,12 @@ def _claim(output_dir, token):
                   flush=True)
             _remove_stale(path, holder)
             continue
+        except OSError as err:  # a directory that is not writable
+            raise UserError(f"{path}: cannot create the run's lock ({err.strerror or err})") from None
         with os.fdopen(fd, "w") as f:
             json.dump({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
-                       "token": token}, f)
+                       "token": token, **_slurm_attempt()}, f)
             f.flush()
             os.fsync(f.fileno())
         _held_locks.append((path, token, created))
@@ -424,8 +430,18 @@ def _process_start(pid):
         return None
 
 
+def _slurm_attempt():
+    """The Slurm job and its attempt (SLURM_RESTART_COUNT grows with each requeue), where Slurm started this run."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return {"slurm_job_id": job, "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))} if job else {}
+
+
 def _is_stale(holder):
-    """Whether a lock's holder is certainly gone: on this host, its PID runs no more (or runs another program)."""
+    """Whether a lock's holder is certainly gone: an earlier attempt of this requeued Slurm job (Slurm requeues a job
+    once all of it has ended), or, on this host, a PID that runs no more (or runs another program)."""
+    ours = _slurm_attempt()
+    if ours and holder.get("slurm_job_id") == ours["slurm_job_id"]:
+        return holder.get("slurm_restart_count", 0) < ours["slurm_restart_count"]
     if holder.get("unreadable") or holder.get("host") != socket.gethostname():
         return False  # another host's processes cannot be checked from here
     pid = holder.get("pid")

@@ -126,6 +126,26 @@ def test_output_dir_lock_refuses_a_live_holder_and_takes_over_a_gone_one(tmp_pat
     assert not (out / ".lock").exists() and out.is_dir()  # it existed before: kept
 
 
+def test_output_dir_lock_of_an_earlier_attempt_of_a_requeued_slurm_job_is_taken_over(tmp_path, monkeypatch):
+    """A job Slurm requeued (the same SLURM_JOB_ID, a higher SLURM_RESTART_COUNT) after its node went down left a lock
+    from another host: taken over. Another step of this attempt, or another job, keeps its lock."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7741")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    out = tmp_path / "out"
+    out.mkdir()
+    for holder, taken_over in (({"slurm_job_id": "7741", "slurm_restart_count": 1}, False),  # this attempt's
+                               ({"slurm_job_id": "7740", "slurm_restart_count": 0}, False),  # another job
+                               ({"slurm_job_id": "7741", "slurm_restart_count": 0}, True)):  # the earlier attempt
+        (out / ".lock").write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, **holder}))
+        if taken_over:
+            hold_output_dir(ONE_PROCESS, out)
+            assert json.loads((out / ".lock").read_text())["slurm_restart_count"] == 1
+            release_output_dirs()
+        else:
+            with pytest.raises(UserError, match="locked by a run on another machine"):
+                hold_output_dir(ONE_PROCESS, out)
+
+
 LOCK_CHECK = """
 import json, os, sys
 from pathlib import Path
