@@ -45,7 +45,7 @@ from text.data import (LengthGroupedSampler, add_padding_args, add_text_format_a
                        write_labels_file)
 from text.metrics import (compute_metrics, evaluation_metrics, load_metrics, prediction_rows, save_confusion_matrix,
                           training_loss)
-from text.model import (TRAINED_WITH, check_hub_id_or_path, check_max_seq_len, check_problem_type, check_unk_rate,
+from text.model import (TRAINED_WITH, check_hub_id_or_path, check_problem_type, check_unk_rate, fit_max_seq_len,
                         load_classifier, load_legacy_bert, optimizer_groups, saved_labels, trained_with,
                         use_model_settings)
 
@@ -64,7 +64,8 @@ def parse_args(argv=None):
                       help="one text per line (or label TAB text lines), or .csv/.json(l) with a 'text' field")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
     data.add_argument("--max_seq_len", type=positive_int, default=None,
-                      help="tokens; longer texts are truncated (default: 512; without --do_train: the model's)")
+                      help="tokens; longer texts are truncated (default: 512 or the model's positions if fewer; "
+                           "without --do_train: the trained model's)")
     add_text_format_args(data)
     add_padding_args(data)
     data.add_argument("--group_by_length", action="store_true",
@@ -166,8 +167,9 @@ def load_splits(args, checkpoint_labels, say=print):
     return labels, examples
 
 
-def build_model(args, labels):
-    """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config."""
+def build_model(args, labels, say=print):
+    """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config; --max_seq_len fitted to
+    the model's positions."""
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     from_config = args.from_scratch or args.init_from_legacy  # legacy weights replace every pretrained one
@@ -183,7 +185,8 @@ def build_model(args, labels):
                                             **label_kwargs)
         if from_config and args.config_overrides:
             config.update_from_string(args.config_overrides)
-        check_max_seq_len(args.max_seq_len, config, args.model_name_or_path, args.trust_remote_code)
+        args.max_seq_len = fit_max_seq_len(args.max_seq_len, config, args.model_name_or_path, say,
+                                           args.trust_remote_code)
         if from_config:
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=args.trust_remote_code)
         else:
@@ -483,7 +486,7 @@ def main(args):
     predict_examples = (read_predict_file(args.predict_file, text_format(args), labels, accelerator.print)
                         if args.do_predict else None)
     metric_modules = load_metrics(args.metric, len(labels))
-    tokenizer, model = build_model(args, labels)
+    tokenizer, model = build_model(args, labels, accelerator.print)
     must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
                   "model": {k: getattr(model.config, k, None) for k in
                             ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},

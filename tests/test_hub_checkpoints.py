@@ -53,6 +53,17 @@ def test_encoder_starts_from_the_checkpoint_and_only_the_head_is_new(layouts, te
     assert len(tokenizer) == vocab_size(text_data / "model")
 
 
+def test_max_seq_len_defaults_to_the_positions_of_a_smaller_model(layouts, text_data):
+    """These layouts have 64 positions: without --max_seq_len the run takes 64, not the default 512 (which would
+    stop at the first text longer than 64 tokens), and says so."""
+    args = train_bert_cls.parse_args(["--model_name_or_path", str(layouts["electra"]), "--data_dir", str(text_data),
+                                      "--do_train"])
+    said = []
+    train_bert_cls.build_model(args, labels_of(text_data), said.append)
+    assert args.max_seq_len == 64 and said == [
+        f"--max_seq_len 64: the most {layouts['electra']} takes (its learned position embeddings), not the default 512"]
+
+
 def test_checkpoint_of_another_architecture_is_refused(layouts, text_data, tmp_path):
     """ELECTRA weights under a BERT config.json: every encoder weight would start from random."""
     wrong = tmp_path / "wrong"

@@ -40,7 +40,9 @@ from common.export import load_torch_checkpoint, on_meta_device, settings_from_m
 from common.runtime import UserError
 
 TRAINED_WITH = "trained_with.json"
-MODEL_SETTINGS = {"max_seq_len": 512, "threshold": 0.5}  # the flags' defaults where no trained model supplies them
+# the flags' defaults where no trained model supplies them; --max_seq_len's waits for the config (fit_max_seq_len)
+MODEL_SETTINGS = {"max_seq_len": None, "threshold": 0.5}
+DEFAULT_MAX_SEQ_LEN = 512  # the reference's, and BERT's positions
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
 
@@ -198,13 +200,21 @@ def position_limit(config, trust_remote_code=False):
     return None
 
 
-def check_max_seq_len(max_seq_len, config, source, trust_remote_code=False):
-    """Refuse --max_seq_len above the model's positions before any text is tokenised (a longer batch would stop
-    training with a tensor-size error at the first long text)."""
+def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
+    """--max_seq_len for this model, before any text is tokenised: a value given (or the trained model's) above the
+    model's positions is refused (a longer batch would stop training with a tensor-size error at the first long
+    text); none given, DEFAULT_MAX_SEQ_LEN, or the model's limit where it is lower (said in one line)."""
     limit = position_limit(config, trust_remote_code)
+    if max_seq_len is None:
+        if limit is not None and limit < DEFAULT_MAX_SEQ_LEN:
+            say(f"--max_seq_len {limit}: the most {source} takes (its learned position embeddings), not the default "
+                f"{DEFAULT_MAX_SEQ_LEN}")
+            return limit
+        return DEFAULT_MAX_SEQ_LEN
     if limit is not None and max_seq_len > limit:
         raise UserError(f"--max_seq_len {max_seq_len}: {source} takes at most {limit} tokens (its learned position "
                         f"embeddings); pass --max_seq_len {limit} or less")
+    return max_seq_len
 
 
 def trained_with(args):
@@ -226,7 +236,8 @@ def recorded_settings(model_name_or_path):
 
 def use_model_settings(args, say):
     """--max_seq_len, --threshold and --multi_label: given, else (a run without --do_train, which evaluates or predicts
-    with a trained model) the model's, else the defaults. Returns settings_from_model's results tag."""
+    with a trained model) the model's, else the defaults (--max_seq_len's once the config is read: fit_max_seq_len).
+    Returns settings_from_model's results tag."""
     recorded = {} if args.do_train else recorded_settings(args.model_name_or_path)
     if args.multi_label is None:
         args.multi_label = bool(recorded.get("multi_label", False))
