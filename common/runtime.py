@@ -423,9 +423,11 @@ def _read_lock(path, wait=2.0):
 
 
 def _process_start(pid):
-    """The process's start time in clock ticks after boot (Linux), which tells a PID reused by another program."""
+    """The process's start time in clock ticks after boot (Linux), which tells a PID reused by another program: "ended"
+    for a zombie (a container without an init process may never reap it), None where /proc does not say."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return "ended" if state == "Z" else int(fields[18])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -453,8 +455,8 @@ def _is_stale(holder):
         pass  # it runs, under another user
     except (TypeError, OverflowError):
         return False
-    started = holder.get("pid_start")
-    return started is not None and _process_start(pid) not in (None, started)
+    now = _process_start(pid)
+    return now == "ended" or (now is not None and holder.get("pid_start") not in (None, now))
 
 
 def _remove_stale(path, holder):
