@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .checkpoint import complete_checkpoints
-from .runtime import UserError, release_output_dirs
+from .runtime import MASK, SECRET_ARGS, UserError, public_command, release_output_dirs
 
 
 class RunLog:
@@ -53,7 +53,7 @@ class RunLog:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.write_json("run_config.json", provenance(args))
         if self.accelerator.log_with:
-            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
+            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in public_args(args).items()}
             self.accelerator.init_trackers(project_name, config=flat)
 
     def log(self, event, step, values):
@@ -104,16 +104,21 @@ class RunLog:
             self.accelerator.end_training()
 
 
+def public_args(args):
+    """vars(args) with the SECRET_ARGS masked."""
+    return {k: MASK if k in SECRET_ARGS and v is not None else v for k, v in vars(args).items()}
+
+
 def provenance(args):
-    """Resolved arguments, versions and git revision, saved beside the results."""
+    """Resolved arguments (secrets masked), versions and git revision, saved beside the results."""
     try:
         revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                   cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         revision = None
     return {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "command": " ".join(sys.argv),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in public_args(args).items()},
+        "command": public_command(sys.argv),
         "git_revision": revision,
         "versions": {
             "python": platform.python_version(),

@@ -122,6 +122,16 @@ def nonnegative_float(text):
     """argparse type of weight decays, norms and alphas where 0 switches the thing off: a finite number >= 0."""
     return _number(text, float, lambda v: v >= 0, "a number >= 0")
 
+
+def hf_bool(value):
+    """A boolean flag's value as transformers' HfArgumentParser takes it (`--flag`, `--flag True`, `--flag no`), for
+    the flags of transformers' example scripts; use with nargs="?", const=True."""
+    if value.lower() in ("true", "yes", "1"):
+        return True
+    if value.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r}: expected true or false")
+
 DATA_PARALLEL_WARNING = (
     "--data_parallel uses legacy single-process nn.DataParallel; multi-process DDP is several times faster "
     "(docs/launching.md): prefer `accelerate launch --config_file accelerate_configs/4gpu.yaml ...`"
@@ -317,6 +327,23 @@ def check_sharding_applies(accelerator):
                             f"this run would be plain {got}. Use accelerate_configs/cpu_ddp.yaml on CPU, or GPUs")
 
 
+SECRET_ARGS = ("token",)  # arguments whose values are never written or printed (--token)
+MASK = "***"
+
+
+def public_command(argv):
+    """The command line with the values of the SECRET_ARGS flags masked (`--token X` and `--token=X`): what
+    run_config.json and the output directory's lock record."""
+    flags = {f"--{name}" for name in SECRET_ARGS}
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word in flags and i + 1 < len(words):
+            words[i + 1] = MASK
+        elif word.split("=", 1)[0] in flags and "=" in word:
+            words[i] = f"{word.split('=', 1)[0]}={MASK}"
+    return " ".join(words)
+
+
 LOCK_NAME = ".lock"
 _held_locks = []  # [(lock path, token, directories created to hold it)] of this process, released at the end
 
@@ -399,7 +426,7 @@ def _claim(output_dir, token):
             raise UserError(f"{path}: cannot create the run's lock ({err.strerror or err})") from None
         with os.fdopen(fd, "w") as f:
             json.dump({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": public_command(sys.argv),
                        "token": token, **_slurm_attempt()}, f)
             f.flush()
             os.fsync(f.fileno())

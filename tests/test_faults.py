@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from types import SimpleNamespace
 
@@ -98,11 +99,13 @@ def test_data_parallel_with_a_multi_process_launch_is_an_error(text_data, tmp_pa
 ONE_PROCESS = SimpleNamespace(num_processes=1, is_main_process=True, is_local_main_process=True)
 
 
-def test_output_dir_lock_refuses_a_live_holder_and_takes_over_a_gone_one(tmp_path, capsys):
+def test_output_dir_lock_refuses_a_live_holder_and_takes_over_a_gone_one(tmp_path, capsys, monkeypatch):
     out = tmp_path / "new" / "out"
+    monkeypatch.setattr(sys, "argv", ["train_bert_cls.py", "--token", "hf_SECRET", "--output_dir", str(out)])
     hold_output_dir(ONE_PROCESS, out)
     holder = json.loads((out / ".lock").read_text())
-    assert holder["host"] == socket.gethostname() and holder["pid"] == os.getpid() and holder["command"]
+    assert holder["host"] == socket.gethostname() and holder["pid"] == os.getpid()
+    assert holder["command"] == f"train_bert_cls.py --token *** --output_dir {out}"  # never the token
     with pytest.raises(UserError, match=rf"{out}: another run is using this directory \(host \S+, PID {os.getpid()}, "):
         hold_output_dir(ONE_PROCESS, out)  # this process still runs: a live holder
     release_output_dirs()

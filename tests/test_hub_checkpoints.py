@@ -6,6 +6,7 @@ and an ELECTRA discriminator through the Auto classes. A mistyped local path is 
 """
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 import train_bert_cls
 from common.runtime import UserError
-from text.model import check_hub_id_or_path
+from text.model import check_hub_ids_or_paths
 
 SCRIPT = "train_bert_cls.py"
 LAYOUTS = {"bin_gamma_beta": bert_base_chinese_layout, "sharded_tokenizer_json": sharded_bert_layout,
@@ -185,12 +186,19 @@ def test_a_mistyped_local_path_is_an_error_without_network_access(text_data, tmp
 def test_hub_ids_and_paths_are_told_apart_without_the_network(tmp_path, monkeypatch, network_guard):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d" / "model").mkdir(parents=True)
-    for hub_id in ("hfl/chinese-bert-wwm-ext", "bert-base-chinese", "accuracy", "d/model", str(tmp_path / "d")):
-        check_hub_id_or_path("--model_name_or_path", hub_id)  # a hub id's form, or an existing path
+
+    def flags(**given):
+        return SimpleNamespace(**{"model_name_or_path": "m", "config_name": None, "tokenizer_name": None,
+                                  "dataset_name": None, "metric": [], **given})
+
+    for hub_id in ("hfl/chinese-bert-wwm-ext", "bert-base-chinese", "d/model", str(tmp_path / "d")):
+        check_hub_ids_or_paths(flags(model_name_or_path=hub_id, tokenizer_name=hub_id, metric=["accuracy", hub_id]))
     for path, reason in (("d/modle", "d/ is a local directory"), ("./model", "it is written as a path"),
                          ("../model", "it is written as a path"), ("~/no_such_model", "it is written as a path"),
                          (str(tmp_path / "no_such_model"), "it is written as a path"),
                          ("a/b/c", "a hub id has at most one '/'"), ("my model", "it is not of a hub id's form")):
-        with pytest.raises(UserError, match=f"--metric {re.escape(path)}: no such file or directory .*{reason}"):
-            check_hub_id_or_path("--metric", "accuracy", path)
+        for flag in ("--model_name_or_path", "--tokenizer_name", "--config_name", "--dataset_name", "--metric"):
+            given = {flag[2:]: [path] if flag == "--metric" else path}
+            with pytest.raises(UserError, match=f"{flag} {re.escape(path)}: no such file or directory .*{reason}"):
+                check_hub_ids_or_paths(flags(**given))
     assert network_guard == []
