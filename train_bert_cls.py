@@ -32,7 +32,8 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from common.checkpoint import Checkpoints, agree_on_resume, replace_dir_atomically, resume_settings
 from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput, epoch_batches)
+from common.loop import (EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Selection,
+                         Throughput, add_selection_args, check_selection_args, epoch_batches, resolve_selection)
 from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             loader_generator, loader_settings, maybe_data_parallel, print_run_summary, run_cli,
@@ -40,10 +41,10 @@ from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_ac
 from text.data import (LengthGroupedSampler, add_padding_args, add_text_format_args, build_collator, build_label_list,
                        check_known_labels, find_split_file, label_targets, read_examples, read_unlabelled,
                        resolve_padding, text_format, token_lengths, tokenize_examples, write_labels_file)
-from text.metrics import (compute_metrics, evaluation_metrics, load_metrics, prediction_rows, save_confusion_matrix,
-                          training_loss)
-from text.model import (check_problem_type, check_unk_rate, load_classifier, load_legacy_bert, optimizer_groups,
-                        saved_labels)
+from text.metrics import (compute_metrics, evaluation_metrics, flat_metrics, load_metrics, prediction_rows,
+                          save_confusion_matrix, selectable_metrics, training_loss)
+from text.model import (check_problem_type, check_unk_rate, load_classifier, load_legacy_bert, model_card,
+                        optimizer_groups, saved_labels)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -102,6 +103,8 @@ def parse_args(argv=None):
     output.add_argument("--metric", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")
+    add_selection_args(parser, "macro_f1", "accuracy, macro_f1, micro_f1, loss or a --metric module's key, with or "
+                                           "without Trainer's eval_ prefix")
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
@@ -120,6 +123,7 @@ def parse_args(argv=None):
     for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
         if getattr(args, flag) is None and args.data_dir is not None:
             setattr(args, flag, find_split_file(args.data_dir, split))
+    check_selection_args(parser, args, training=args.do_train, validation=args.validation_file is not None)
     return args
 
 
@@ -226,29 +230,33 @@ def predict_logits(accelerator, model, dataloader, desc):
 
 def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
     """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
-    `extra`: --metric's results."""
+    `extra`: --metric's results (under their own keys too, which never collide with these)."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc)
     metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold)
     metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
-    return metrics
+    return {**metrics["extra"], **metrics}
 
 
-def save_best_model(accelerator, model, tokenizer, best_dir):
-    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically."""
+def save_best_model(accelerator, model, tokenizer, best_dir, log, card_results, step=None):
+    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, with its model card
+    (README.md, from `card_results`), swapped in atomically; `step`: the validation step that selected it."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
     # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
     accelerator.on_main_process(bare.save_pretrained)(tmp, state_dict=state_dict, save_original_format=False)
     accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
+    log.write_model_card(tmp / "README.md", card_results)
     accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
+    if step is not None:
+        accelerator.on_main_process(mark_selection)(best_dir, step)
     accelerator.wait_for_everyone()
 
 
 # Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
 RESUMABLE_FLAGS = {"--learning_rate": "learning_rate", "--weight_decay": "weight_decay",
                    "--warmup_ratio": "warmup_ratio", "--num_train_epochs": "num_train_epochs",
-                   "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm"}
+                   "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm", **EARLY_STOPPING_FLAGS}
 
 
 @dataclass
@@ -264,7 +272,7 @@ class Training:
     cadence: Cadence
 
 
-def prepare_training(args, accelerator, model, loaders, log, must_match):
+def prepare_training(args, accelerator, model, loaders, log, must_match, selection):
     """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint; prints
     the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
@@ -282,7 +290,7 @@ def prepare_training(args, accelerator, model, loaders, log, must_match):
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"])
     resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoints.dir)
-    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
+    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
     cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
@@ -300,14 +308,14 @@ def prepare_training(args, accelerator, model, loaders, log, must_match):
 
 def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
     """A validation during training: its `eval` event in metrics.jsonl and one console line."""
-    scores = {k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}
+    scores = {**{k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}, **metrics["extra"]}
     log.log("eval", completed_steps, {**scores, "eval_seconds": eval_seconds, "train_seconds": train_seconds})
     log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | accuracy {metrics['accuracy']:.4f} | "
                 f"macro_f1 {metrics['macro_f1']:.4f}")
 
 
 def select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir):
-    """Put the weights of the best validation macro-F1 into the model: this run's from memory, or, selected before
+    """Put the weights of the best validation metric into the model: this run's from memory, or, selected before
     the run resumed, from best_model/ (a preempted run keeps its last weights). Returns their validation metrics when
     they are the last ones measured (nothing to reload or re-evaluate), else None."""
     best_step = training.state["best_step"]
@@ -324,15 +332,15 @@ def select_best_model(accelerator, training, best, last_eval, completed_steps, p
 
 @dataclass
 class TrainResult:
-    model: torch.nn.Module  # the selected model (best validation macro-F1), or the last one where nothing selects
+    model: torch.nn.Module  # the selected model (best validation metric), or the last one where nothing selects
     results: dict  # all_results.json's training entries
     preempted: bool  # stopped on SIGTERM after saving a checkpoint
     best_eval: dict | None  # the selected model's validation metrics, when they are the last ones measured
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match):
+def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection, metric_modules):
     """The training loop."""
-    training = prepare_training(args, accelerator, model, loaders, log, must_match)
+    training = prepare_training(args, accelerator, model, loaders, log, must_match, selection)
     model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
                                                    training.state, training.cadence)
     best_dir = args.output_dir / "best_model"
@@ -342,7 +350,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
                            args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
-    completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
+    completed_steps, samples_seen, preempted, stopped_at = state["completed_steps"], 0, False, None
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
@@ -379,34 +387,35 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
             if due.evaluate and training.eval_loader is not None:
                 health.check(completed_steps)
                 with speed.pause("eval") as evaluation:
-                    metrics = evaluate(accelerator, model, training.eval_loader, labels, "validation", args)
+                    metrics = evaluate(accelerator, model, training.eval_loader, labels, "validation", args,
+                                       metric_modules)
                 log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - start_time)
                 last_eval = (completed_steps, metrics)
-                if metrics["macro_f1"] > state["best_macro_f1"]:  # a new best model, kept in memory and exported
-                    state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
+                if selection.update(state, metrics, completed_steps):  # a new best model, kept and exported
                     best.keep(model)
                     with speed.pause("save"):
-                        save_best_model(accelerator, model, tokenizer, best_dir)
-                        accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
-            preempted = guard.should_stop()
-            if due.checkpoint or preempted:
+                        save_best_model(accelerator, model, tokenizer, best_dir, log,
+                                        {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps)
+                stopped_at = completed_steps if selection.should_stop(state) else None
+            preempted = guard.should_stop() and stopped_at is None  # stopping early ends the run: no resume needed
+            if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
                     path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
                 log.console(f"saved checkpoint {path}")
-            if preempted or due.finished:
+            if preempted or due.finished or stopped_at is not None:
                 break
-        if preempted or cadence.finished(completed_steps):
+        if preempted or cadence.finished(completed_steps) or stopped_at is not None:
             break
     bar.close()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
-        save_best_model(accelerator, model, tokenizer, best_dir)
+        save_best_model(accelerator, model, tokenizer, best_dir, log, {})
     best_eval = select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir)
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds,
                "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
-               "train_steps": completed_steps, "best_step": state["best_step"],
-               "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
+               "train_steps": completed_steps, f"best_eval_{selection.metric}": selection.best(state),
+               **selection.results(state, stopped_at)}
     return TrainResult(model, results, preempted, best_eval)
 
 
@@ -420,8 +429,7 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
     accelerator.print(f"{prefix}: accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
                       f"micro_f1 {metrics['micro_f1']:.4f} | loss {metrics['loss']:.4f} | "
                       f"{metrics['samples']} samples")
-    return {**{f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")},
-            **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
+    return flat_metrics(metrics, prefix)
 
 
 def evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained=None):
@@ -430,7 +438,7 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
     results, step = {}, trained.results["train_steps"] if trained else 0
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if getattr(args, f"do_{prefix}") and split in prepared:
-            reuse = trained.best_eval if trained and split == "validation" and not metric_modules else None
+            reuse = trained.best_eval if trained and split == "validation" else None
             metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
             log.log(f"best_model_{prefix}", step, {
@@ -456,13 +464,16 @@ def main(args):
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
     metric_modules = load_metrics(args.metric, len(labels))
+    resolve_selection(args, selectable_metrics(metric_modules, len(labels)))
+    selection = Selection.from_args(args, position="step")
     tokenizer, model = build_model(args, labels)
     must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
                   "model": {k: getattr(model.config, k, None) for k in
                             ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
                   # another value would change which samples each step sees (or the inputs themselves)
                   "--train_batch_size": args.train_batch_size,
-                  "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
+                  "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len,
+                  **selection.must_match()}
     model = maybe_data_parallel(model, args)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
@@ -476,10 +487,15 @@ def main(args):
     results = {**run_info(accelerator, args.train_batch_size), **padding, **stats}
     trained = None
     if args.do_train:
-        log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint)
+        log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint,
+                  card=model_card(args, labels, examples, results))
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
-        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
+        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection,
+                        metric_modules)
         results.update(trained.results)
+        if results["stopped_early"]:
+            accelerator.print(f"stopped early at step {results['stopped_early_at_step']}: "
+                              f"{results['stopped_early_reason']}")
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
                               "--resume_from_checkpoint latest")
@@ -496,6 +512,7 @@ def main(args):
         write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
     if args.do_train:
         log.write_json("all_results.json", results)
+        log.write_model_card(args.output_dir / "best_model" / "README.md", results)  # now with the test results
     else:  # an evaluation of a trained output_dir adds to its results, never drops them
         for prefix in ("eval", "test"):
             if getattr(args, f"do_{prefix}"):

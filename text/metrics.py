@@ -137,6 +137,25 @@ def load_metrics(names_or_paths, num_labels):
     return modules
 
 
+BUILTIN_METRICS = ("accuracy", "macro_f1", "micro_f1", "loss")  # every validation's, besides `samples`
+
+
+def selectable_metrics(modules, num_labels):
+    """The validation metrics --metric_for_best_model may name: the built-in ones and the number-valued keys of the
+    --metric modules, under the names their results get (computed once, on every class id, as load_metrics does)."""
+    every_class = list(range(num_labels))
+    extra = compute_metrics(modules, every_class, every_class, reserved=dict.fromkeys(
+        (*BUILTIN_METRICS, "samples", "report", "confusion_matrix")))
+    return [*BUILTIN_METRICS, *(key for key, value in extra.items()
+                                if isinstance(value, (int, float)) and not isinstance(value, bool))]
+
+
+def flat_metrics(metrics, prefix):
+    """`{prefix}_*` entries of an evaluation's built-in metrics, sample count and --metric results."""
+    return {**{f"{prefix}_{k}": metrics[k] for k in (*BUILTIN_METRICS, "samples")},
+            **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
+
+
 def compute_metrics(modules, predictions, references, reserved):
     """{key: number or list} of every module; a key already in `reserved` (or another module's) becomes
     `<module name>_<key>`, so that `--metric accuracy` cannot overwrite the built-in accuracy."""

@@ -25,6 +25,7 @@ from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
 from common.export import load_torch_checkpoint
+from common.outputs import ModelCard, command_line
 from common.runtime import UserError
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
@@ -140,3 +141,40 @@ def optimizer_groups(model, weight_decay):
         {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
         {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
     ]
+
+
+
+def model_card(args, labels, examples, run):
+    """best_model/README.md's fixed part (common/outputs.py ModelCard): the labels, the key settings (`run`:
+    run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
+    truncated as in training."""
+    best_dir = Path(args.output_dir) / "best_model"
+    example = (examples.get("validation") or examples["train"])[0]
+    literal = json.dumps({"text": example.text, "text_pair": example.text_pair}, ensure_ascii=False)
+    text = json.dumps(example.text, ensure_ascii=False) if example.text_pair is None else literal
+    options = f"truncation=True, max_length={args.max_seq_len}" + (", top_k=None" if args.multi_label else "")
+    usage = "\n".join([
+        "```python", "from transformers import pipeline", "",
+        f"classifier = pipeline(\"text-classification\", model={json.dumps(str(best_dir))})",
+        f"# truncated at {args.max_seq_len} tokens, as in training"
+        + ("; top_k=None: every label's probability (multi-label)" if args.multi_label else ""),
+        f"print(classifier({text}, {options}))", "```", "",
+        f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
+        f"texts.txt --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT`."])
+    model = str(args.model_name_or_path)
+    if args.from_scratch:
+        model += f" (from scratch{', ' + args.config_overrides if args.config_overrides else ''})"
+    settings = {"model": model, "multi_label": args.multi_label, "max_seq_len": args.max_seq_len,
+                "train_batch_size (global)": args.train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
+                "num_train_epochs": args.num_train_epochs, "max_train_steps": args.max_train_steps, "seed": args.seed,
+                "mixed_precision": run["mixed_precision"], "processes": run["num_processes"]}
+    hub_id = not args.from_scratch and not Path(model).exists()  # the hub's base_model field takes hub ids only
+    files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
+    return ModelCard(
+        title=f"{Path(args.output_dir).name}/best_model",
+        metadata={"library_name": "transformers", "pipeline_tag": "text-classification",
+                  "tags": ["text-classification", "train_bert_cls.py"], "model_name": Path(args.output_dir).name,
+                  **({"base_model": args.model_name_or_path} if hub_id else {})},
+        labels=labels, settings=settings, usage=usage, command=command_line(),
+        data_files={split: (files[split], len(found)) for split, found in examples.items()})
