@@ -123,7 +123,7 @@ def parse_args(argv=None):
     for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
         if getattr(args, flag) is None and args.data_dir is not None:
             setattr(args, flag, find_split_file(args.data_dir, split))
-    check_selection_args(parser, args, training=args.do_train, validation=args.validation_file is not None)
+    check_selection_args(parser, args, training=args.do_train)
     return args
 
 
@@ -464,7 +464,7 @@ def main(args):
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
     metric_modules = load_metrics(args.metric, len(labels))
-    resolve_selection(args, selectable_metrics(metric_modules, len(labels)))
+    resolve_selection(args, selectable_metrics(metric_modules, len(labels)), validation="validation" in examples)
     selection = Selection.from_args(args, position="step")
     tokenizer, model = build_model(args, labels)
     must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss

@@ -16,8 +16,9 @@ test suite runs these two commands as printed and expects a top-1 accuracy above
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
 torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
-Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), checkpoints/step_N
-(exact resume), metrics.jsonl, all_results.json (eval_results.json with -e), training_curves.png.
+Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), model_card.md (how to
+load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.jsonl, all_results.json
+(eval_results.json with -e), training_curves.png.
 """
 import argparse
 import difflib
@@ -135,8 +136,8 @@ def parse_args(argv=None):
                      "model_best_ema.pth (its own export), without --model_ema")
     if args.evaluate and not (args.resume or args.weights):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
-    check_selection_args(parser, args, training=not args.evaluate, validation=True,  # val/ is always there
-                         names=VALIDATION_METRICS, renames=TIMM_METRIC_NAMES)
+    check_selection_args(parser, args, training=not args.evaluate, names=VALIDATION_METRICS,
+                         renames=TIMM_METRIC_NAMES)  # val/ is always there: early stopping always can
     return args
 
 
@@ -292,7 +293,8 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     ema_text = f" | EMA Acc@1 {metrics['ema_acc1']:.3f} Acc@5 {metrics['ema_acc5']:.3f}" if ema else ""
     log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
                 f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best {selection.metric} "
-                f"{selection.best(state):.3f} (epoch {state['best_epoch']}){ema_text}")
+                f"{selection.best(state) if state['best_epoch'] else float('nan'):.3f} (epoch {state['best_epoch']})"
+                f"{ema_text}")
     fields, best_key = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch), selection.best_key
     export_weights(accelerator, training.model, args,
                    {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
@@ -302,7 +304,7 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
             f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}})
     if ema:
         export_weights(accelerator, ema.module, args,
-                       {**fields, "acc1": metrics["ema_acc1"], best_key: state[f"best_ema_{selection.metric}"]},
+                       {**fields, "acc1": metrics["ema_acc1"], best_key: state.get(f"best_ema_{selection.metric}")},
                        ema_best, suffix="_ema")
     return metrics
 

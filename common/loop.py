@@ -14,6 +14,9 @@ One optimizer step, as both scripts' `train()` take it:
    `HealthCheck.check` stopped a run whose loss became NaN/inf), a validation, a checkpoint.
 5. `PreemptionGuard.should_stop`: a SIGTERM on any rank (Slurm, a cloud preemption) becomes a checkpoint at this step
    on every rank, then a clean stop.
+After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
+EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
+the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
 Every method that reduces over ranks is a collective: every rank calls it at the same points.
 
 Neighbours: common/checkpoint.py (what a step's checkpoint writes), common/outputs.py (the log line),
@@ -340,10 +343,9 @@ def parse_bool(text):
     return value
 
 
-def check_selection_args(parser, args, training, validation, names=None, renames=None):
-    """The checks the command line alone allows (parser.error): early stopping needs a validation set, and a run
-    that does not train would ignore these flags; with the run's validation metrics `names` known from the command
-    line alone, resolve_selection too."""
+def check_selection_args(parser, args, training, names=None, renames=None):
+    """The checks the command line alone allows (parser.error): a run that does not train would ignore these flags;
+    with the run's validation metrics `names` known from the command line alone, resolve_selection too."""
     given = [flag for flag, value in (("--greater_is_better", args.greater_is_better),
                                       ("--early_stopping_patience", args.early_stopping_patience),
                                       ("--early_stopping_threshold", args.early_stopping_threshold or None))
@@ -356,8 +358,6 @@ def check_selection_args(parser, args, training, validation, names=None, renames
         parser.error(f"--early_stopping_threshold {args.early_stopping_threshold}: must be >= 0")
     if args.early_stopping_threshold and args.early_stopping_patience is None:
         parser.error("--early_stopping_threshold needs --early_stopping_patience")
-    if args.early_stopping_patience is not None and not validation:
-        parser.error("--early_stopping_patience stops on the validation metric: this run has no validation set")
     if names is not None:
         try:
             resolve_selection(args, names, renames)
@@ -365,9 +365,12 @@ def check_selection_args(parser, args, training, validation, names=None, renames
             parser.error(str(err))
 
 
-def resolve_selection(args, names, renames=None):
+def resolve_selection(args, names, renames=None, validation=True):
     """--metric_for_best_model as the plain name of one of the run's validation metrics `names` (Trainer's `eval_`
-    prefix and the `renames` spellings accepted), and --greater_is_better's default from it, written into args."""
+    prefix and the `renames` spellings accepted), and --greater_is_better's default from it, written into args.
+    Early stopping needs a `validation` set."""
+    if args.early_stopping_patience is not None and not validation:
+        raise UserError("--early_stopping_patience stops on the validation metric: this run has no validation set")
     given = args.metric_for_best_model
     name = given[len("eval_"):] if given.startswith("eval_") and given not in names else given
     name = (renames or {}).get(name, name)
@@ -422,9 +425,10 @@ class Selection:
         return state.get(self.best_key) if state.get(self.position_key) is not None else None
 
     def improves(self, value, best, threshold=0.0):
-        if best is None:
-            return True
-        return (value - best if self.greater_is_better else best - value) > threshold  # False for NaN
+        """Whether `value` beats `best` (None: nothing measured yet) by more than `threshold`; a NaN never does."""
+        if math.isnan(value):
+            return False
+        return best is None or (value - best if self.greater_is_better else best - value) > threshold
 
     def update(self, state, metrics, position):
         """After a validation: count it for early stopping, and record a new best in `state`; True if it is one."""

@@ -2,7 +2,9 @@
 would go wrong silently, the DataLoader settings, the command-line look, and user-facing errors.
 
 What the hardware is (CPU, 1 GPU, N GPUs, N machines, precision) comes from the launcher and
-accelerate_configs/*.yaml; the flags here only cover what a config file cannot say.
+accelerate_configs/*.yaml; the flags here only cover what a config file cannot say, and the experiment trackers
+(--report_to, Trainer's names; resolve_trackers refuses a tracker whose package is missing before anything starts,
+where accelerate would drop it without a word).
 
 Errors: a problem with the user's input is a `UserError`, which `run_cli` turns into one line on stderr and exit
 status 2, no traceback. Under a multi-process launch every rank usually meets the same bad input: the line is

@@ -130,6 +130,20 @@ def test_resumed_run_stops_at_the_same_step(stopped, text_data, tmp_path):
                         load_file(out / "best_model" / "model.safetensors"))
 
 
+def test_resume_keeps_the_metric_that_selected(stopped, text_data, tmp_path):
+    """The checkpoint's best was measured by its metric and direction: another one is refused before training."""
+    step = min(int(p.name.split("_")[1]) for p in (stopped / "checkpoints").glob("step_*"))
+    out = tmp_path / "out"
+    shutil.copytree(stopped, out)
+    proc = run_here(BERT, ["--cpu", *bert_args(text_data, out, "--metric_for_best_model", "loss",
+                                               "--resume_from_checkpoint", out / "checkpoints" / f"step_{step}")],
+                    check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {out / 'checkpoints' / f'step_{step}' / 'training_state.json'}: checkpoint has "
+        "metric_for_best_model='accuracy', this run has 'loss'")
+
+
 def test_two_processes_stop_at_the_same_step_and_track_once(stopped, text_data, tmp_path):
     """2 processes: the same stop and the same selected step as 1; TensorBoard and MLflow hold one run each, written
     by the main process, with the validation metrics at their steps."""
@@ -177,25 +191,33 @@ def test_metric_names_follow_trainer_and_timm(digits_data):
     (RESNET, ["-e", "--resume", "x.pth", "--early_stopping_patience", "2"],
      "--early_stopping_patience applies to training; this run does not train"),
     (RESNET, ["--greater_is_better", "maybe"], "'maybe': expected true or false"),
-    (BERT, ["--train_file", "TRAIN", "--early_stopping_patience", "2"],
-     "--early_stopping_patience stops on the validation metric: this run has no validation set"),
+    (BERT, ["--data_dir", "DATA", "--early_stopping_patience", "2"],
+     "--early_stopping_patience applies to training; this run does not train"),
 ])
 def test_selection_flags_refused_by_the_parser(script, argv, message, digits_data, text_data, capsys):
-    base = [digits_data] if script == RESNET else ["--model_name_or_path", text_data / "model", "--do_train"]
-    argv = [str(a) for a in base] + [str(text_data / "train.txt") if a == "TRAIN" else a for a in argv]
+    base = [digits_data] if script == RESNET else ["--model_name_or_path", text_data / "model", "--do_eval"]
+    argv = [str(a) for a in base] + [str(text_data) if a == "DATA" else a for a in argv]
     with pytest.raises(SystemExit) as exit_:
         (train_resnet if script == RESNET else train_bert_cls).parse_args(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_bert_unknown_metric_lists_the_run_metrics_before_training(text_data, tmp_path):
-    proc = run_here(BERT, ["--cpu", *bert_args(text_data, tmp_path / "out", "--metric_for_best_model", "f1")],
-                    check=False)
+@pytest.mark.parametrize("case", ["unknown metric", "no validation set"])
+def test_bert_selection_errors_before_training(case, text_data, tmp_path):
+    """Known once the files are read and the --metric modules loaded: before the model is built, nothing written."""
+    out = tmp_path / "out"
+    if case == "unknown metric":
+        args = bert_args(text_data, out, "--metric_for_best_model", "f1")
+        error = ("--metric_for_best_model f1: not a validation metric of this run; choose from accuracy, macro_f1, "
+                 "micro_f1, loss")
+    else:  # a training file alone
+        args = ["--train_file", text_data / "train.txt", "--model_name_or_path", text_data / "model", "--from_scratch",
+                "--do_train", "--early_stopping_patience", "2", "--output_dir", out]
+        error = "--early_stopping_patience stops on the validation metric: this run has no validation set"
+    proc = run_here(BERT, ["--cpu", *args], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: --metric_for_best_model f1: not a validation metric of this run; choose from accuracy, macro_f1, "
-        "micro_f1, loss")
-    assert not (tmp_path / "out").exists()
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {error}"
+    assert not out.exists()
 
 
 def test_report_to_names_trackers_accelerate_knows():

@@ -9,7 +9,7 @@ onto the last batch).
 `--metric`: a hub id (`matthews_correlation`) needs the hub or its cache; a local path works offline: a metric
 script (`my_metric.py`) or a folder `my_metric/` holding `my_metric.py`. Every module is loaded, and computed once
 on every class id, before training starts, so that a metric that cannot load or cannot take these predictions fails
-in seconds rather than after the run.
+in seconds rather than after the run; `selectable_metrics` names the keys --metric_for_best_model may then choose.
 
 Neighbours: text/data.py, text/model.py.
 """

@@ -1,5 +1,6 @@
 """The text classifier's model: loading it from any checkpoint layout users bring, the checks that it fits the
-text and the task, the reference repository's best.pt, and AdamW's parameter groups.
+text and the task, the reference repository's best.pt, AdamW's parameter groups, and what its model card says
+(best_model/README.md: labels, settings, data, a pipeline() call).
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier

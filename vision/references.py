@@ -8,6 +8,8 @@ references/classification/train.py: their flags, their batch-size convention and
 - main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
   prefix of DataParallel/DDP) load with `weights_only=True` (common/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files.
+- model_card.md beside model_best.pth says how to load it into plain torchvision (or timm) with the training's
+  validation transform (model_card).
 
 Neighbours: vision/optim.py, common/export.py.
 """
