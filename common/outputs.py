@@ -217,8 +217,11 @@ class ModelCard:
         return f"---\n{self.front_matter(results)}\n---\n" + "\n".join(lines)
 
     def write(self, path, results):
-        """Swapped in atomically, like the weights it describes."""
+        """Swapped in atomically, like the weights it describes; nothing where there is no exported model (a run
+        whose every validation was NaN selected none)."""
         path = Path(path)
+        if not path.parent.is_dir():
+            return
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(self.render(results), encoding="utf-8")
         os.replace(tmp, path)
@@ -308,7 +311,7 @@ def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, t
     plt.close(fig)
 
 
-RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth")
+RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth", "model_card.md")
 
 
 def check_output_dir(output_dir, overwrite, resume):

@@ -1,4 +1,5 @@
 """train_resnet.py end to end through the real launcher on 1 and 2 CPU processes, on real handwritten digits."""
+import shlex
 import shutil
 import signal
 import urllib.error
@@ -117,8 +118,11 @@ def test_exports_load_into_plain_torchvision(trained, digits_data, suffix):
 
 def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path):
     out = trained[1]
-    launch(SCRIPT, [digits_data, *FAST, "-e", "--resume", out / "model_best.pth", "--output_dir", tmp_path],
-           num_processes=2)
+    # the command model_card.md gives for model_best.pth (its validation transform's flags), loaders in the process
+    card = (out / "model_card.md").read_text(encoding="utf-8")
+    command = shlex.split(card.split("## How to use")[1].split("```bash\n")[1].split("```")[0])
+    assert command[:2] == ["python", SCRIPT] and str(out / "model_best.pth") in command
+    launch(SCRIPT, [*command[2:], "-j", "0", "--output_dir", tmp_path], num_processes=2)
     evaluated = read_json(tmp_path / "eval_results.json")
     assert evaluated["eval_samples"] == 449 and evaluated["num_processes"] == 2
     assert evaluated["eval_acc1"] == pytest.approx(read_json(out / "all_results.json")["best_acc1"], abs=1e-9)

@@ -21,6 +21,16 @@ BERT, RESNET = "train_bert_cls.py", "train_resnet.py"
 TRACKING = {"MLFLOW_DISABLE_TELEMETRY": "true"}  # offline: no usage report attempts from mlflow
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The runs in this process get one thread, as every launched process does (conftest's ENV): the other pytest
+    worker has the other core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def bert_args(data, out, *extra):
     """Validation every 10 steps, stop after 2 without a better accuracy; no dropout, so that 1 and 2 processes
     train the same model (tests/test_launch_matrix.py)."""
@@ -144,6 +154,7 @@ def test_resume_keeps_the_metric_that_selected(stopped, text_data, tmp_path):
         "metric_for_best_model='accuracy', this run has 'loss'")
 
 
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # mlflow's SQLAlchemy models
 def test_two_processes_stop_at_the_same_step_and_track_once(stopped, text_data, tmp_path):
     """2 processes: the same stop and the same selected step as 1; TensorBoard and MLflow hold one run each, written
     by the main process, with the validation metrics at their steps."""

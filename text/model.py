@@ -161,7 +161,9 @@ def model_card(args, labels, examples, run):
         + ("; top_k=None: every label's probability (multi-label)" if args.multi_label else ""),
         f"print(classifier({text}, {options}))", "```", "",
         f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
-        f"texts.txt --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT`."])
+        + (f"texts.jsonl --text_column {args.text_column} --text_pair_column {args.text_pair_column}"
+           if example.text_pair is not None else "texts.txt")
+        + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT`."])
     model = str(args.model_name_or_path)
     if args.from_scratch:
         model += f" (from scratch{', ' + args.config_overrides if args.config_overrides else ''})"
