@@ -39,8 +39,8 @@ from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_ac
                             loader_generator, loader_settings, maybe_data_parallel, print_run_summary, run_cli,
                             run_info)
 from text.data import (LengthGroupedSampler, add_padding_args, add_text_format_args, build_collator, build_label_list,
-                       check_known_labels, find_split_file, label_targets, read_examples, read_unlabelled,
-                       resolve_padding, text_format, token_lengths, tokenize_examples, write_labels_file)
+                       check_known_labels, label_targets, read_examples, read_predict_file, resolve_padding,
+                       split_files, text_format, token_lengths, tokenize_examples, write_labels_file)
 from text.metrics import (compute_metrics, evaluation_metrics, flat_metrics, load_metrics, prediction_rows,
                           save_confusion_matrix, selectable_metrics, training_loss)
 from text.model import (check_problem_type, check_unk_rate, load_classifier, load_legacy_bert, model_card,
@@ -52,11 +52,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     data = parser.add_argument_group("data")
-    data.add_argument("--data_dir", type=Path, help="directory with train.txt/val.txt/test.txt (or cnews.*.txt)")
+    data.add_argument("--data_dir", type=Path,
+                      help="directory with train/val/test files (also dev, validation, cnews.*), any supported type")
     data.add_argument("--train_file", type=Path, help=".txt/.tsv (label TAB text), .csv or .json(l) (label, text)")
     data.add_argument("--validation_file", type=Path)
     data.add_argument("--test_file", type=Path)
-    data.add_argument("--predict_file", type=Path, help="one text per line, or .jsonl/.csv with a 'text' field")
+    data.add_argument("--predict_file", type=Path,
+                      help="one text per line (or label TAB text lines), or .csv/.json(l) with a 'text' field")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
     data.add_argument("--max_seq_len", type=int, default=512, help="tokens; longer texts are truncated")
     add_text_format_args(data)
@@ -120,19 +122,16 @@ def parse_args(argv=None):
                      "built-in exact-match accuracy and micro/macro F1")
     if not 0.0 < args.threshold < 1.0:
         parser.error(f"--threshold {args.threshold}: must be in (0, 1)")
-    for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
-        if getattr(args, flag) is None and args.data_dir is not None:
-            setattr(args, flag, find_split_file(args.data_dir, split))
     check_selection_args(parser, args, training=args.do_train)
     return args
 
 
-def load_splits(args, checkpoint_labels):
+def load_splits(args, checkpoint_labels, say=print):
     """Read and validate every input file before anything is written; return (labels, {split: examples})."""
-    if args.data_dir is not None and not args.data_dir.is_dir():
-        raise UserError(f"--data_dir {args.data_dir}: no such directory")
+    files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
+                                        "test": args.test_file}, say)
+    args.train_file, args.validation_file, args.test_file = files.values()  # run_config.json records them
     needed = {"train": args.do_train, "validation": args.do_eval, "test": args.do_test}
-    files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
     for split, need in needed.items():
         if need and files[split] is None:
             raise UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
@@ -140,7 +139,7 @@ def load_splits(args, checkpoint_labels):
     if args.do_train and files["validation"] is not None:
         needed["validation"] = True  # model selection uses the validation set, never the test set
     fmt = text_format(args)
-    examples = {split: read_examples(files[split], fmt=fmt) for split, need in needed.items() if need}
+    examples = {split: read_examples(files[split], fmt=fmt, say=say) for split, need in needed.items() if need}
     if "train" in examples:
         labels = build_label_list(examples["train"], args.labels_file, args.encoding)
     elif args.labels_file:
@@ -206,8 +205,8 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
                                     collate_fn=collator, **loader_settings(args.num_workers),
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
-    if predict_examples is not None:
-        dataset = tokenize_examples(tokenizer, predict_examples, None, args.max_seq_len)
+    if predict_examples is not None:  # blank lines have a row in predictions.jsonl, but nothing to predict
+        dataset = tokenize_examples(tokenizer, [e for e in predict_examples if not e.skipped], None, args.max_seq_len)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
                                         **loader_settings(args.num_workers))
     return loaders, stats
@@ -449,7 +448,9 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
 def write_predictions(accelerator, log, model, loader, examples, labels, args):
     logits, _ = predict_logits(accelerator, model, loader, "predict")
     log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold))
-    accelerator.print(f"wrote {len(examples)} predictions to {args.output_dir / 'predictions.jsonl'}")
+    skipped = sum(1 for example in examples if example.skipped)
+    accelerator.print(f"wrote {len(examples) - skipped} predictions and {skipped} skipped rows (blank lines, empty "
+                      f"texts) to {args.output_dir / 'predictions.jsonl'}, one row per input record")
 
 
 def main(args):
@@ -459,10 +460,12 @@ def main(args):
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
     if args.do_train:
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
+    labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path),
+                                   accelerator.print)
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
-    predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
+    predict_examples = (read_predict_file(args.predict_file, text_format(args), labels, accelerator.print)
+                        if args.do_predict else None)
     metric_modules = load_metrics(args.metric, len(labels))
     resolve_selection(args, selectable_metrics(metric_modules, len(labels)), validation="validation" in examples)
     selection = Selection.from_args(args, position="step")

@@ -5,6 +5,16 @@ Files: cnews `label<TAB>text` (.txt/.tsv), CSV and JSON (lines or one array) wit
 one text or a sentence pair (LCQMC, AFQMC, OCNLI), one label or several (multi-label, separated by
 `label_separator`), in any ASCII-compatible encoding. Every problem is a UserError that names the file and the
 line, so a bad line in a 50k-line file is found in seconds instead of surfacing as a shape error three layers down.
+Each file is read as the program that wrote it meant it:
+- lines end in \n, \r\n or a lone \r, numbered as a text editor shows them; a record is named by its first line;
+- CSV goes to the csv module as raw text (quoted commas, quotes, line breaks, long fields: pandas' and Excel's
+  files), and a record whose field count differs from the header's, or an unclosed quote, is an error;
+- a .txt/.tsv whose first line is a header row (pandas' `to_csv(sep="\t")`, with or without its index) is a
+  tab-separated table read the same way, never a class named "label";
+- predict files (`read_predict_file`) keep one record per input line, blank ones marked `skipped`, so that
+  predictions.jsonl row N is input record N; cnews lines whose labels the model knows are recognised as labelled;
+- labels are strings: one number spelt two ways ('1', '1.0') or a list without multi-label is refused.
+`--data_dir` (`split_files`) finds train/dev/val/validation/test in every supported type and says which it chose.
 
 Padding is chosen per device, because it only pays where the hardware wants it:
 - CPU: none beyond the longest text of the batch (a multiple of 8 only adds tokens: up to a quarter more work on
@@ -27,9 +37,13 @@ instead of a uniform random draw; the batches' order is shuffled again, so long 
 
 Neighbours: text/model.py (the model and tokenizer), text/metrics.py (loss, metrics, predictions).
 """
+import ast
 import codecs
 import csv
+import functools
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,19 +61,29 @@ CSV_SUFFIXES = {".csv"}
 
 JSON_SUFFIXES = {".json", ".jsonl"}
 
-SPLIT_NAMES = {  # file names looked for in --data_dir, first match wins
-    "train": ("train.txt", "cnews.train.txt", "train.tsv", "train.csv", "train.jsonl", "train.json"),
-    "validation": ("val.txt", "cnews.val.txt", "dev.txt", "val.tsv", "val.csv", "val.jsonl", "val.json"),
-    "test": ("test.txt", "cnews.test.txt", "test.tsv", "test.csv", "test.jsonl", "test.json"),
+DATA_SUFFIXES = (".txt", ".tsv", ".csv", ".jsonl", ".json")
+
+SPLIT_STEMS = {  # --data_dir holds <stem><suffix> for a suffix of DATA_SUFFIXES; two such files for a split: an error
+    "train": ("train", "cnews.train"),
+    "validation": ("val", "dev", "validation", "cnews.val"),
+    "test": ("test", "cnews.test"),
 }
+
+SPLIT_FLAGS = {"train": "--train_file", "validation": "--validation_file", "test": "--test_file"}
+
+CSV_FIELD_LIMIT = 2**31 - 1  # characters; the csv module stops at 131,072 by default (2**31 - 1 fits a C long anywhere)
+
+LINE_BREAK = re.compile(rb"\r\n|\r|\n")  # universal newlines, on bytes
 
 
 @dataclass
 class Example:
     text: str
-    label: str | tuple[str, ...] | None  # a tuple of labels when multi-label; None for unlabelled prediction inputs
+    label: str | tuple[str, ...] | None  # a tuple of labels when multi-label; None where a predict file gives none
     where: str  # "path:line", for error messages
     text_pair: str | None = None  # the second sentence of a pair
+    line: int | None = None  # the line where the record starts, numbered as a text editor shows it
+    skipped: str | None = None  # predict files: why the record is not fed to the model ("blank line", "empty text")
 
 
 @dataclass(frozen=True)
@@ -106,16 +130,31 @@ def label_set(example):
 
 
 def find_split_file(data_dir, split):
-    """The file for `split` in a cnews-style directory, or None."""
-    for name in SPLIT_NAMES[split]:
-        path = Path(data_dir) / name
-        if path.is_file():
-            return path
-    return None
+    """The file for `split` ("train", "validation", "test") in --data_dir, or None: <name><suffix> for the names of
+    SPLIT_STEMS (cnews.train, dev, validation, ...) and every supported suffix; two candidates are an error."""
+    found = [Path(data_dir) / f"{stem}{suffix}" for stem in SPLIT_STEMS[split] for suffix in DATA_SUFFIXES
+             if (Path(data_dir) / f"{stem}{suffix}").is_file()]
+    if len(found) > 1:
+        raise UserError(f"--data_dir {data_dir}: {' and '.join(path.name for path in found)} are each a {split} "
+                        f"file; keep one of them there, or name it with {SPLIT_FLAGS[split]}")
+    return found[0] if found else None
+
+
+def split_files(data_dir, given, say=print):
+    """{split: path or None}: the file given for each split (--train_file, ...), else the one --data_dir holds; with
+    --data_dir, one line says which file each split uses."""
+    if data_dir is None:
+        return dict(given)
+    if not Path(data_dir).is_dir():
+        raise UserError(f"--data_dir {data_dir}: no such directory")
+    files = {split: given.get(split) or find_split_file(data_dir, split) for split in SPLIT_FLAGS}
+    say(f"--data_dir {data_dir}: " + ", ".join(f"{split} {files[split] or '(none)'}" for split in SPLIT_FLAGS))
+    return files
 
 
 def check_encoding(encoding):
-    """A known codec in which a newline is the byte 0x0A (lines are split before decoding, to name the bad line)."""
+    """A known codec in which a line break is the ASCII byte (0x0A, 0x0D): an undecodable byte's line is counted on
+    the raw bytes."""
     try:
         name = codecs.lookup(encoding).name
     except LookupError:
@@ -126,23 +165,169 @@ def check_encoding(encoding):
     return name
 
 
-def _decoded_lines(path, encoding="utf-8"):
-    """Yield (line_number, line) with the trailing newline removed; undecodable bytes name their line."""
+def _open_text(path, codec, newline=None):
+    """`path` opened for reading as text in `codec`; a UTF-8 byte order mark (Excel writes one) is not text."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: file not found")
-    codec = check_encoding(encoding)
+    return open(path, encoding="utf-8-sig" if codec == "utf-8" else codec, newline=newline)
+
+
+def _decode_error(path, codec):
+    """The UserError for a file that is not valid `codec`: the line and byte of its first undecodable byte."""
+    data = Path(path).read_bytes()
+    skip = len(codecs.BOM_UTF8) if codec == "utf-8" and data.startswith(codecs.BOM_UTF8) else 0
     utf8 = codec == "utf-8"
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if utf8 and number == 1 else codec)
-            except UnicodeDecodeError as err:
-                hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
-                        "; pass the file's real --encoding")
-                raise UserError(f"{path}:{number}: not valid {'UTF-8' if utf8 else encoding} "
-                                f"({err.reason} at byte {err.start}){hint}") from None
-            yield number, line.rstrip("\r\n")
+    hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
+            "; pass the file's real --encoding")
+    try:
+        data[skip:].decode(codec)
+    except UnicodeDecodeError as err:
+        before = data[:skip + err.start]
+        line = len(LINE_BREAK.findall(before)) + 1
+        byte = len(before) - max(before.rfind(b"\n"), before.rfind(b"\r")) - 1
+        return UserError(f"{path}:{line}: not valid {'UTF-8' if utf8 else codec} ({err.reason} at byte {byte})"
+                         f"{hint}")
+    return UserError(f"{path}: not valid {'UTF-8' if utf8 else codec}{hint}")  # changed while it was read
+
+
+def _decoded_lines(path, encoding="utf-8"):
+    """Yield (line_number, line) without its line end. Universal newlines: a line ends in \\n, \\r\\n or a lone \\r
+    (old Mac files, some Excel exports), and lines are numbered as a text editor shows them."""
+    codec = check_encoding(encoding)
+    with _open_text(path, codec) as f:
+        try:
+            for number, line in enumerate(f, start=1):
+                yield number, line.rstrip("\n")
+        except UnicodeDecodeError:
+            raise _decode_error(path, codec) from None
+
+
+def _table_records(path, codec, delimiter):
+    """Yield (line, fields) of each record of a CSV (or tab-separated) file, read by the csv module from the raw file
+    as pandas and Excel write it: quoted delimiters, doubled quotes, line breaks inside quotes, fields of any length.
+    `line` is where the record starts; a blank line is a record with no fields."""
+    csv.field_size_limit(CSV_FIELD_LIMIT)
+    with _open_text(path, codec, newline="") as f:
+        reader, start = csv.reader(f, delimiter=delimiter, strict=True), 1
+        try:
+            for fields in reader:
+                yield start, fields
+                start = reader.line_num + 1
+        except UnicodeDecodeError:
+            raise _decode_error(path, codec) from None
+        except csv.Error as err:
+            if str(err) == "unexpected end of data":
+                raise UserError(f"{path}:{start}: a quoted field of this record is never closed (the file ends "
+                                "inside it)") from None
+            hint = "; or remove the header row to read lines as label<TAB>text" if delimiter == "\t" else ""
+            raise UserError(f"{path}:{reader.line_num}: {str(err).replace(chr(9), 'TAB')} (a field holding a quote "
+                            f"must be quoted as a whole, its quotes doubled{hint})") from None
+
+
+def _table_rows(path, fmt, labelled, delimiter):
+    """Yield (line, row) of a file with a header row: row maps the header's names to the record's fields; None for a
+    blank line. A record with another number of fields than the header is an error."""
+    records = _table_records(path, check_encoding(fmt.encoding), delimiter)
+    header_line, header = next(((line, fields) for line, fields in records if fields), (1, []))
+    missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled) if column not in header]
+    if missing:
+        raise UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}")
+    for line, fields in records:
+        if not any(field.strip() for field in fields):
+            yield line, None
+        elif len(fields) != len(header):
+            separator = "TAB" if delimiter == "\t" else f"'{delimiter}'"
+            raise UserError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)} (a field holding a "
+                            f"{separator}, a quote or a line break must be quoted)")
+        else:
+            yield line, dict(zip(header, fields))
+
+
+def _json_rows(path, fmt):
+    """Yield (line, value) of a JSON-lines file (None for a blank line), or of the items of one JSON array; `line` is
+    where the value starts."""
+    lines = list(_decoded_lines(path, fmt.encoding))
+    first = next((line for _, line in lines if line.strip()), "")
+    if first.lstrip().startswith("["):
+        yield from _json_array_items(path, "\n".join(line for _, line in lines))
+        return
+    for number, line in lines:
+        try:
+            value = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        yield number, value
+
+
+def _json_array_items(path, text):
+    """[(line, item)] of the JSON array `text`, each item decoded by json's own decoder where it starts."""
+    decoder, space = json.JSONDecoder(), re.compile(r"[ \t\n\r]*")
+    items, line, counted = [], 1, 0
+    position = space.match(text, text.index("[") + 1).end()
+    closed = text.startswith("]", position)  # an empty array
+    while not closed:
+        line, counted = line + text.count("\n", counted, position), position
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        items.append((line, item))
+        position = space.match(text, position).end()
+        closed = text.startswith("]", position)
+        if not closed and not text.startswith(",", position):
+            raise UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (expected ',' or ']')")
+        position = position if closed else space.match(text, position + 1).end()
+    if text[position + 1:].strip():
+        raise UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (data after the array)")
+    return items
+
+
+def _header_row(path, fmt):
+    """(line, fields) of a .txt/.tsv file's first non-blank line if it is a header row, else None: two or more
+    TAB-separated fields, one of them the text or label column's name, as pandas' `to_csv(sep="\\t")` writes
+    (`label<TAB>text`, or `<TAB>label<TAB>text` with its index)."""
+    for number, line in _decoded_lines(path, fmt.encoding):
+        if line.strip():
+            fields = line.split("\t")
+            named = fmt.text_column in fields or fmt.label_column in fields
+            return (number, fields) if len(fields) > 1 and named else None
+    return None
+
+
+def _rows(path, fmt, say, plain_lines, labelled=True):
+    """Yield (line, row) of each record of a supported file: row maps column names to values, None for a blank
+    line. A .txt/.tsv whose first line is a header row is a tab-separated table; otherwise `plain_lines(path, fmt)`
+    reads its lines."""
+    suffix = path.suffix.lower()
+    if suffix in CSV_SUFFIXES:
+        return _table_rows(path, fmt, labelled, ",")
+    if suffix in JSON_SUFFIXES:
+        return _json_rows(path, fmt)
+    if suffix not in TEXT_SUFFIXES:
+        raise UserError(f"{path}: unsupported file type '{suffix}' (use .txt/.tsv, .csv, .json or .jsonl)")
+    header = _header_row(path, fmt)
+    if header is None:
+        return plain_lines(path, fmt)
+    line, fields = header
+    say(f"skipped the header row of {path}:{line} ({', '.join(name or '(index)' for name in fields)}): its columns "
+        "are read by name, quoted fields as pandas and the csv module write them")
+    return _table_rows(path, fmt, labelled, "\t")
+
+
+def _cnews_lines(path, fmt):
+    """Rows of a header-less .txt/.tsv training file: `label<TAB>text` lines (the text may hold more TABs)."""
+    if fmt.text_pair_column:
+        raise UserError(f"{path}: sentence pairs need a .csv or .json(l) file with named columns (or a .tsv whose "
+                        "first line is a header row); other .txt/.tsv files are 'label<TAB>text'")
+    for number, line in _decoded_lines(path, fmt.encoding):
+        if not line.strip():
+            yield number, None  # blank lines (often a trailing one) carry nothing
+            continue
+        if "\t" not in line:
+            raise UserError(f"{path}:{number}: expected 'label<TAB>text', found no TAB")
+        label, text = line.split("\t", 1)
+        yield number, {fmt.label_column: label, fmt.text_column: text}
 
 
 def _check_text(text, where):
@@ -151,32 +336,40 @@ def _check_text(text, where):
     return text.strip()
 
 
-def _check_label(label, where, fmt=DEFAULT_FORMAT):
-    """One label, or with multi-label a sorted tuple of labels (a JSON list, or a field split on the separator).
+def _list_items(label):
+    """The items of a list label: a JSON list, or the text Python or JSON writes for a list (pandas saves a list
+    column as "['a', 'b']"); None for anything else."""
+    if isinstance(label, list):
+        return label
+    text = label.strip() if isinstance(label, str) else ""
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    try:
+        value = ast.literal_eval(text)  # literals only: nothing is run
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, list) else None
 
-    An empty multi-label field is an example with none of the labels, as in most multi-label corpora."""
+
+def _check_label(label, where, fmt=DEFAULT_FORMAT):
+    """One label, or with multi-label a sorted tuple of labels (a list, or a field split on the separator).
+
+    An empty multi-label field is an example with none of the labels, as in most multi-label corpora. A list without
+    --multi_label is an error: it would become one class named after the whole list."""
+    if isinstance(label, dict):
+        raise UserError(f"{where}: the label is a JSON object; expected a label (with --multi_label: a list)")
+    items = _list_items(label)
+    if items is not None and not fmt.multi_label:
+        raise UserError(f"{where}: the label {str(label)[:60]} is a list; pass --multi_label for several labels "
+                        "per text")
     if fmt.multi_label:
         if label is None:
             raise UserError(f"{where}: no label field")
-        parts = label if isinstance(label, list) else str(label).split(fmt.label_separator)
+        parts = items if items is not None else str(label).split(fmt.label_separator)
         return tuple(sorted({str(part).strip() for part in parts if str(part).strip()}))
     if label is None or not str(label).strip():
         raise UserError(f"{where}: empty label")
     return str(label).strip()
-
-
-def _read_tab_separated(path, fmt=DEFAULT_FORMAT):
-    if fmt.text_pair_column:
-        raise UserError(f"{path}: sentence pairs need a .csv or .json(l) file with named columns; "
-                        ".txt/.tsv files are 'label<TAB>text'")
-    for number, line in _decoded_lines(path, fmt.encoding):
-        if not line.strip():
-            continue  # blank lines (often a trailing one) carry nothing
-        where = f"{path}:{number}"
-        if "\t" not in line:
-            raise UserError(f"{where}: expected 'label<TAB>text', found no TAB")
-        label, text = line.split("\t", 1)
-        yield Example(_check_text(text, where), _check_label(label, where, fmt), where)
 
 
 def _columns(fmt, labelled):
@@ -189,83 +382,94 @@ def _columns(fmt, labelled):
     return columns
 
 
-def _example(row, where, fmt, labelled):
+def _check_columns(row, where, fmt, labelled):
+    if not isinstance(row, dict):
+        fields = " and ".join(f"'{column}'" for column, _ in _columns(fmt, labelled))
+        raise UserError(f"{where}: expected an object with {fields}")
     for column, flag in _columns(fmt, labelled):
         if column not in row:
-            raise UserError(f"{where}: no field '{column}' ({flag})")
+            hint = ("; files to train or evaluate on need labels (texts without labels go to --predict_file)"
+                    if column == fmt.label_column else "")
+            raise UserError(f"{where}: no field '{column}' ({flag}){hint}")
+
+
+def _example(row, where, fmt, line, labelled=True):
+    _check_columns(row, where, fmt, labelled)
     label = _check_label(row[fmt.label_column], where, fmt) if labelled else None
     pair = _check_text(row[fmt.text_pair_column], where) if fmt.text_pair_column else None
-    return Example(_check_text(row[fmt.text_column], where), label, where, pair)
+    return Example(_check_text(row[fmt.text_column], where), label, where, pair, line)
 
 
-def _read_csv(path, labelled, fmt=DEFAULT_FORMAT):
-    lines = (line for _, line in _decoded_lines(path, fmt.encoding))
-    reader = csv.DictReader(lines)
-    missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled)
-               if column not in (reader.fieldnames or [])]
-    if missing:
-        raise UserError(f"{path}:1: header lacks column(s) {', '.join(missing)}")
-    for row in reader:
-        yield _example({k: v for k, v in row.items() if v is not None}, f"{path}:{reader.line_num}", fmt, labelled)
-
-
-def _read_json(path, labelled, fmt=DEFAULT_FORMAT):
-    numbered = list(_decoded_lines(path, fmt.encoding))
-    first = next((line for _, line in numbered if line.strip()), "")
-    if first.lstrip().startswith("["):  # one JSON array
-        try:
-            rows = json.loads("\n".join(line for _, line in numbered))
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
-        records = [(f"{path}: item {i}", row) for i, row in enumerate(rows)]
-    else:  # JSON lines
-        records = []
-        for number, line in numbered:
-            if not line.strip():
-                continue
-            try:
-                records.append((f"{path}:{number}", json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-    for where, row in records:
-        if not isinstance(row, dict):
-            fields = " and ".join(f"'{column}'" for column, _ in _columns(fmt, labelled))
-            raise UserError(f"{where}: expected an object with {fields}")
-        yield _example(row, where, fmt, labelled)
-
-
-def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT):
-    """All examples of a labelled file (.txt/.tsv label TAB text, .csv or .json/.jsonl with the `fmt` columns)."""
+def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
+    """All examples of a labelled file: .txt/.tsv `label<TAB>text` lines (or a table with a header row), .csv, or
+    .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels are not read). `say` prints
+    one-line notes (a header row skipped)."""
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:
-        examples = list(_read_tab_separated(path, fmt))
-    elif suffix in CSV_SUFFIXES:
-        examples = list(_read_csv(path, labelled, fmt))
-    elif suffix in JSON_SUFFIXES:
-        examples = list(_read_json(path, labelled, fmt))
-    else:
-        raise UserError(f"{path}: unsupported file type '{suffix}' (use .txt/.tsv, .csv, .json or .jsonl)")
+    examples = [_example(row, f"{path}:{line}", fmt, line, labelled)
+                for line, row in _rows(path, fmt, say, _cnews_lines, labelled) if row is not None]
     if not examples:
         raise UserError(f"{path}: no examples (the file is empty)")
     return examples
 
 
-def read_unlabelled(path, fmt=DEFAULT_FORMAT):
-    """Examples to predict: one text per line, or JSON lines/CSV with the `fmt` text (and pair) columns."""
+def read_predict_file(path, fmt=DEFAULT_FORMAT, labels=(), say=print):
+    """One Example per record of a --predict_file, so that predictions.jsonl has one row per input line: blank lines
+    and empty texts included, marked `skipped`. .csv/.json(l) (and a .tsv with a header row) give the `fmt` text
+    (and pair) columns, and the label column's value as `label` where there is one. Other .txt/.tsv files hold one
+    text per line, or `label<TAB>text` lines when every line starts with one of the model's `labels` and a TAB."""
     path = Path(path)
-    if path.suffix.lower() in CSV_SUFFIXES | JSON_SUFFIXES:
-        return read_examples(path, labelled=False, fmt=fmt)
-    if fmt.text_pair_column:
-        raise UserError(f"{path}: sentence pairs to predict need a .csv or .json(l) file with named columns")
-    examples = [
-        Example(_check_text(line, f"{path}:{number}"), None, f"{path}:{number}")
-        for number, line in _decoded_lines(path, fmt.encoding)
-        if line.strip()
-    ]
-    if not examples:
+    rows = _rows(path, fmt, say, functools.partial(_predict_lines, labels=set(labels), say=say), labelled=False)
+    examples = [_predict_example(row, f"{path}:{line}", fmt, line) for line, row in rows]
+    if all(example.skipped for example in examples):
         raise UserError(f"{path}: no texts (the file is empty)")
     return examples
+
+
+def _predict_lines(path, fmt, labels, say):
+    """Rows of a header-less .txt/.tsv predict file: one text per line (a TAB may be part of a text), or, when every
+    non-blank line is `label<TAB>text` with a label of the model, those lines' texts and labels."""
+    if fmt.text_pair_column:
+        raise UserError(f"{path}: sentence pairs to predict need a .csv or .json(l) file with named columns")
+    lines = list(_decoded_lines(path, fmt.encoding))
+    texts = [(number, line) for number, line in lines if line.strip()]
+    with_label = [number for number, line in texts if _starts_with_label(line, labels, fmt)]
+    if len(texts) / 2 < len(with_label) < len(texts):
+        first = next(number for number, line in texts if not _starts_with_label(line, labels, fmt))
+        raise UserError(f"{path}:{first}: {len(with_label)} of the {len(texts)} lines are 'label<TAB>text' with a "
+                        "label of the model, this one is not; correct it, or give the texts as .jsonl with a "
+                        "'text' field")
+    is_labelled = bool(texts) and len(with_label) == len(texts)
+    if is_labelled:
+        say(f"{path}: every line is 'label<TAB>text' with a label of the model: predicting on the texts (the "
+            "labels go to label_given)")
+    for number, line in lines:
+        if not line.strip():
+            yield number, None
+        elif is_labelled:
+            label, text = line.split("\t", 1)
+            yield number, {fmt.label_column: label, fmt.text_column: text}
+        else:
+            yield number, {fmt.text_column: line}
+
+
+def _starts_with_label(line, labels, fmt):
+    label, tab, _ = line.partition("\t")
+    names = label.split(fmt.label_separator) if fmt.multi_label else [label]
+    return bool(tab and label.strip()) and all(name.strip() in labels for name in names)
+
+
+def _predict_example(row, where, fmt, line):
+    """An Example to predict; a blank line or an empty text is kept as a `skipped` one."""
+    if row is None:
+        return Example("", None, where, line=line, skipped="blank line")
+    _check_columns(row, where, fmt, labelled=False)
+    texts = [row[fmt.text_column]] + ([row[fmt.text_pair_column]] if fmt.text_pair_column else [])
+    if any(isinstance(text, str) and not text.strip() for text in texts):
+        return Example("", None, where, line=line, skipped="empty text")
+    given = row.get(fmt.label_column)
+    label = _check_label(given, where, fmt) if given not in (None, "") else None
+    pair = _check_text(row[fmt.text_pair_column], where) if fmt.text_pair_column else None
+    return Example(_check_text(row[fmt.text_column], where), label, where, pair, line)
 
 
 def read_labels_file(path, encoding="utf-8"):
@@ -288,7 +492,38 @@ def build_label_list(train_examples, labels_file=None, encoding="utf-8"):
         labels = read_labels_file(labels_file, encoding)
         check_known_labels(train_examples, labels, source=str(labels_file))
         return labels
+    check_label_spellings(train_examples)
     return sorted({label for example in train_examples for label in label_set(example)})
+
+
+def check_label_spellings(examples):
+    """Labels are strings, so '1' and '1.0' (or a JSON 1 and true) would be two classes: refused, naming the first
+    line of each. (A --labels_file that lists both says they are different classes.)"""
+    first_seen = {}
+    for example in examples:
+        for label in label_set(example):
+            first_seen.setdefault(label, example.where)
+    by_number = {}
+    for label, where in first_seen.items():
+        number = _label_number(label)
+        if number is not None and number in by_number:
+            other, other_where = by_number[number]
+            raise UserError(f"{other_where}: label '{other}' and {where}: label '{label}' are one number written two "
+                            "ways and would be two classes; write it one way (or, if they are different classes, "
+                            "list both in --labels_file)")
+        if number is not None:
+            by_number[number] = (label, where)
+
+
+def _label_number(label):
+    """The number a label spells ('1', '1.0', '1e0'; 'true' and 'false' as JSON writes booleans: 1 and 0), or None."""
+    if label.lower() in ("true", "false"):
+        return float(label.lower() == "true")
+    try:
+        number = float(label)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def check_known_labels(examples, labels, source="the train file"):

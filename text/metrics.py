@@ -50,13 +50,21 @@ def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5):
 
 
 def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
-    """predictions.jsonl rows: the input, the predicted label(s) with their probability, every probability."""
-    probabilities = (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist()  # (N, C)
+    """predictions.jsonl rows, one per input record in file order: its `line`, the input, the label(s) the file gave
+    (`label_given`), the predicted label(s) with their probability, every probability. A skipped record (a blank
+    line) has a row saying why and no prediction; `logits` (N, C) are those of the N others, in order."""
+    probabilities = iter((torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist())  # (N, C)
     rows = []
-    for example, probs in zip(examples, probabilities):
-        row = {"text": example.text}
+    for example in examples:
+        row = {"line": example.line, "text": example.text}
+        if example.skipped:
+            rows.append({**row, "skipped": example.skipped})
+            continue
         if example.text_pair is not None:
             row["text_pair"] = example.text_pair
+        if example.label is not None:
+            row["label_given"] = list(example.label) if isinstance(example.label, tuple) else example.label
+        probs = next(probabilities)
         ranked = sorted(range(len(labels)), key=probs.__getitem__, reverse=True)
         if multi_label:  # every label at or above the threshold, most probable first (possibly none)
             row["labels"] = {labels[i]: probs[i] for i in ranked if probs[i] >= threshold}
@@ -64,6 +72,8 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
             row.update(label=labels[ranked[0]], score=probs[ranked[0]])
         row["probabilities"] = dict(zip(labels, probs))
         rows.append(row)
+    if next(probabilities, None) is not None:
+        raise ValueError(f"{len(logits)} predictions for {sum(not e.skipped for e in examples)} texts")
     return rows
 
 
