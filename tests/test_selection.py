@@ -2,7 +2,6 @@
 experiment trackers (--report_to) and the model cards, in both scripts."""
 import importlib.util
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
