@@ -295,3 +295,169 @@ def test_list_labels_need_multi_label(tmp_path):
     multi = TextFormat(label_separator="|")  # pandas wrote the lists as Python does: their items are the labels
     assert [e.label for e in read_examples(tmp_path / "l.csv", fmt=multi)] == [("a", "b"), ("c",)]
     assert read_examples(write(tmp_path / "b.txt", "[体育]\t甲\n"))[0].label == "[体育]"  # brackets alone: a label
+
+
+# ---- --dataset_name: datasets written by the real producers (save_to_disk, pandas' parquet), read offline ----
+
+def bert_args(*extra):
+    import train_bert_cls
+
+    return train_bert_cls.parse_args(["--model_name_or_path", "m", *map(str, extra)])
+
+
+def load(*extra):
+    import train_bert_cls
+
+    notes = []
+    labels, examples = train_bert_cls.load_splits(bert_args(*extra), None, say=notes.append)
+    return labels, examples, notes
+
+
+NEWS = ["球队赢了比赛", "股市今天上涨", "新电影首映", "冠军进球", "银行利率下调", "明星演唱会"]
+
+
+def test_dataset_dict_with_a_class_label_and_a_dev_split(tmp_path):
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    features = Features({"sentence": Value("string"), "label": ClassLabel(names=["体育", "财经", "娱乐"])})
+    DatasetDict(
+        train=Dataset.from_dict({"sentence": NEWS, "label": [0, 1, 2, 0, 1, 2]}, features=features),
+        dev=Dataset.from_dict({"sentence": NEWS[:2], "label": [0, 1]}, features=features),
+        test=Dataset.from_dict({"sentence": NEWS[:3], "label": [-1, -1, -1]}, features=features),  # GLUE's unlabelled
+    ).save_to_disk(str(tmp_path / "news"))
+    labels, examples, notes = load("--dataset_name", tmp_path / "news", "--text_column_names", "sentence",
+                                   "--do_train", "--do_predict")
+    assert labels == ["体育", "财经", "娱乐"]  # the ClassLabel's order, not sorted
+    assert [e.label for e in examples["train"]] == ["体育", "财经", "娱乐"] * 2
+    assert [e.label for e in examples["validation"]] == ["体育", "财经"]  # "dev" is the validation split
+    assert [e.text for e in examples["predict"]] == NEWS[:3] and examples["predict"][0].label is None
+    assert notes[0] == (f"--dataset_name {tmp_path / 'news'}: train <- split 'train' (6 rows), validation <- split "
+                        "'dev' (2 rows), predict <- split 'test' (its labels unused)")
+    assert "ClassLabel names of column 'label', in the dataset's order" in notes[1]
+    with pytest.raises(UserError, match=r"news split 'test' row 0: label -1 \(no label; .*--do_predict"):
+        load("--dataset_name", tmp_path / "news", "--text_column", "sentence", "--do_test")
+    with pytest.raises(UserError, match=r"--validation_split_name valid: \S*news has no such split \(it has train, "
+                                        r"dev, test\)"):
+        load("--dataset_name", tmp_path / "news", "--validation_split_name", "valid", "--do_eval")
+
+
+def test_saved_dataset_is_the_train_split_and_integer_labels_sort_numerically(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": NEWS, "label": [10, 2, 1, 10, 2, 1]}).save_to_disk(str(tmp_path / "ds"))
+    labels, examples, notes = load("--dataset_name", tmp_path / "ds", "--do_train")
+    assert labels == ["1", "2", "10"] and [e.label for e in examples["train"][:3]] == ["10", "2", "1"]
+    assert examples["train"][4].where == f"{tmp_path / 'ds'} split 'train' row 4"
+    assert notes[1] == "labels: the integers of column 'label', in numeric order"
+    with pytest.raises(UserError, match=r"--do_eval needs a validation split: \S*ds has train \(--validation_split_na"):
+        load("--dataset_name", tmp_path / "ds", "--do_train", "--do_eval")
+    with pytest.raises(UserError, match=r"ds split 'train': no column 'sentence' \(--text_column\); it has text, lab"):
+        load("--dataset_name", tmp_path / "ds", "--do_train", "--text_column", "sentence")
+
+
+def test_bad_rows_name_the_split_and_row(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": ["好", " ", "坏"], "label": ["a", "b", "a"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(UserError, match=r"ds split 'train' row 1: empty text"):
+        load("--dataset_name", tmp_path / "ds", "--do_train")
+    Dataset.from_dict({"text": NEWS[:2], "score": [0.5, 1.5]}).save_to_disk(str(tmp_path / "floats"))
+    with pytest.raises(UserError, match=r"floats split 'train': column 'score' holds float64 numbers: pass "
+                                        "--do_regression"):
+        load("--dataset_name", tmp_path / "floats", "--label_column", "score", "--do_train")
+    labels, examples, _ = load("--dataset_name", tmp_path / "floats", "--label_column_name", "score", "--do_train",
+                               "--do_regression")
+    assert labels == ["score"] and [e.label for e in examples["train"]] == [0.5, 1.5]
+    Dataset.from_dict({"text": NEWS[:2], "tags": [["a", "b"], []]}).save_to_disk(str(tmp_path / "tags"))
+    with pytest.raises(UserError, match=r"tags split 'train': column 'tags' holds lists of labels: pass --multi_lab"):
+        load("--dataset_name", tmp_path / "tags", "--label_column", "tags", "--do_train")
+    labels, examples, _ = load("--dataset_name", tmp_path / "tags", "--label_column", "tags", "--do_train",
+                               "--multi_label")
+    assert labels == ["a", "b"] and [e.label for e in examples["train"]] == [("a", "b"), ()]
+
+
+def test_parquet_files_written_by_pandas_with_joined_text_columns(tmp_path):
+    import pandas as pd
+
+    data = tmp_path / "reviews"
+    data.mkdir()
+    frame = pd.DataFrame({"title": ["好评", None, "差评"], "body": ["质量很好", "还行", "坏了"], "stars": [5, 3, 1]})
+    frame.to_parquet(data / "train.parquet")
+    frame.iloc[:2].to_parquet(data / "validation.parquet")
+    cache = tmp_path / "cache"
+    labels, examples, notes = load("--dataset_name", data, "--text_column_names", "title,body",
+                                   "--text_column_delimiter", "|", "--label_column_name", "stars", "--do_train",
+                                   "--cache_dir", cache)
+    assert [e.text for e in examples["train"]] == ["好评|质量很好", "|还行", "差评|坏了"]  # a missing title joins as ""
+    assert labels == ["1", "3", "5"] and len(examples["validation"]) == 2  # read for model selection
+    assert any(cache.iterdir())  # load_dataset's arrow cache went to --cache_dir
+    with pytest.raises(UserError, match=r"reviews split 'train': no column 'headline' \(--text_column_names\)"):
+        load("--dataset_name", data, "--text_column_names", "headline,body", "--label_column", "stars",
+             "--do_train", "--cache_dir", cache)
+
+
+def test_a_hub_id_offline_is_one_line_naming_the_hub(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # HF_DATASETS_OFFLINE=1, read when datasets loads
+    with pytest.raises(UserError) as err:
+        load("--dataset_name", "nyu-mll/glue", "--dataset_config_name", "stsb", "--do_train", "--do_regression")
+    message = str(err.value)
+    assert message.startswith("--dataset_name nyu-mll/glue: cannot load (") and "needs the hub or its cache" in message
+    assert "\n" not in message
+
+
+def test_max_samples_cut_after_the_labels_and_shuffle_like_datasets(tmp_path):
+    from datasets import Dataset
+
+    rows = {"text": [f"第{i}条新闻" for i in range(20)], "label": ["a"] * 19 + ["z"]}
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    labels, examples, notes = load("--dataset_name", tmp_path / "ds", "--do_train", "--max_train_samples", "5")
+    assert labels == ["a", "z"]  # "z" (row 19) is cut, but the model still gets its class
+    assert [e.text for e in examples["train"]] == rows["text"][:5]
+    assert "train: the first 5 of 20 examples" in notes
+    _, shuffled, _ = load("--dataset_name", tmp_path / "ds", "--do_train", "--max_train_samples", "5",
+                          "--shuffle_train_dataset", "--shuffle_seed", "3")
+    # run_classification.py's train_dataset.shuffle(seed).select(range(N)), on the same rows
+    expected = Dataset.from_dict(rows).shuffle(seed=3).select(range(5))["text"]
+    assert [e.text for e in shuffled["train"]] == list(expected)
+
+
+def test_regression_labels_in_files_and_a_bad_one_named(tmp_path):
+    fmt = TextFormat(regression=True)
+    path = write(tmp_path / "sts.csv", "text,label\n甲,0.5\n乙,4\n")
+    assert [e.label for e in read_examples(path, fmt=fmt)] == [0.5, 4.0]
+    with pytest.raises(UserError, match=r"bad.csv:3: label 'high' is not a number \(--do_regression\)"):
+        read_examples(write(tmp_path / "bad.csv", "text,label\n甲,0.5\n乙,high\n"), fmt=fmt)
+    with pytest.raises(UserError, match=r"nan.txt:1: label 'nan' is not a finite number"):
+        read_examples(write(tmp_path / "nan.txt", "nan\t甲\n"), fmt=fmt)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset_name", "d", "--train_file", "t.csv", "--do_train"], "--dataset_name and --train_file are two sources"),
+    (["--dataset_config_name", "stsb", "--train_file", "t.csv", "--do_train"], "--dataset_config_name needs --dat"),
+    (["--train_file", "t.csv", "--do_train", "--max_train_samples", "0"], "--max_train_samples 0: must be at least"),
+    (["--train_file", "t.csv", "--do_train", "--max_predict_samples", "9"], "--max_predict_samples: nothing of that"),
+    (["--train_file", "t.csv", "--do_train", "--shuffle_seed", "1"], "--shuffle_seed needs --shuffle_train_dataset"),
+    (["--train_file", "t.csv", "--do_train", "--text_column_delimiter", "|"], "--text_column_delimiter joins sev"),
+    (["--train_file", "t.csv", "--do_train", "--do_regression", "--multi_label"], "cannot be combined with --multi"),
+    (["--train_file", "t.csv", "--do_train", "--do_regression", "--label_smoothing", "0.1"], "--label_smoothing is"),
+    (["--train_file", "t.csv", "--do_train", "--do_predict"], "--do_predict needs --predict_file, or a test split"),
+])
+def test_data_flags_that_cannot_work_are_refused_while_parsing(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bert_args(*flags)
+    assert message in capsys.readouterr().err
+
+
+def test_do_predict_without_a_predict_file_predicts_the_test_split(tmp_path):
+    write(tmp_path / "train.txt", "体育\t甲\n财经\t乙\n")
+    write(tmp_path / "test.txt", "财经\t丙\n\n体育\t丁\n")
+    _, examples, _ = load("--data_dir", tmp_path, "--do_train", "--do_predict")
+    assert [(e.text, e.label, e.line, e.skipped) for e in examples["predict"]] == [
+        ("丙", "财经", 1, None), ("", None, 2, "blank line"), ("丁", "体育", 3, None)]  # labels kept as label_given
+    write(tmp_path / "sts.tsv", "0.5\t甲\n4\t乙\n")
+    write(tmp_path / "new.txt", "1.5\t丙\n2\t丁\n")  # every line a number, a TAB, a text: labelled
+    _, examples, _ = load("--train_file", tmp_path / "sts.tsv", "--do_regression", "--do_train", "--do_predict",
+                          "--predict_file", tmp_path / "new.txt")
+    assert [(e.text, e.label) for e in examples["predict"]] == [("丙", 1.5), ("丁", 2.0)]
