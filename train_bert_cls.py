@@ -33,8 +33,9 @@ from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agr
                                resume_settings)
 from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from common.loop import (CLASS_WEIGHTS_HELP, Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput,
-                         epoch_batches, load_class_weights)
+from common.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
+                         PreemptionGuard, Selection, Throughput, add_selection_args, check_selection_args,
+                         epoch_batches, load_class_weights, resolve_selection)
 from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
@@ -45,12 +46,13 @@ from text.data import (LengthGroupedSampler, add_dataset_args, add_padding_args,
                        data_must_match, fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
                        read_predict_file, resolve_padding, select_examples, text_format, token_lengths,
                        tokenize_examples, write_labels_file)
-from text.metrics import (Selection, check_task_args, compute_metrics, default_selection, evaluation_metrics,
-                          headline_scores, load_metrics, prediction_rows, save_confusion_matrix, training_loss)
+from text.metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
+                          flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
+                          selectable_metrics, training_loss)
 from text.model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
                         check_problem_type, check_unk_rate, fit_max_seq_len, hub_options, load_classifier,
-                        load_legacy_bert, loading, optimizer_groups, problem_type, saved_labels, trained_with,
-                        use_model_settings)
+                        load_legacy_bert, loading, model_card, optimizer_groups, problem_type, saved_labels,
+                        trained_with, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -122,6 +124,7 @@ def parse_args(argv=None):
     output.add_argument("--metric", "--metric_name", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")
+    add_selection_args(parser, None, SELECTION_HELP)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
@@ -131,6 +134,7 @@ def parse_args(argv=None):
             check(args)
         except UserError as err:
             parser.error(str(err))
+    check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
         use_model_settings(args, print)
     return args
@@ -246,17 +250,17 @@ def predict_logits(accelerator, model, dataloader, desc):
 
 def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
     """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
-    `extra`: --metric's results."""
+    `extra`: --metric's results (under their own keys too, which never collide with these)."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc)
     metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
     metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
-    return metrics
+    return {**metrics["extra"], **metrics}
 
 
-def save_best_model(accelerator, model, tokenizer, best_dir, settings):
-    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically;
-    with what it was trained with (`settings`, TRAINED_WITH; the tokenizer truncates at max_seq_len, in pipeline()
-    too)."""
+def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card_results, step=None):
+    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, with what it was
+    trained with (`settings`, TRAINED_WITH; the tokenizer truncates at max_seq_len, in pipeline() too) and its model
+    card (README.md, from `card_results`), swapped in atomically; `step`: the validation step that selected it."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     tokenizer.model_max_length = settings["max_seq_len"]
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -265,14 +269,17 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings):
     accelerator.on_main_process(bare.save_pretrained)(tmp, state_dict=state_dict, save_original_format=False)
     accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
     accelerator.on_main_process((tmp / TRAINED_WITH).write_text)(json.dumps(settings, indent=2) + "\n")
+    log.write_model_card(tmp / "README.md", card_results)
     accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
+    if step is not None:
+        accelerator.on_main_process(mark_selection)(best_dir, step)
     accelerator.wait_for_everyone()
 
 
 # Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
 RESUMABLE_FLAGS = {"--learning_rate": "learning_rate", "--weight_decay": "weight_decay",
                    "--warmup_ratio": "warmup_ratio", "--num_train_epochs": "num_train_epochs",
-                   "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm"}
+                   "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm", **EARLY_STOPPING_FLAGS}
 
 
 @dataclass
@@ -289,7 +296,7 @@ class Training:
     selection: Selection  # the validation metric that selects the best model
 
 
-def prepare_training(args, accelerator, model, loaders, log, must_match):
+def prepare_training(args, accelerator, model, loaders, log, must_match, selection):
     """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint; prints
     the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
@@ -308,8 +315,7 @@ def prepare_training(args, accelerator, model, loaders, log, must_match):
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
                               allow_data_change=args.allow_data_change)
     resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoints.dir)
-    selection = default_selection(args.do_regression)
-    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, selection.state_key: None, "best_step": None}
+    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
     cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
@@ -327,7 +333,7 @@ def prepare_training(args, accelerator, model, loaders, log, must_match):
 
 def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
     """A validation during training: its `eval` event in metrics.jsonl and one console line."""
-    scores = headline_scores(metrics)
+    scores = {**headline_scores(metrics), **metrics["extra"]}
     log.log("eval", completed_steps, {**scores, "eval_seconds": eval_seconds, "train_seconds": train_seconds})
     log.console(f"eval step {completed_steps} | "
                 + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples"))
@@ -357,11 +363,12 @@ class TrainResult:
     best_eval: dict | None  # the selected model's validation metrics, when they are the last ones measured
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, class_weights=None):
+def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection, metric_modules,
+          class_weights=None):
     """The training loop; class_weights: (C,) --class_weights."""
-    training = prepare_training(args, accelerator, model, loaders, log, must_match)
-    model, optimizer, scheduler, state, cadence, selection = (training.model, training.optimizer, training.scheduler,
-                                                              training.state, training.cadence, training.selection)
+    training = prepare_training(args, accelerator, model, loaders, log, must_match, selection)
+    model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
+                                                   training.state, training.cadence)
     best_dir = args.output_dir / "best_model"
     guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
@@ -369,7 +376,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
                            args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
-    completed_steps, samples_seen, preempted = state["completed_steps"], 0, False
+    completed_steps, samples_seen, preempted, stopped_at = state["completed_steps"], 0, False, None
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
@@ -407,35 +414,34 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
             if due.evaluate and training.eval_loader is not None:
                 health.check(completed_steps)
                 with speed.pause("eval") as evaluation:
-                    metrics = evaluate(accelerator, model, training.eval_loader, labels, "validation", args)
+                    metrics = evaluate(accelerator, model, training.eval_loader, labels, "validation", args,
+                                       metric_modules)
                 log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - start_time)
                 last_eval = (completed_steps, metrics)
-                score = metrics[selection.metric]
-                if selection.improves(score, state[selection.state_key]):  # a new best model, kept in memory, exported
-                    state.update({selection.state_key: score, "best_step": completed_steps})
+                if selection.update(state, metrics, completed_steps):  # a new best model, kept and exported
                     best.keep(model)
                     with speed.pause("save"):
-                        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args))
-                        accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
-            preempted = guard.should_stop()
-            if due.checkpoint or preempted:
+                        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log,
+                                        {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps)
+                stopped_at = completed_steps if selection.should_stop(state) else None
+            preempted = guard.should_stop() and stopped_at is None  # stopping early ends the run: no resume needed
+            if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
                     path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
                 log.console(f"saved checkpoint {path}")
-            if preempted or due.finished:
+            if preempted or due.finished or stopped_at is not None:
                 break
-        if preempted or cadence.finished(completed_steps):
+        if preempted or cadence.finished(completed_steps) or stopped_at is not None:
             break
     bar.close()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
-        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args))
+        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {})
     best_eval = select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir)
     runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": speed.startup_seconds,
-               "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
-               "train_steps": completed_steps, "best_step": state["best_step"],
-               f"best_eval_{selection.metric}": state[selection.state_key] if state["best_step"] is not None else None}
+    results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime,
+               "train_samples_per_second": samples_seen / runtime, "train_steps": completed_steps,
+               f"best_eval_{selection.metric}": selection.best(state), **selection.results(state, stopped_at)}
     return TrainResult(model, results, preempted, best_eval)
 
 
@@ -450,8 +456,7 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
     scores = headline_scores(metrics)
     accelerator.print(f"{prefix}: " + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples")
                       + f" | {metrics['samples']} samples")
-    return {**{f"{prefix}_{k}": v for k, v in scores.items()},
-            **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
+    return flat_metrics(metrics, prefix)
 
 
 def evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained=None, tag=""):
@@ -462,7 +467,7 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
     for split, mode in (("validation", "eval"), ("test", "test")):
         prefix = mode + tag
         if getattr(args, f"do_{mode}") and split in prepared:
-            reuse = trained.best_eval if trained and split == "validation" and not metric_modules else None
+            reuse = trained.best_eval if trained and split == "validation" else None
             metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir),
                            **{f"{prefix}_settings": trained_with(args)})
@@ -493,6 +498,9 @@ def main(args):
                                    accelerator.print)
     predict_examples = examples.pop("predict", None)
     metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
+    resolve_selection(args, selectable_metrics(metric_modules, len(labels), args.do_regression),
+                      validation="validation" in examples, default=default_metric(args.do_regression))
+    selection = Selection.from_args(args, position="step")
     train_ids = label_targets(examples["train"], labels, multi_label=False) if args.class_weights else None
     class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
     if class_weights:
@@ -505,7 +513,8 @@ def main(args):
                   # another value would change which samples each step sees (or the inputs themselves)
                   "--train_batch_size": args.train_batch_size, **data_must_match(args),
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len,
-                  DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train"))}
+                  DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")),
+                  **selection.must_match()}
     model = maybe_data_parallel(model, args)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
@@ -519,11 +528,15 @@ def main(args):
     results = {**run_info(accelerator, args.train_batch_size), **padding, **stats}
     trained = None
     if args.do_train:
-        log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint)
+        log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint,
+                  card=model_card(args, labels, examples, results))
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
-        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
-                        class_weights and class_weights.tensor(accelerator.device))
+        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection,
+                        metric_modules, class_weights and class_weights.tensor(accelerator.device))
         results.update(trained.results)
+        if results["stopped_early"]:
+            accelerator.print(f"stopped early at step {results['stopped_early_at_step']}: "
+                              f"{results['stopped_early_reason']}")
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
                               "--resume_from_checkpoint latest")
@@ -541,6 +554,7 @@ def main(args):
         write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
     if args.do_train:
         log.write_json("all_results.json", results)
+        log.write_model_card(args.output_dir / "best_model" / "README.md", results)  # now with the test results
     else:  # an evaluation of a trained output_dir adds to its results, never drops them
         prefixes = [mode + results_tag for mode in ("eval", "test") if getattr(args, f"do_{mode}")]
         for prefix in prefixes:

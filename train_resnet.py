@@ -16,8 +16,9 @@ test suite runs these two commands as printed and expects a top-1 accuracy above
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
 torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
-Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), checkpoints/step_N
-(exact resume), metrics.jsonl, all_results.json (eval_results.json with -e), training_curves.png.
+Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), model_card.md (how to
+load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.jsonl, all_results.json
+(eval_results.json with -e), training_curves.png.
 """
 import argparse
 import difflib
@@ -37,7 +38,8 @@ from torch.utils.data import DataLoader
 from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
                                load_checkpoint_weights, read_training_state, resume_settings)
 from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
-from common.loop import (CLASS_WEIGHTS_HELP, Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput,
+from common.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
+                         PreemptionGuard, Selection, Throughput, add_selection_args, check_selection_args,
                          epoch_batches, load_class_weights)
 from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
@@ -53,10 +55,12 @@ from vision.device_decode import EncodedImageFolder, check_decode_on_device, col
 from vision.optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, update_ema)
 from vision.references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
-                               export_main_py_checkpoints, global_batch_size)
+                               export_main_py_checkpoints, global_batch_size, model_card)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
+VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
+TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
 
 
 def parse_args(argv=None):
@@ -106,6 +110,7 @@ def parse_args(argv=None):
     add_allow_data_change(output)
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
         add_group(parser)
+    add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
     add_replaced_flags(parser)
     add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
@@ -137,6 +142,7 @@ def parse_args(argv=None):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
     if args.evaluate and args.class_weights:
         parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
+    check_selection_args(parser, args, not args.evaluate, VALIDATION_METRICS, TIMM_METRIC_NAMES)  # val/ always there
     return args
 
 
@@ -286,27 +292,29 @@ def validate(accelerator, model, ema, val_loader, args):
 
 def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class_to_idx):
     """main.py validates and exports after every epoch; the EMA is validated and exported beside the model."""
-    state, ema = training.state, training.ema
+    state, ema, selection = training.state, training.ema, training.selection
     metrics = validate(accelerator, training.model, ema, training.val_loader, args)
-    is_best, ema_best = metrics["acc1"] > state["best_acc1"], ema and metrics["ema_acc1"] > state["best_ema_acc1"]
-    if is_best:
-        state.update(best_acc1=metrics["acc1"], best_epoch=epoch)
-    if ema_best:
-        state.update(best_ema_acc1=metrics["ema_acc1"])
+    # the same gathered metrics on every rank: every rank exports (a collective) and stops at the same epoch
+    is_best, ema_best = selection.update(state, metrics, epoch), ema and selection.update_ema(state, metrics)
     log.log("eval", completed_steps,
             {"epoch": epoch, **metrics, "train_seconds": time.perf_counter() - state["start_time"]})
     ema_text = f" | EMA Acc@1 {metrics['ema_acc1']:.3f} Acc@5 {metrics['ema_acc5']:.3f}" if ema else ""
     log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
-                f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "
-                f"(epoch {state['best_epoch']}){ema_text}")
+                f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best {selection.metric} "
+                f"{selection.best(state) if state['best_epoch'] else float('nan'):.3f} (epoch {state['best_epoch']})"
+                f"{ema_text}")
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, **image_settings(args))
+    best_key = selection.best_key
     export_weights(accelerator, training.model, args,
-                   {**fields, "acc1": metrics["acc1"], "best_acc1": state["best_acc1"]}, is_best,
+                   {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
                    ema.module.state_dict() if ema else None)
+    if is_best:  # model_card.md describes model_best.pth
+        log.write_model_card(args.output_dir / "model_card.md", {**selection.results(state), **{
+            f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}})
     if ema:
         export_weights(accelerator, ema.module, args,
-                       {**fields, "acc1": metrics["ema_acc1"], "best_acc1": state["best_ema_acc1"]}, ema_best,
-                       suffix="_ema")
+                       {**fields, "acc1": metrics["ema_acc1"], best_key: state.get(f"best_ema_{selection.metric}")},
+                       ema_best, suffix="_ema")
     return metrics
 
 
@@ -329,9 +337,10 @@ class Training:
     checkpoints: Checkpoints
     state: dict  # where the run starts (a checkpoint's position) and what it selected so far (best_*)
     cadence: Cadence
+    selection: Selection  # which validation metric selects model_best.pth, and early stopping
 
 
-def prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir):
+def prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection):
     """Optimizer, schedule, EMA and batch mixing, prepared, then restored from --resume (or started at main.py's
     epoch); prints the run summary."""
     steps_per_epoch = math.ceil(len(data.train_loader) / args.gradient_accumulation_steps)
@@ -354,12 +363,12 @@ def prepare_training(args, accelerator, model, data, log, must_match, legacy, re
         accelerator.register_for_checkpointing(ema)  # saved and restored with the resumable checkpoints
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
-                              resume_settings(args, {**RESUMABLE_FLAGS, **EVAL_IMAGE_FLAGS}),
-                              exports=["model_best.pth", "model_best_ema.pth", "checkpoint_ema.pth"],
+                              resume_settings(args, {**RESUMABLE_FLAGS, **EVAL_IMAGE_FLAGS, **EARLY_STOPPING_FLAGS}),
+                              exports=["model_best.pth", "model_card.md", "model_best_ema.pth", "checkpoint_ema.pth"],
                               allow_data_change=args.allow_data_change)
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
-             "best_acc1": -1.0, "best_epoch": None, "best_ema_acc1": -1.0}
+             **selection.fresh_state()}
     state = checkpoints.restore(resume_dir, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_dir else None)
     print_run_summary(accelerator, "Running training", {
@@ -374,7 +383,8 @@ def prepare_training(args, accelerator, model, data, log, must_match, legacy, re
     # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
     cadence = Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
                       checkpoint_every=args.checkpointing_steps)
-    return Training(model, optimizer, scheduler, ema, mixer, train_loader, val_loader, checkpoints, state, cadence)
+    return Training(model, optimizer, scheduler, ema, mixer, train_loader, val_loader, checkpoints, state, cadence,
+                    selection)
 
 
 @dataclass
@@ -385,9 +395,9 @@ class TrainResult:
     preempted: bool  # stopped on SIGTERM after saving a checkpoint
 
 
-def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, class_weights=None):
+def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection, class_weights=None):
     """The training loop."""
-    training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir)
+    training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection)
     model, optimizer, scheduler, ema, mixer, state, cadence = (
         training.model, training.optimizer, training.scheduler, training.ema, training.mixer, training.state,
         training.cadence)
@@ -397,7 +407,7 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, c
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr", also=[counts.check_unreadable])
     loss_scale = LossScale(accelerator, len(data.train_set), args.batch_size, args.gradient_accumulation_steps,
                            drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
-    completed_steps, images_seen, preempted, last_metrics = state["completed_steps"], 0, False, None
+    completed_steps, images_seen, preempted, last_metrics, stopped_at = state["completed_steps"], 0, False, None, None
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     state["start_time"] = start_time = time.perf_counter()
 
@@ -445,15 +455,16 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, c
                     last_metrics = end_of_epoch(accelerator, training, args, log, epoch + 1, completed_steps,
                                                 must_match["class_to_idx"])
                     accelerator.on_main_process(plot_curves)(log, args, cadence.steps_per_epoch)
-            preempted = guard.should_stop()
-            if due.checkpoint or preempted:
+                stopped_at = completed_steps if selection.should_stop(state) else None
+            preempted = guard.should_stop() and stopped_at is None  # stopping early ends the run: no resume needed
+            if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
                     path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
                 accelerator.print(f"saved checkpoint {path}")
-            if preempted:
+            if preempted or stopped_at is not None:
                 break
-        if preempted:
+        if preempted or stopped_at is not None:
             break
     bar.close()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
@@ -461,9 +472,8 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, c
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds,
                "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
-               "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
-               "best_epoch": state["best_epoch"], "train_skipped_images": counts.skipped_total,
-               **({"best_ema_acc1": state["best_ema_acc1"]} if ema else {})}
+               "train_steps": completed_steps, "train_skipped_images": counts.skipped_total,
+               selection.best_key: selection.best(state), **selection.results(state, stopped_at, ema=bool(ema))}
     return TrainResult(model, last_metrics, results, preempted)
 
 
@@ -476,6 +486,7 @@ def main(args):
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
     if args.resume not in (None, "latest") and not Path(args.resume).exists():
         raise UserError(f"--resume {args.resume}: no such file or directory")
+    selection = Selection.from_args(args, position="epoch")
     legacy_file = args.resume is not None and Path(args.resume).is_file()
     resume_dir = None if legacy_file else agree_on_resume(accelerator, args.resume, args.output_dir / "checkpoints")
     if args.evaluate and args.resume and not legacy_file and resume_dir is None:
@@ -501,7 +512,8 @@ def main(args):
                   "--train_crop_size": args.train_crop_size,
                   "--opt": args.opt,  # another optimizer cannot take the checkpoint's state
                   "model_ema": args.model_ema,  # an EMA in the checkpoint must be restored into an EMA
-                  DATA_KEY: fingerprint_images(data.train_set)}
+                  DATA_KEY: fingerprint_images(data.train_set),
+                  **selection.must_match()}
     if legacy_file:
         check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
         load_weights(model, legacy["state_dict"], args.resume)
@@ -525,10 +537,14 @@ def main(args):
         log.write_json(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
         log.merge_results(results, (f"{prefix}_",))
     else:
-        log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming)
-        trained = train(args, accelerator, model, data, log, must_match, legacy, resume_dir,
+        log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming,
+                  card=model_card(args, class_to_idx, data.train_set, data.val_set, results))
+        trained = train(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection,
                         class_weights and class_weights.tensor(accelerator.device))
         results.update(trained.results)
+        if results["stopped_early"]:
+            accelerator.print(f"stopped early at step {results['stopped_early_at_step']}: "
+                              f"{results['stopped_early_reason']}")
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
             log.write_json("all_results.json", {**results, "preempted": True})

@@ -6,14 +6,14 @@ common/ (both scripts)
                  checks, UserError and run_cli (one-line errors, exit status 2)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
-                 epoch_batches
+                 epoch_batches; Selection (the best model's metric and early stopping)
   checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest), agreeing on the one to resume
                  from, what a resume must match (the training data's fingerprint too) and may change
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
                  on every rank, PyTorch files read without running code, the settings an export carries
   outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers,
-                 secrets such as --token masked), console lines, progress bar, training curves, the output
-                 directory's policy
+                 secrets such as --token masked), the model card, console lines, progress bar, training curves, the
+                 output directory's policy
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
 text/ (train_bert_cls.py)
   data.py        text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the

@@ -33,6 +33,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from .runtime import UserError
 
 STATE_FILE = "training_state.json"
+SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
 
 DATA_KEY = "training_data"  # must_match's entry for data_fingerprint
 
@@ -256,9 +257,10 @@ class Checkpoints:
         state = dict(fresh_state)
         if path is not None:
             command_line = _hyperparameters(optimizer)
-            state = load_checkpoint(self.accelerator, path, self.must_match, self.allow_data_change)
+            # an entry an older checkpoint lacks (the early-stopping count) starts fresh
+            state = {**fresh_state, **load_checkpoint(self.accelerator, path, self.must_match, self.allow_data_change)}
             if start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports):
-                state.update({k: v for k, v in fresh_state.items() if k.startswith("best_")})
+                state.update({k: v for k, v in fresh_state.items() if k.startswith(SELECTION_PREFIXES)})
             _apply_hyperparameters(optimizer, scheduler, command_line)
             self.accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
             _report_changes(self.accelerator, path, state, self.settings)
@@ -269,9 +271,10 @@ class Checkpoints:
 
 def training_state(must_match, state, settings, completed_steps, epoch, batches_in_epoch):
     """What a checkpoint records beside the weights (training_state.json): what must match, where the run is, what it
-    selected (the `best_*` entries of the loop's `state`) and the settings a resume may change."""
+    selected and how long ago (the `best_*` and `early_stopping_*` entries of the loop's `state`: common/loop.py
+    Selection) and the settings a resume may change."""
     return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-            **{key: value for key, value in state.items() if key.startswith("best_")}, "settings": settings}
+            **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)}, "settings": settings}
 
 
 def resume_settings(args, flags):

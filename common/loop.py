@@ -15,6 +15,9 @@ One optimizer step, as both scripts' `train()` take it:
    `HealthCheck.check` stopped a run whose loss became NaN/inf), a validation, a checkpoint.
 5. `PreemptionGuard.should_stop`: a SIGTERM on any rank (Slurm, a cloud preemption) becomes a checkpoint at this step
    on every rank, then a clean stop.
+After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
+EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
+the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
 Every method that reduces over ranks is a collective: every rank calls it at the same points.
 
 Neighbours: common/checkpoint.py (what a step's checkpoint writes), common/outputs.py (the log line),
@@ -33,7 +36,7 @@ import numpy as np
 import psutil
 import torch
 
-from .runtime import UserError
+from .runtime import UserError, hf_bool
 
 
 class Due(NamedTuple):
@@ -383,3 +386,149 @@ def epoch_batches(accelerator, loader, epoch, state):
     loader.set_epoch(epoch)
     skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
     return (accelerator.skip_first_batches(loader, skip) if skip else loader), skip
+
+
+EARLY_STOPPING_FLAGS = {"--early_stopping_patience": "early_stopping_patience",
+                        "--early_stopping_threshold": "early_stopping_threshold"}  # a resume may change them
+
+
+def add_selection_args(parser, default_metric, choices_help, aliases=()):
+    """transformers Trainer's flags for choosing the best model and stopping early (`aliases`: other spellings of
+    --metric_for_best_model, such as timm's --eval-metric)."""
+    group = parser.add_argument_group("best model and early stopping (transformers Trainer's names)")
+    group.add_argument("--metric_for_best_model", *aliases, dest="metric_for_best_model", default=default_metric,
+                       metavar="NAME", help=f"the validation metric that selects the best model: {choices_help}")
+    group.add_argument("--greater_is_better", type=hf_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                       help="whether a larger metric is better (true/false); default: false for a name ending in "
+                            "'loss' and for mse, rmse, mae, else true")
+    group.add_argument("--early_stopping_patience", type=int, default=None, metavar="EVALUATIONS",
+                       help="stop after this many validations in a row without an improvement; default: never")
+    group.add_argument("--early_stopping_threshold", type=float, default=0.0,
+                       help="an improvement must exceed this, in the metric's units")
+    return group
+
+
+def check_selection_args(parser, args, training, names=None, renames=None):
+    """The checks the command line alone allows (parser.error): a run that does not train would ignore these flags;
+    with the run's validation metrics `names` known from the command line alone, resolve_selection too."""
+    given = [flag for flag, value in (("--greater_is_better", args.greater_is_better),
+                                      ("--early_stopping_patience", args.early_stopping_patience),
+                                      ("--early_stopping_threshold", args.early_stopping_threshold or None))
+             if value is not None]
+    if given and not training:
+        parser.error(f"{given[0]} applies to training; this run does not train")
+    if args.early_stopping_patience is not None and args.early_stopping_patience < 1:
+        parser.error(f"--early_stopping_patience {args.early_stopping_patience}: at least 1 validation")
+    if args.early_stopping_threshold < 0:
+        parser.error(f"--early_stopping_threshold {args.early_stopping_threshold}: must be >= 0")
+    if args.early_stopping_threshold and args.early_stopping_patience is None:
+        parser.error("--early_stopping_threshold needs --early_stopping_patience")
+    if names is not None:
+        try:
+            resolve_selection(args, names, renames)
+        except UserError as err:
+            parser.error(str(err))
+
+
+LOWER_IS_BETTER = ("mse", "rmse", "mae")  # errors; and, as in Trainer, every name ending in "loss"
+
+
+def resolve_selection(args, names, renames=None, validation=True, default=None):
+    """--metric_for_best_model (or `default`) as the plain name of one of the run's validation metrics `names`
+    (Trainer's `eval_` prefix and the `renames` spellings accepted), and --greater_is_better's default from it,
+    written into args. Early stopping needs a `validation` set."""
+    if args.early_stopping_patience is not None and not validation:
+        raise UserError("--early_stopping_patience stops on the validation metric: this run has no validation set")
+    given = args.metric_for_best_model or default
+    name = given[len("eval_"):] if given.startswith("eval_") and given not in names else given
+    name = (renames or {}).get(name, name)
+    if name not in names:
+        raise UserError(f"--metric_for_best_model {given}: not a validation metric of this run; choose from "
+                        f"{', '.join(names)}")
+    args.metric_for_best_model = name
+    if args.greater_is_better is None:
+        args.greater_is_better = not (name.endswith("loss") or name in LOWER_IS_BETTER)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which validation metric selects the best model (Trainer's metric_for_best_model and greater_is_better), and
+    when a run stops early (Trainer's EarlyStoppingCallback: after `patience` validations in a row that do not beat
+    the best so far by more than `threshold`).
+
+    Its entries in the loop's `state` (the best value, where it was measured, the patience counter) are saved with
+    every checkpoint (common/checkpoint.py training_state), so a resumed run selects and stops where the
+    uninterrupted run would. Every rank decides from the same gathered validation metrics, so every rank takes the
+    same branch (the best model's export is a collective) and leaves the loop at the same step."""
+    metric: str  # a key of the validation metrics
+    greater_is_better: bool
+    position: str  # what the state's best_<position> counts: "step" or "epoch"
+    patience: int | None = None  # validations without improvement before stopping; None: never stops early
+    threshold: float = 0.0  # in the metric's units
+
+    COUNTER = "early_stopping_patience_counter"  # Trainer's name
+
+    @classmethod
+    def from_args(cls, args, position):
+        return cls(args.metric_for_best_model, args.greater_is_better, position, args.early_stopping_patience,
+                   args.early_stopping_threshold)
+
+    @property
+    def best_key(self):
+        return f"best_{self.metric}"
+
+    @property
+    def position_key(self):
+        return f"best_{self.position}"
+
+    def fresh_state(self):
+        return {self.best_key: None, self.position_key: None, self.COUNTER: 0}
+
+    def must_match(self):
+        """A resumed run compares its validations with the checkpoint's best: by the same metric, the same way."""
+        return {"metric_for_best_model": self.metric, "greater_is_better": self.greater_is_better}
+
+    def best(self, state):
+        """The best value so far, None before the first validation."""
+        return state.get(self.best_key) if state.get(self.position_key) is not None else None
+
+    def improves(self, value, best, threshold=0.0):
+        """Whether `value` beats `best` (None: nothing measured yet) by more than `threshold`; a NaN never does."""
+        if math.isnan(value):
+            return False
+        return best is None or (value - best if self.greater_is_better else best - value) > threshold
+
+    def update(self, state, metrics, position):
+        """After a validation: count it for early stopping, and record a new best in `state`; True if it is one."""
+        value, best = metrics[self.metric], self.best(state)
+        state[self.COUNTER] = 0 if self.improves(value, best, self.threshold) else state.get(self.COUNTER, 0) + 1
+        if not self.improves(value, best):
+            return False
+        state.update({self.best_key: value, self.position_key: position})
+        return True
+
+    def update_ema(self, state, metrics):
+        """The same for the EMA's validation (`ema_<metric>`), kept apart: the EMA's own best export."""
+        value, key = metrics[f"ema_{self.metric}"], f"best_ema_{self.metric}"
+        if not self.improves(value, state.get(key)):
+            return False
+        state[key] = value
+        return True
+
+    def should_stop(self, state):
+        return self.patience is not None and state.get(self.COUNTER, 0) >= self.patience
+
+    def stop_reason(self, state):
+        return (f"{self.metric} did not improve by more than {self.threshold} over {state[self.COUNTER]} evaluations; "
+                f"best {self.best(state):.6g} at {self.position} {state[self.position_key]}")
+
+    def results(self, state, stopped_at_step=None, ema=False):
+        """all_results.json's entries (Trainer's trainer_state.json names where it has them): the metric, the best
+        value and where (best_step or best_epoch), with `ema` the EMA's best, whether, where and why the run stopped
+        early."""
+        stopped = stopped_at_step is not None
+        return {"metric_for_best_model": self.metric, "greater_is_better": self.greater_is_better,
+                "best_metric": self.best(state), self.position_key: state.get(self.position_key),
+                **({f"best_ema_{self.metric}": state.get(f"best_ema_{self.metric}")} if ema else {}),
+                "stopped_early": stopped, "stopped_early_at_step": stopped_at_step,
+                "stopped_early_reason": self.stop_reason(state) if stopped else None}

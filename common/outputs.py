@@ -1,5 +1,7 @@
 """What a run writes about itself, and the policy of its output directory: metrics.jsonl, all_results.json,
-run_config.json, the training curves, TensorBoard; the console lines and the progress bar.
+run_config.json, the training curves, the experiment trackers (TensorBoard, MLflow, W&B, Comet through accelerate:
+tracker_settings says where each one writes), the model card of the selected model (ModelCard); the console lines
+and the progress bar.
 
 Every RunLog method may be called on every process; only the main process writes, so the training scripts need
 no `if is_main_process` around logging.
@@ -9,7 +11,9 @@ models).
 """
 import importlib.metadata
 import json
+import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,7 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .checkpoint import complete_checkpoints
-from .runtime import MASK, SECRET_ARGS, UserError, public_command, release_output_dirs
+from .runtime import MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs
 
 
 class RunLog:
@@ -26,6 +30,7 @@ class RunLog:
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.card = None  # start()'s ModelCard: a run that trains has one
 
     def open(self, resume_step=None):
         """Start metrics.jsonl afresh, or, when resuming, keep it up to the checkpoint's step."""
@@ -44,17 +49,21 @@ class RunLog:
                 if line.strip() and json.loads(line).get("step", 0) <= step]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
-    def start(self, args, project_name, clear):
+    def start(self, args, project_name, clear, card=None):
         """A training run's output directory before its first step (every rank): with `clear` (--overwrite_output_dir,
         not resuming) the previous run's results and checkpoints removed, so that `latest` cannot find them; the
-        directory; run_config.json (resolved arguments, versions, git revision); the trackers."""
+        directory; run_config.json (resolved arguments, versions, git revision); the trackers. `card`: the ModelCard
+        that write_model_card fills in."""
+        self.card = card
         if clear:
             self.accelerator.on_main_process(clear_previous_run)(self.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.write_json("run_config.json", provenance(args))
         if self.accelerator.log_with:
             flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in public_args(args).items()}
-            self.accelerator.init_trackers(project_name, config=flat)
+            init_kwargs, places = tracker_settings(self.accelerator, self.output_dir, project_name)
+            self.accelerator.init_trackers(project_name, config=flat, init_kwargs=init_kwargs)
+            self.console(f"trackers: {', '.join(places)}")
 
     def log(self, event, step, values):
         """One JSON line ({"event", "step", **values}) and, with tracking on, the numbers to TensorBoard."""
@@ -94,6 +103,12 @@ class RunLog:
         events = (json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip())
         return [e for e in events if e.get("event") == event]
 
+    def write_model_card(self, path, results):
+        """start()'s model card with `results` (all_results.json's entries so far) at `path` (main process); none
+        before start()."""
+        if self.card is not None and self.accelerator.is_main_process:
+            self.card.write(path, results)
+
     def end(self):
         """Last call of a run, on every rank: a barrier (exits without one crashed ~1 in 10 gloo runs), the output
         directory's lock released (every rank has written what it writes), then the trackers' end_training, which
@@ -102,6 +117,129 @@ class RunLog:
         release_output_dirs()
         if self.accelerator.log_with:
             self.accelerator.end_training()
+
+
+def tracker_settings(accelerator, output_dir, project_name):
+    """(init_kwargs, where each tracker writes): every tracker's files stay in output_dir unless the tracker's own
+    environment variable says otherwise. TensorBoard: output_dir/runs/<project>; MLflow: the SQLite store
+    output_dir/mlflow.db (MLflow's own default store, moved there from the working directory) unless
+    MLFLOW_TRACKING_URI is set, experiment <project> (or MLFLOW_EXPERIMENT_NAME); W&B: output_dir/wandb unless
+    WANDB_DIR is set (offline with WANDB_MODE=offline). Every run, a resumed one too, is a new tracker run named
+    after output_dir. Only the main process writes (accelerate's trackers run there)."""
+    output_dir = Path(output_dir).resolve()
+    init_kwargs, places = {}, []
+    for tracker in map(str, accelerator.log_with):
+        if tracker == "tensorboard":
+            places.append(f"tensorboard ({output_dir / 'runs' / project_name})")
+        elif tracker == "mlflow":
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output_dir / 'mlflow.db'}"
+            init_kwargs["mlflow"] = {"run_name": output_dir.name}
+            if not os.environ.get("MLFLOW_TRACKING_URI"):
+                init_kwargs["mlflow"]["logging_dir"] = str(output_dir / "mlruns")  # artifacts of a new experiment
+                if accelerator.is_main_process:
+                    import mlflow
+
+                    mlflow.set_tracking_uri(uri)
+            places.append(f"mlflow ({uri})")
+        elif tracker == "wandb":
+            init_kwargs["wandb"] = {"name": output_dir.name, **({} if os.environ.get("WANDB_DIR") else
+                                                                {"dir": str(output_dir)})}
+            places.append(f"wandb ({os.environ.get('WANDB_DIR') or output_dir / 'wandb'}, "
+                          f"mode {os.environ.get('WANDB_MODE', 'online')})")
+        else:
+            places.append(tracker)
+    return init_kwargs, places
+
+
+NOT_METRICS = ("samples", "skipped_images")  # counts: in the card's table, not in its model-index
+
+
+class ModelCard:
+    """A model card for the selected model in the Hugging Face hub's README.md layout: YAML front matter (through
+    huggingface_hub's ModelCardData, as Trainer writes it) and Markdown: what selected the model, its labels, its
+    validation (and test) metrics, the training command and key settings, the data files, and how to load it.
+
+    train_bert_cls.py writes best_model/README.md with every best-model export and again at the end with the test
+    results; train_resnet.py writes model_card.md beside model_best.pth with every model_best.pth. `write` renders
+    from all_results.json-style entries: `eval_*`/`test_*` metrics of the selected model and the selection's
+    (`metric_for_best_model`, `best_metric`, `best_step`/`best_epoch`, `stopped_early*`)."""
+
+    def __init__(self, title, metadata, labels, settings, data_files, usage, command):
+        self.title = title
+        self.metadata = metadata  # ModelCardData's fields: library_name, pipeline_tag, tags, model_name, ...
+        self.labels = labels  # names in id order
+        self.settings = settings  # {setting: value}, the run's key settings
+        self.data_files = data_files  # {split: (path, examples)}
+        self.usage = usage  # Markdown: how to load the model
+        self.command = command
+
+    def metrics(self, results, prefix):
+        """The numbers among `results`' `{prefix}*` entries, without the prefix."""
+        return {key[len(prefix):]: value for key, value in results.items()
+                if key.startswith(prefix) and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+    def front_matter(self, results):
+        from huggingface_hub import EvalResult, ModelCardData
+
+        task = self.metadata.get("pipeline_tag")
+        evaluations = [EvalResult(task_type=task, dataset_type=Path(str(self.data_files[split][0])).suffix.lstrip(".")
+                                  or "folder", dataset_name=str(self.data_files[split][0]), dataset_split=split,
+                                  metric_type=name, metric_value=value)
+                       for split, prefix in (("validation", "eval_"), ("test", "test_")) if split in self.data_files
+                       for name, value in self.metrics(results, prefix).items() if name not in NOT_METRICS]
+        return ModelCardData(**self.metadata, eval_results=evaluations or None).to_yaml()
+
+    def selection_line(self, results):
+        if results.get("best_metric") is None:
+            return "The last model of the run: there was no validation set to select with."
+        where = f"step {results['best_step']}" if "best_step" in results else f"epoch {results['best_epoch']}"
+        line = (f"Selected by validation `{results['metric_for_best_model']}` "
+                f"({'higher' if results['greater_is_better'] else 'lower'} is better): {results['best_metric']:.6g} "
+                f"at {where}.")
+        if results.get("stopped_early"):
+            line += (f" Training stopped early at step {results['stopped_early_at_step']}: "
+                     f"{results['stopped_early_reason']}.")
+        return line
+
+    def render(self, results):
+        splits = [(split, self.metrics(results, prefix)) for split, prefix in (("validation", "eval_"),
+                                                                                ("test", "test_"))]
+        splits = [(split, values) for split, values in splits if values]
+        names = list(dict.fromkeys(name for _, values in splits for name in values))
+        lines = [f"# {self.title}", "", self.selection_line(results), "", "## Labels", "", "| id | label |",
+                 "|---|---|", *(f"| {i} | {label} |" for i, label in enumerate(self.labels)), "",
+                 "## Results of this model", ""]
+        if splits:
+            lines += [f"| metric | {' | '.join(split for split, _ in splits)} |", "|---" * (len(splits) + 1) + "|",
+                      *(f"| {name} | {' | '.join(_number(values.get(name)) for _, values in splits)} |"
+                        for name in names)]
+        else:
+            lines.append("Not evaluated.")
+        lines += ["", "## Training", "", "```bash", self.command, "```", "", "| setting | value |", "|---|---|",
+                  *(f"| {key} | {value} |" for key, value in self.settings.items()), "", "## Data", "",
+                  "| split | file | examples |", "|---|---|---|",
+                  *(f"| {split} | `{path}` | {count} |" for split, (path, count) in self.data_files.items()), "",
+                  "## How to use", "", self.usage, ""]
+        return f"---\n{self.front_matter(results)}\n---\n" + "\n".join(lines)
+
+    def write(self, path, results):
+        """Swapped in atomically, like the weights it describes; nothing where there is no exported model (a run
+        whose every validation was NaN selected none)."""
+        path = Path(path)
+        if not path.parent.is_dir():
+            return
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(self.render(results), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def _number(value):
+    return "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def command_line():
+    """The command this process runs, as a shell would take it back, secrets masked (public_argv)."""
+    return shlex.join(["python", *public_argv(sys.argv)])
 
 
 def public_args(args):
@@ -184,7 +322,7 @@ def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, t
     plt.close(fig)
 
 
-RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth")
+RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth", "model_card.md")
 
 
 def check_output_dir(output_dir, overwrite, resume):

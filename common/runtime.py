@@ -2,7 +2,9 @@
 would go wrong silently, the DataLoader settings, the command-line look, and user-facing errors.
 
 What the hardware is (CPU, 1 GPU, N GPUs, N machines, precision) comes from the launcher and
-accelerate_configs/*.yaml; the flags here only cover what a config file cannot say.
+accelerate_configs/*.yaml; the flags here only cover what a config file cannot say, and the experiment trackers
+(--report_to, Trainer's names; resolve_trackers refuses a tracker whose package is missing before anything starts,
+where accelerate would drop it without a word).
 
 Flags: every count, interval and size is checked by the parser itself (`positive_int`, `nonnegative_int`,
 `positive_float`, `nonnegative_float` as argparse types), so `--logging_steps 0` is one line naming the flag, not a
@@ -36,6 +38,7 @@ common/outputs.py.
 """
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -48,8 +51,10 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.tracking import get_available_trackers
 from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
-                              broadcast_object_list, gather_object, parse_flag_from_env)
+                              broadcast_object_list, gather_object, is_comet_ml_available, is_mlflow_available,
+                              is_tensorboard_available, is_wandb_available, parse_flag_from_env)
 from tqdm.auto import tqdm
 
 
@@ -157,8 +162,42 @@ def add_runtime_args(parser):
                        help="seconds a collective waits for a missing rank before the job fails")
     group.add_argument("--data_parallel", action="store_true",
                        help="legacy single-process nn.DataParallel over all visible GPUs (slower than DDP)")
-    group.add_argument("--with_tracking", action="store_true", help="log to TensorBoard under output_dir/runs")
+    group.add_argument("--report_to", nargs="+", choices=REPORT_TO, default=None, metavar="TRACKER",
+                       help=f"experiment trackers, one or more of {', '.join(REPORT_TO)} (Trainer's names; 'all': "
+                            "every one accelerate finds installed); default: none")
+    group.add_argument("--with_tracking", action="store_true", help="the same as --report_to tensorboard")
     return group
+
+
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "comet_ml", "all", "none")
+# the package each tracker needs, and accelerate's check for it
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", is_tensorboard_available), "wandb": ("wandb", is_wandb_available),
+                    "mlflow": ("mlflow", is_mlflow_available), "comet_ml": ("comet_ml", is_comet_ml_available)}
+
+
+def resolve_trackers(args):
+    """The trackers accelerate logs to (`log_with`), from --report_to and --with_tracking; a named tracker whose package
+    is missing is an error here, before anything starts (accelerate itself would drop it without a word)."""
+    names = list(args.report_to or []) + (["tensorboard"] if args.with_tracking else [])
+    if "none" in names:
+        if len(set(names)) > 1:
+            raise UserError(f"--report_to none cannot be combined with {', '.join(n for n in names if n != 'none')}"
+                            + (" (--with_tracking is --report_to tensorboard)" if args.with_tracking else ""))
+        return []
+    if "all" in names:
+        names += [str(tracker) for tracker in get_available_trackers()]
+    trackers = list(dict.fromkeys(name for name in names if name != "all"))
+    for name in trackers:
+        package, available = TRACKER_PACKAGES.get(name, (name, lambda: True))
+        if not available():
+            raise UserError(f"--report_to {name}: the {package} package is not installed (pip install {package})")
+    if "mlflow" in trackers and not os.environ.get("MLFLOW_TRACKING_URI"):
+        missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UserError(f"--report_to mlflow: its local store (output_dir/mlflow.db) needs {' and '.join(missing)} "
+                            f"(pip install {' '.join(missing)}; the full mlflow package has them), or set "
+                            "MLFLOW_TRACKING_URI to a tracking server")
+    return trackers
 
 
 def launched_world_size():
@@ -223,7 +262,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
         gradient_accumulation_steps=gradient_accumulation_steps,
         dataloader_config=dataloader_config,
         kwargs_handlers=handlers,
-        log_with="tensorboard" if args.with_tracking else None,
+        log_with=resolve_trackers(args) or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=os.path.join(output_dir, "runs")),
     )
     check_sharding_applies(accelerator)
@@ -334,6 +373,11 @@ MASK = "***"
 def public_command(argv):
     """The command line with the values of the SECRET_ARGS flags masked (`--token X` and `--token=X`): what
     run_config.json and the output directory's lock record."""
+    return " ".join(public_argv(argv))
+
+
+def public_argv(argv):
+    """The command line's words with the values of the SECRET_ARGS flags masked."""
     flags = {f"--{name}" for name in SECRET_ARGS}
     words = list(argv)
     for i, word in enumerate(words):
@@ -341,7 +385,7 @@ def public_command(argv):
             words[i + 1] = MASK
         elif word.split("=", 1)[0] in flags and "=" in word:
             words[i] = f"{word.split('=', 1)[0]}={MASK}"
-    return " ".join(words)
+    return words
 
 
 LOCK_NAME = ".lock"

@@ -1,4 +1,5 @@
 """train_bert_cls.py end to end through the real launcher, 1 and 2 CPU processes, on a tiny fixture."""
+import ast
 import json
 import math
 import shutil
@@ -23,10 +24,14 @@ def bert_args(data, out, *extra, epochs=5):
 def trained(text_data, tmp_path_factory):
     """One 1-process and one 2-process training run, shared by the tests below."""
     runs = {}
+    # the 2-process run also predicts the first validation text: the text its model card's pipeline() call classifies
+    first_text = tmp_path_factory.mktemp("predict") / "first_validation_text.txt"
+    first_text.write_text((text_data / "val.txt").read_text(encoding="utf-8").splitlines()[0].split("\t", 1)[1] + "\n",
+                          encoding="utf-8")
     for n in (1, 2):
         out = tmp_path_factory.mktemp(f"bert_{n}proc")
-        tracking = ["--with_tracking"] if n == 2 else []
-        proc = launch(SCRIPT, bert_args(text_data, out, "--do_train", "--do_eval", "--do_test", *tracking),
+        extra = ["--with_tracking", "--do_predict", "--predict_file", first_text] if n == 2 else []
+        proc = launch(SCRIPT, bert_args(text_data, out, "--do_train", "--do_eval", "--do_test", *extra),
                       num_processes=n)
         runs[n] = (out, proc)
     return runs
@@ -87,13 +92,14 @@ def test_outputs_load_anywhere(trained, text_data):
 
     keys = load_file(best / "model.safetensors").keys()
     assert not any(k.startswith("module.") for k in keys)
-    code = (
-        "import sys, transformers\n"
-        "clf = transformers.pipeline('text-classification', model=sys.argv[1], device='cpu')\n"
-        "print(clf('球队比赛冠军进球今天')[0]['label'])\n"
-    )
-    proc = run(["python", "-c", code, best])
-    assert proc.stdout.strip().splitlines()[-1] == "体育"
+    # the model card's own pipeline() snippet, as a user copies it, then one more text of our own
+    snippet = (best / "README.md").read_text(encoding="utf-8").split("```python\n")[1].split("```")[0]
+    proc = run(["python", "-c", snippet + "print(classifier('球队比赛冠军进球今天')[0]['label'])\n"])
+    card_output, label = proc.stdout.strip().splitlines()[-2:]
+    [predicted] = read_jsonl(out / "predictions.jsonl")  # what the run itself predicted for the card's text
+    [piped] = ast.literal_eval(card_output)
+    assert piped["label"] == predicted["label"] and piped["score"] == pytest.approx(predicted["score"], abs=1e-5)
+    assert label == "体育"
     for prefix in ("eval", "test"):
         assert (out / f"{prefix}_confusion_matrix.png").stat().st_size > 1000
         rows = (out / f"{prefix}_confusion_matrix.csv").read_text(encoding="utf-8").splitlines()

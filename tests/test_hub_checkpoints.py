@@ -17,6 +17,7 @@ from launch_options import default_config, launch_with_config, launch_with_preci
 from safetensors.torch import load_file
 
 import train_bert_cls
+from common.outputs import RunLog
 from common.runtime import UserError
 from text.model import check_hub_ids_or_paths
 
@@ -138,7 +139,7 @@ def test_export_of_a_gamma_beta_checkpoint_uses_the_models_names(layouts, text_d
     try:
         accelerator = Accelerator(cpu=True)
         train_bert_cls.save_best_model(accelerator, accelerator.prepare(model), tokenizer, tmp_path / "best_model",
-                                       {"max_seq_len": 64, "multi_label": False})
+                                       {"max_seq_len": 64, "multi_label": False}, RunLog(accelerator, tmp_path), {})
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert load_file(tmp_path / "best_model" / "model.safetensors").keys() == model.state_dict().keys()

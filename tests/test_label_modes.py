@@ -69,10 +69,19 @@ def test_regression_metrics_loss_and_rows():
 
 
 def test_the_selection_metric_of_each_task():
-    from text.metrics import default_selection
+    from argparse import Namespace
 
-    classification, regression = default_selection(regression=False), default_selection(regression=True)
-    assert (classification.metric, classification.state_key) == ("macro_f1", "best_macro_f1")
+    from common.loop import Selection, resolve_selection
+    from text.metrics import default_metric, selectable_metrics
+
+    def selection(regression):  # what train_bert_cls.py's main resolves without --metric_for_best_model
+        args = Namespace(metric_for_best_model=None, greater_is_better=None, early_stopping_patience=None,
+                         early_stopping_threshold=0.0)
+        resolve_selection(args, selectable_metrics([], 3, regression), default=default_metric(regression))
+        return Selection.from_args(args, position="step")
+
+    classification, regression = selection(regression=False), selection(regression=True)
+    assert (classification.metric, classification.best_key) == ("macro_f1", "best_macro_f1")
     assert regression.metric == "mse" and regression.improves(0.4, 0.5) and not regression.improves(0.5, 0.5)
     assert classification.improves(0.0, None) and classification.improves(0.6, 0.5)
 

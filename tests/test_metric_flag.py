@@ -55,7 +55,8 @@ def metric_run(text_data, tmp_path_factory):
         "--data_dir", text_data, "--model_name_or_path", text_data / "model", "--from_scratch", "--config_overrides",
         "num_hidden_layers=1,hidden_size=32,intermediate_size=64", "--do_train", "--do_eval", "--do_test",
         "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "32", "--learning_rate", "1e-3",
-        "--max_train_steps", "4", "--metric", script, "--metric", folder, "--output_dir", out], num_processes=2)
+        "--max_train_steps", "4", "--eval_steps", "2", "--metric", script, "--metric", folder,
+        "--metric_for_best_model", "eval_balanced_accuracy", "--output_dir", out], num_processes=2)
     return out
 
 
@@ -88,6 +89,19 @@ def test_metric_modules_see_every_sample_once(metric_run, prefix):
     [event] = [e for e in read_jsonl(metric_run / "metrics.jsonl") if e["event"] == f"best_model_{prefix}"]
     assert event["balanced_accuracy"] == results[f"{prefix}_balanced_accuracy"]
     assert event["errors"] == results[f"{prefix}_errors"]
+
+
+def test_a_metric_module_key_selects_the_best_model(metric_run):
+    """--metric_for_best_model names a module's key (Trainer's eval_ prefix accepted): every validation during
+    training computes it, and the best one by it is the selected model."""
+    results = read_json(metric_run / "all_results.json")
+    evals = [e for e in read_jsonl(metric_run / "metrics.jsonl") if e["event"] == "eval"]
+    best = max(evals, key=lambda e: e["balanced_accuracy"])  # the first of equals, as the selection keeps it
+    assert [e["step"] for e in evals] == [2, 4]
+    assert (results["metric_for_best_model"], results["greater_is_better"]) == ("balanced_accuracy", True)
+    assert results["best_step"] == best["step"]
+    assert results["best_metric"] == results["best_eval_balanced_accuracy"] == best["balanced_accuracy"]
+    assert results["eval_balanced_accuracy"] == pytest.approx(best["balanced_accuracy"])
 
 
 def test_hub_metric_offline_is_a_one_line_error_before_training(text_data, tmp_path):

@@ -1,5 +1,6 @@
 """train_resnet.py end to end through the real launcher on 1 and 2 CPU processes, on real handwritten digits."""
 import json
+import shlex
 import shutil
 import signal
 import urllib.error
@@ -122,8 +123,12 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path, c
     """The second command users run: `-e --resume model_best.pth` without the training's size flags evaluates at the
     sizes the model was trained with (16 px, not 224/256), in a second process, on 2 processes."""
     out = trained[1]
-    proc = launch(SCRIPT, [digits_data, "-j", "0", "-e", "--resume", out / "model_best.pth", "--output_dir", tmp_path],
-                  num_processes=2)
+    # the command model_card.md gives for model_best.pth: no size flags, the file records them
+    card = (out / "model_card.md").read_text(encoding="utf-8")
+    command = shlex.split(card.split("## How to use")[1].split("```bash\n")[1].split("```")[0])
+    assert command[:2] == ["python", SCRIPT] and str(out / "model_best.pth") in command
+    assert not {"--image_size", "--val_resize", "--val_crop_size", "--interpolation"} & set(command)
+    proc = launch(SCRIPT, [*command[2:], "-j", "0", "--output_dir", tmp_path], num_processes=2)
     assert "was trained with --image_size 16, --val_resize 16, --interpolation bilinear: evaluating with the same" \
         in proc.stdout
     evaluated = read_json(tmp_path / "eval_results.json")

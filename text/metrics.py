@@ -17,13 +17,12 @@ onto the last batch).
 `--metric`: a hub id (`matthews_correlation`) needs the hub or its cache; a local path works offline: a metric
 script (`my_metric.py`) or a folder `my_metric/` holding `my_metric.py`. Every module is loaded, and computed once
 on every class id, before training starts, so that a metric that cannot load or cannot take these predictions fails
-in seconds rather than after the run.
+in seconds rather than after the run; `selectable_metrics` names the keys --metric_for_best_model may then choose.
 
 Neighbours: text/data.py, text/model.py.
 """
 import csv
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,27 +50,19 @@ def training_loss(logits, targets, multi_label, label_smoothing=0.0, class_weigh
                            reduction="none")
 
 
-@dataclass(frozen=True)
-class Selection:
-    """The validation metric that selects the best model."""
-    metric: str  # a key of evaluation_metrics' result
-    higher_is_better: bool
-
-    @property
-    def state_key(self):
-        """The training state's (and each checkpoint's) entry for the best value so far."""
-        return f"best_{self.metric}"
-
-    def improves(self, value, best):
-        """A strict improvement: of equal scores the first one stays selected."""
-        return best is None or (value > best if self.higher_is_better else value < best)
+# What --metric_for_best_model may name besides the --metric modules' keys, per task.
+TASK_METRICS = {"classification": ("accuracy", "macro_f1", "micro_f1", "loss"),
+                "regression": ("mse", "rmse", "mae", "pearson", "spearmanr", "loss")}
+SELECTION_HELP = ("accuracy, macro_f1, micro_f1, loss (regression: mse, rmse, mae, pearson, spearmanr, loss) or a "
+                  "--metric module's key, with or without Trainer's eval_ prefix; default (None): macro_f1, for "
+                  "regression mse")
 
 
-def default_selection(regression):
+def default_metric(regression):
     """Classification: macro-F1 (rare classes count as much as frequent ones). Regression: the mean squared error,
     the training loss itself and run_classification.py's default regression metric (Pearson and Spearman ignore the
     predictions' scale and offset, so a model they prefer can be off by a constant)."""
-    return Selection("mse", higher_is_better=False) if regression else Selection("macro_f1", higher_is_better=True)
+    return "mse" if regression else "macro_f1"
 
 
 def headline_scores(metrics):
@@ -237,6 +228,24 @@ def load_metrics(names_or_paths, num_labels, cache_dir=None):
     every_class = list(range(num_labels))
     compute_metrics(modules, every_class, every_class, reserved={})
     return modules
+
+
+def selectable_metrics(modules, num_labels, regression=False):
+    """The validation metrics --metric_for_best_model may name: the task's own and the number-valued keys of the
+    --metric modules, under the names their results get (computed once, on every class id, as load_metrics does)."""
+    own = TASK_METRICS["regression" if regression else "classification"]
+    every_class = list(range(num_labels))
+    # the keys evaluation_metrics returns are taken: a module's key among them gets its module's name in front
+    extra = compute_metrics(modules, every_class, every_class,
+                            reserved=dict.fromkeys((*own, "samples", "report", "confusion_matrix")))
+    numbers = [key for key, value in extra.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    return [*own, *numbers]
+
+
+def flat_metrics(metrics, prefix):
+    """`{prefix}_*` entries of an evaluation's headline scores and --metric results."""
+    return {**{f"{prefix}_{k}": v for k, v in headline_scores(metrics).items()},
+            **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
 
 
 def compute_metrics(modules, predictions, references, reserved):

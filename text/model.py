@@ -1,6 +1,7 @@
 """The text classifier's model: where its files come from (run_classification.py's --config_name, --tokenizer_name,
 --cache_dir, --model_revision, --token), loading it from any checkpoint layout users bring, the checks that it fits
-the text and the task, the reference repository's best.pt, and AdamW's parameter groups.
+the text and the task, the reference repository's best.pt, AdamW's parameter groups, and what its model card says
+(best_model/README.md: labels, settings, data, a pipeline() call).
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
@@ -40,6 +41,7 @@ from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
 from common.export import load_torch_checkpoint, on_meta_device, settings_from_model
+from common.outputs import ModelCard, command_line
 from common.runtime import UserError, hf_bool
 
 TRAINED_WITH = "trained_with.json"
@@ -306,3 +308,43 @@ def use_model_settings(args, say):
             raise UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes one "
                             "class id per sample; use the built-in exact-match accuracy and micro/macro F1")
     return settings_from_model(args, MODEL_SETTINGS, recorded, args.model_name_or_path, say)
+
+def model_card(args, labels, examples, run):
+    """best_model/README.md's fixed part (common/outputs.py ModelCard): the labels, the key settings (`run`:
+    run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
+    truncated as in training."""
+    best_dir = Path(args.output_dir) / "best_model"
+    example = (examples.get("validation") or examples["train"])[0]
+    literal = json.dumps({"text": example.text, "text_pair": example.text_pair}, ensure_ascii=False)
+    text = json.dumps(example.text, ensure_ascii=False) if example.text_pair is None else literal
+    options = f"truncation=True, max_length={args.max_seq_len}" + (", top_k=None" if args.multi_label else "")
+    usage = "\n".join([
+        "```python", "from transformers import pipeline", "",
+        f"classifier = pipeline(\"text-classification\", model={json.dumps(str(best_dir))})",
+        f"# truncated at {args.max_seq_len} tokens, as in training"
+        + ("; top_k=None: every label's probability (multi-label)" if args.multi_label else ""),
+        f"print(classifier({text}, {options}))", "```", "",
+        f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
+        + (f"texts.jsonl --text_column {args.text_column} --text_pair_column {args.text_pair_column}"
+           if example.text_pair is not None else "texts.txt")
+        + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT`."])
+    model = str(args.model_name_or_path)
+    if args.from_scratch:
+        model += f" (from scratch{', ' + args.config_overrides if args.config_overrides else ''})"
+    settings = {"model": model, "multi_label": args.multi_label, "max_seq_len": args.max_seq_len,
+                "train_batch_size (global)": args.train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
+                "num_train_epochs": args.num_train_epochs, "max_train_steps": args.max_train_steps, "seed": args.seed,
+                "mixed_precision": run["mixed_precision"], "processes": run["num_processes"]}
+    hub_id = not args.from_scratch and not Path(model).exists()  # the hub's base_model field takes hub ids only
+    files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
+    if args.do_regression:  # one output
+        labels = [f"{labels[0]} (regression: the predicted number, pipeline()'s score)"]
+    return ModelCard(
+        title=f"{Path(args.output_dir).name}/best_model",
+        metadata={"library_name": "transformers", "pipeline_tag": "text-classification",
+                  "tags": ["text-classification", "train_bert_cls.py"], "model_name": Path(args.output_dir).name,
+                  **({"base_model": args.model_name_or_path} if hub_id else {})},
+        labels=labels, settings=settings, usage=usage, command=command_line(),
+        data_files={split: (files[split] or f"{args.dataset_name} ({split})", len(found))
+                    for split, found in examples.items()})

@@ -9,6 +9,8 @@ references/classification/train.py: their flags, their batch-size convention and
   prefix of DataParallel/DDP) load with `weights_only=True` (common/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
   image settings they were trained with (vision/augment.py image_settings), which `-e` evaluates at.
+- model_card.md beside model_best.pth says how to load it into plain torchvision (or timm) with the training's
+  validation transform (model_card).
 
 Neighbours: vision/optim.py, common/export.py.
 """
@@ -19,7 +21,9 @@ from pathlib import Path
 import torch
 
 from common.export import check_same_keys, export_state_dict, strip_module_prefix
+from common.outputs import ModelCard, command_line
 from common.runtime import UserError
+from vision.data import IMAGENET_MEAN, IMAGENET_STD
 
 MAIN_PY_FLAGS = {
     "--multiprocessing-distributed": "accelerate launch --multi_gpu --num_processes N (config: distributed_type "
@@ -126,3 +130,40 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
     for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
         accelerator.on_main_process(save_exported_checkpoint)(Path(output_dir) / f"{name}{suffix}.pth", state_dict,
                                                               **fields, **(extra if name == "checkpoint" else {}))
+
+
+def model_card(args, class_to_idx, train_set, val_set, run):
+    """model_card.md's fixed part (common/outputs.py ModelCard) for model_best.pth: the classes, the key settings
+    (`run`: run_info's), the image folders, and how to load the file: into a plain torchvision (or timm) model with
+    the validation transform of the training, or evaluated by this script (`-e --resume`)."""
+    best = Path(args.output_dir) / "model_best.pth"
+    timm_name = args.arch[len("timm:"):] if args.arch.startswith("timm:") else None
+    build = (f"timm.create_model({timm_name!r}, num_classes={len(class_to_idx)})" if timm_name else
+             f"torchvision.models.get_model({args.arch!r}, num_classes={len(class_to_idx)})")
+    data = str(args.data) if args.data else f"--dummy {args.dummy}"
+    usage = "\n".join([
+        "```python", "import torch", "import torchvision" if not timm_name else "import timm",
+        "from torchvision.transforms import v2", "",
+        f"model = {build}",
+        f"model.load_state_dict(torch.load({str(best)!r}, weights_only=True)[\"state_dict\"])",
+        "model.eval()",
+        "# the validation transform of the training, for an RGB PIL image or a (3, H, W) uint8 tensor",
+        f"preprocess = v2.Compose([v2.ToImage(), v2.Resize({args.val_resize}, interpolation=v2.InterpolationMode."
+        f"{args.interpolation.upper()}, antialias=True), v2.CenterCrop({args.val_crop_size}), "
+        f"v2.ToDtype(torch.float32, scale=True), v2.Normalize({list(IMAGENET_MEAN)}, {list(IMAGENET_STD)})])",
+        "```", "", "Evaluated on the validation images by this script, at the image settings the file records:", "",
+        "```bash", f"python train_resnet.py {data} -a {args.arch} -e --resume {best} --output_dir "
+        f"{Path(args.output_dir) / 'model_best_eval'}", "```"])
+    settings = {"arch": args.arch, "weights": args.weights, "train_crop_size": args.train_crop_size,
+                "val_resize": args.val_resize, "val_crop_size": args.val_crop_size, "interpolation": args.interpolation,
+                "batch_size (global)": args.batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps, "lr": args.lr, "epochs": args.epochs,
+                "seed": args.seed, "model_ema": args.model_ema, "mixed_precision": run["mixed_precision"],
+                "processes": run["num_processes"]}
+    folders = (Path(data) / "train", Path(data) / "val") if args.data else (data, data)
+    return ModelCard(
+        title=str(best), labels=sorted(class_to_idx, key=class_to_idx.get), settings=settings, usage=usage,
+        metadata={"library_name": "timm" if timm_name else "pytorch", "pipeline_tag": "image-classification",
+                  "tags": ["image-classification", "torchvision", "train_resnet.py"], "model_name": args.arch},
+        command=command_line(),
+        data_files={"train": (folders[0], len(train_set)), "validation": (folders[1], len(val_set))})

@@ -1,0 +1,304 @@
+"""The best model and early stopping (Trainer's metric_for_best_model, greater_is_better, EarlyStoppingCallback),
+experiment trackers (--report_to) and the model cards, in both scripts."""
+import importlib.util
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import assert_same_curve, assert_same_weights, launch, read_json, read_jsonl, run_here
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file
+
+import train_bert_cls
+import train_resnet
+from common.demo_data import write_digits_imagefolder
+from common.loop import Selection
+from common.runtime import UserError, resolve_trackers
+
+BERT, RESNET = "train_bert_cls.py", "train_resnet.py"
+TRACKING = {"MLFLOW_DISABLE_TELEMETRY": "true"}  # offline: no usage report attempts from mlflow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The runs in this process get one thread, as every launched process does (conftest's ENV): the other pytest
+    worker has the other core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def bert_args(data, out, *extra):
+    """Validation every 10 steps, stop after 2 without a better accuracy; no dropout, so that 1 and 2 processes
+    train the same model (tests/test_launch_matrix.py)."""
+    return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch",
+            "--config_overrides", "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0", "--max_seq_len", "32",
+            "--train_batch_size", "16", "--eval_batch_size", "32", "--learning_rate", "2e-3", "--num_train_epochs",
+            "4", "--eval_steps", "10", "--logging_steps", "10", "--checkpointing_steps", "10", "--save_total_limit",
+            "0", "--metric_for_best_model", "eval_accuracy", "--early_stopping_patience", "2", "--do_train",
+            "--do_eval", "--do_test", "--output_dir", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def stopped(text_data, tmp_path_factory):
+    """A 1-process run that stops early (in this process)."""
+    out = tmp_path_factory.mktemp("stopped") / "out"
+    run_here(BERT, ["--cpu", *bert_args(text_data, out)])
+    return out
+
+
+def trainer_stop(values, patience, threshold=0.0, greater_is_better=True):
+    """(index of the validation that stops, index of the best) by transformers' own EarlyStoppingCallback, with the
+    best metric updated as Trainer._determine_best_metric does after each evaluation."""
+    from transformers import EarlyStoppingCallback
+
+    callback = EarlyStoppingCallback(patience, threshold)
+    args, state, best_index = SimpleNamespace(greater_is_better=greater_is_better), SimpleNamespace(best_metric=None), None
+    for index, value in enumerate(values):
+        callback.check_metric_value(args, state, None, value)
+        if state.best_metric is None or (value > state.best_metric if greater_is_better else value < state.best_metric):
+            state.best_metric, best_index = value, index
+        if callback.early_stopping_patience_counter >= patience:
+            return index, best_index
+    return None, best_index
+
+
+@pytest.mark.parametrize("greater_is_better", [True, False])
+@pytest.mark.parametrize("patience, threshold", [(1, 0.0), (2, 0.0), (3, 0.05)])
+def test_selection_counts_like_trainers_early_stopping(patience, threshold, greater_is_better):
+    values = [0.5, 0.6, 0.58, 0.62, 0.64, 0.64, 0.7, 0.69, 0.71, 0.5, 0.4, 0.3]
+    values = values if greater_is_better else [1 - v for v in values]
+    selection, state = Selection("accuracy", greater_is_better, "step", patience, threshold), {}
+    state.update(selection.fresh_state())
+    stop = None
+    for index, value in enumerate(values):
+        selection.update(state, {"accuracy": value}, index)
+        if selection.should_stop(state):
+            stop = index
+            break
+    expected_stop, expected_best = trainer_stop(values, patience, threshold, greater_is_better)
+    assert (stop, state["best_step"]) == (expected_stop, expected_best)
+
+
+def test_bert_stops_where_the_metric_stopped_improving(stopped):
+    results = read_json(stopped / "all_results.json")
+    evals = [e for e in read_jsonl(stopped / "metrics.jsonl") if e["event"] == "eval"]
+    stop, best = trainer_stop([e["accuracy"] for e in evals], patience=2)
+    assert stop is not None, [e["accuracy"] for e in evals]  # the fixture must stop early to test anything
+    assert results["stopped_early"] is True and results["stopped_early_at_step"] == evals[stop]["step"]
+    assert results["train_steps"] == evals[stop]["step"] < 200  # 4 epochs of 50 steps
+    assert (results["metric_for_best_model"], results["greater_is_better"]) == ("accuracy", True)
+    assert results["best_step"] == evals[best]["step"]
+    assert results["best_metric"] == results["best_eval_accuracy"] == evals[best]["accuracy"]
+    assert results["eval_accuracy"] == evals[best]["accuracy"]  # the selected model is the one evaluated
+    assert results["stopped_early_reason"] == (
+        f"accuracy did not improve by more than 0.0 over 2 evaluations; best {evals[best]['accuracy']:.6g} at step "
+        f"{evals[best]['step']}")
+    # no checkpoint at the step it stopped: the run is finished, nothing to resume
+    assert not (stopped / "checkpoints" / f"step_{evals[stop]['step']}").exists()
+
+
+def test_bert_model_card(stopped):
+    """best_model/README.md as the hub reads it: the metrics of the selected model, validation and test."""
+    results = read_json(stopped / "all_results.json")
+    card = ModelCard.load(stopped / "best_model" / "README.md")
+    assert (card.data.library_name, card.data.pipeline_tag) == ("transformers", "text-classification")
+    reported = {(r.dataset_split, r.metric_type): r.metric_value for r in card.data.eval_results}
+    expected = {(split, name): results[f"{prefix}_{name}"] for split, prefix in (("validation", "eval"),
+                                                                                  ("test", "test"))
+                for name in ("accuracy", "macro_f1", "micro_f1", "loss")}
+    assert reported == expected
+    labels = (stopped / "labels.txt").read_text(encoding="utf-8").split()
+    assert all(f"| {i} | {label} |" in card.text for i, label in enumerate(labels))
+    assert f"at step {results['best_step']}. Training stopped early at step {results['stopped_early_at_step']}" \
+        in card.text
+    assert "--early_stopping_patience 2" in card.text and "| max_seq_len | 32 |" in card.text
+    assert "| train | `" in card.text and "| 800 |" in card.text  # the data files and their sizes
+
+
+def test_resumed_run_stops_at_the_same_step(stopped, text_data, tmp_path):
+    """Stopped after a validation that did not improve (the patience counter at 1), resumed: it stops where the
+    uninterrupted run stopped, with the same model. A counter that started again at 0 would stop 10 steps later."""
+    results = read_json(stopped / "all_results.json")
+    counters = {int(p.name.split("_")[1]): read_json(p / "training_state.json")["early_stopping_patience_counter"]
+                for p in (stopped / "checkpoints").glob("step_*")}
+    step = max(s for s, count in counters.items() if count > 0 and s < results["stopped_early_at_step"])
+    out = tmp_path / "out"
+    shutil.copytree(stopped, out)
+    for later in [p for p in (out / "checkpoints").glob("step_*") if int(p.name.split("_")[1]) > step]:
+        shutil.rmtree(later)  # what a run preempted at `step` leaves
+    (out / "all_results.json").unlink()
+    run_here(BERT, ["--cpu", *bert_args(text_data, out, "--resume_from_checkpoint", out / "checkpoints" / f"step_{step}")])
+    resumed = read_json(out / "all_results.json")
+    for key in ("stopped_early_at_step", "stopped_early_reason", "best_step", "eval_accuracy", "test_accuracy"):
+        assert resumed[key] == results[key], key
+    assert_same_curve(stopped, out, ("accuracy", "loss"))
+    assert_same_weights(load_file(stopped / "best_model" / "model.safetensors"),
+                        load_file(out / "best_model" / "model.safetensors"))
+
+
+def test_resume_keeps_the_metric_that_selected(stopped, text_data, tmp_path):
+    """The checkpoint's best was measured by its metric and direction: another one is refused before training."""
+    step = min(int(p.name.split("_")[1]) for p in (stopped / "checkpoints").glob("step_*"))
+    out = tmp_path / "out"
+    shutil.copytree(stopped, out)
+    proc = run_here(BERT, ["--cpu", *bert_args(text_data, out, "--metric_for_best_model", "loss",
+                                               "--resume_from_checkpoint", out / "checkpoints" / f"step_{step}")],
+                    check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {out / 'checkpoints' / f'step_{step}' / 'training_state.json'}: checkpoint has "
+        "metric_for_best_model='accuracy', this run has 'loss'")
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # mlflow's SQLAlchemy models
+def test_two_processes_stop_at_the_same_step_and_track_once(stopped, text_data, tmp_path):
+    """2 processes: the same stop and the same selected step as 1; TensorBoard and MLflow hold one run each, written
+    by the main process, with the validation metrics at their steps."""
+    out = tmp_path / "out"
+    launch(BERT, bert_args(text_data, out, "--report_to", "tensorboard", "mlflow"), num_processes=2, env=TRACKING)
+    one, two = read_json(stopped / "all_results.json"), read_json(out / "all_results.json")
+    assert two["num_processes"] == 2
+    assert (two["stopped_early_at_step"], two["best_step"]) == (one["stopped_early_at_step"], one["best_step"])
+    evals = {e["step"]: e["accuracy"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"}
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [event_file] = (out / "runs" / "bert_cls").glob("events.out.tfevents.*")  # (add_hparams writes its own below)
+    tensorboard = EventAccumulator(str(event_file))
+    tensorboard.Reload()
+    assert {s.step: s.value for s in tensorboard.Scalars("eval/accuracy")} == pytest.approx(evals)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    [experiment] = [e for e in client.search_experiments() if e.name == "bert_cls"]
+    [mlflow_run] = client.search_runs([experiment.experiment_id])
+    history = client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")
+    assert {m.step: m.value for m in history} == pytest.approx(evals)
+    assert mlflow_run.data.params["metric_for_best_model"] == "accuracy"
+
+
+def test_metric_names_follow_trainer_and_timm(digits_data):
+    def resnet(*flags):
+        args = train_resnet.parse_args([digits_data, *flags])
+        return args.metric_for_best_model, args.greater_is_better
+
+    assert resnet() == ("acc1", True)
+    assert resnet("--eval-metric", "top5") == ("acc5", True)  # timm's names
+    assert resnet("--metric_for_best_model", "eval_loss") == ("loss", False)  # Trainer's prefix and default
+    assert resnet("--eval_metric", "loss", "--greater_is_better", "true") == ("loss", True)
+    assert resnet("--metric_for_best_model", "acc1", "--greater_is_better", "false") == ("acc1", False)
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    (RESNET, ["--eval-metric", "f1"], "--metric_for_best_model f1: not a validation metric of this run; choose from "
+                                      "acc1, acc5, loss"),
+    (RESNET, ["--early_stopping_threshold", "0.1"], "--early_stopping_threshold needs --early_stopping_patience"),
+    (RESNET, ["--early_stopping_patience", "0"], "--early_stopping_patience 0: at least 1 validation"),
+    (RESNET, ["-e", "--resume", "x.pth", "--early_stopping_patience", "2"],
+     "--early_stopping_patience applies to training; this run does not train"),
+    (RESNET, ["--greater_is_better", "maybe"], "'maybe': expected true or false"),
+    (BERT, ["--data_dir", "DATA", "--early_stopping_patience", "2"],
+     "--early_stopping_patience applies to training; this run does not train"),
+])
+def test_selection_flags_refused_by_the_parser(script, argv, message, digits_data, text_data, capsys):
+    base = [digits_data] if script == RESNET else ["--model_name_or_path", text_data / "model", "--do_eval"]
+    argv = [str(a) for a in base] + [str(text_data) if a == "DATA" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        (train_resnet if script == RESNET else train_bert_cls).parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["unknown metric", "no validation set"])
+def test_bert_selection_errors_before_training(case, text_data, tmp_path):
+    """Known once the files are read and the --metric modules loaded: before the model is built, nothing written."""
+    out = tmp_path / "out"
+    if case == "unknown metric":
+        args = bert_args(text_data, out, "--metric_for_best_model", "f1")
+        error = ("--metric_for_best_model f1: not a validation metric of this run; choose from accuracy, macro_f1, "
+                 "micro_f1, loss")
+    else:  # a training file alone
+        args = ["--train_file", text_data / "train.txt", "--model_name_or_path", text_data / "model", "--from_scratch",
+                "--do_train", "--early_stopping_patience", "2", "--output_dir", out]
+        error = "--early_stopping_patience stops on the validation metric: this run has no validation set"
+    proc = run_here(BERT, ["--cpu", *args], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {error}"
+    assert not out.exists()
+
+
+def test_report_to_names_trackers_accelerate_knows():
+    def trackers(*names, with_tracking=False):
+        return resolve_trackers(SimpleNamespace(report_to=list(names) or None, with_tracking=with_tracking))
+
+    assert trackers() == [] and trackers("none") == []
+    assert trackers(with_tracking=True) == ["tensorboard"] == trackers("tensorboard", with_tracking=True)
+    assert trackers("tensorboard", "mlflow") == ["tensorboard", "mlflow"]
+    assert {"tensorboard", "mlflow"} <= set(trackers("all"))  # the installed ones, as accelerate finds them
+    with pytest.raises(UserError, match="--report_to none cannot be combined with tensorboard"):
+        trackers("none", "tensorboard")
+
+
+def test_missing_tracker_package_is_a_one_line_error(text_data, tmp_path):
+    missing = next((name for name in ("wandb", "comet_ml") if importlib.util.find_spec(name) is None), None)
+    if missing is None:
+        pytest.skip("wandb and comet_ml are both installed")
+    proc = run_here(BERT, ["--cpu", *bert_args(text_data, tmp_path / "out", "--report_to", "tensorboard", missing)],
+                    check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --report_to {missing}: the {missing} package is not installed (pip install {missing})")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- train_resnet.py: stops by epochs, and resumes into the same stop ----
+
+def resnet_args(data, out, epochs, *extra):
+    """A small torchvision model, 3 steps per epoch (120 images, -b 40); an improvement must exceed 100 points of
+    acc@1, so every validation after the first counts towards the patience of 2: the run stops after epoch 3."""
+    return ["--cpu", data, "-a", "shufflenet_v2_x0_5", "--image_size", "16", "--val_resize", "16", "-b", "40",
+            "--lr", "0.02", "--momentum", "0", "-j", "0", "--epochs", epochs,
+            "--checkpointing_steps", "3", "--eval-metric", "top1", "--early_stopping_patience", "2",
+            "--early_stopping_threshold", "100", "--output_dir", out, *extra]
+
+
+def test_resnet_stops_early_resumes_into_the_same_stop_and_writes_a_card(tmp_path):
+    def train(out, epochs, *extra):
+        run_here(RESNET, resnet_args(data, tmp_path / out, epochs, *extra))
+        return read_json(tmp_path / out / "all_results.json")
+
+    data = write_digits_imagefolder(tmp_path / "digits", size=16, limit=160)
+    reference = train("reference", 6)
+    assert reference["stopped_early"] and reference["stopped_early_at_step"] == reference["train_steps"] == 9
+    # cut after epoch 2 (its checkpoint holds the patience counter at 1), then resumed for 6 epochs
+    cut = train("cut", 2)
+    assert not cut["stopped_early"] and cut["train_steps"] == 6
+    assert read_json(tmp_path / "cut" / "checkpoints" / "step_6" / "training_state.json")[
+        "early_stopping_patience_counter"] == 1
+    resumed = train("cut", 6, "--resume", "latest")
+    for key in ("stopped_early_at_step", "stopped_early_reason", "best_epoch", "best_acc1", "eval_acc1"):
+        assert resumed[key] == reference[key], key
+    best = {name: torch.load(tmp_path / name / "model_best.pth", weights_only=True) for name in ("reference", "cut")}
+    assert_same_weights(best["reference"]["state_dict"], best["cut"]["state_dict"])
+
+    card = ModelCard.load(tmp_path / "reference" / "model_card.md")
+    [selected] = [e for e in read_jsonl(tmp_path / "reference" / "metrics.jsonl")
+                  if e["event"] == "eval" and e["epoch"] == reference["best_epoch"]]
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
+        k: selected[k] for k in ("acc1", "acc5", "loss")}
+    assert best["reference"]["best_acc1"] == selected["acc1"]
+    # the card's Python snippet, as a user runs it, reproduces the selected model's top-1 on the validation images
+    snippet = card.text.split("```python\n")[1].split("```")[0]
+    namespace = {}
+    exec(snippet, namespace)
+    from PIL import Image
+
+    paths = sorted((data / "val").rglob("*.png"))
+    images = torch.stack([namespace["preprocess"](Image.open(p).convert("RGB")) for p in paths])
+    with torch.no_grad():
+        predicted = namespace["model"](images).argmax(1)
+    targets = torch.tensor([int(p.parent.name) for p in paths])
+    assert 100 * (predicted == targets).float().mean().item() == pytest.approx(selected["acc1"], abs=1e-4)
