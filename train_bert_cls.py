@@ -36,7 +36,7 @@ from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionG
 from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             loader_generator, loader_settings, maybe_data_parallel, print_run_summary, run_cli,
-                            run_info)
+                            run_info, writing)
 from text.data import (LengthGroupedSampler, add_padding_args, add_text_format_args, build_collator, build_label_list,
                        check_known_labels, find_split_file, label_targets, read_examples, read_unlabelled,
                        resolve_padding, text_format, token_lengths, tokenize_examples, write_labels_file)
@@ -233,16 +233,21 @@ def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=
     return metrics
 
 
-def save_best_model(accelerator, model, tokenizer, best_dir):
-    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically."""
+def save_best_model(accelerator, model, tokenizer, best_dir, step=None):
+    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, with the selected
+    `step` (best_step.json), swapped in atomically; a full disk stops every rank with one line and keeps the previous
+    best_model/."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
-    # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
-    accelerator.on_main_process(bare.save_pretrained)(tmp, state_dict=state_dict, save_original_format=False)
-    accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
-    accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
-    accelerator.wait_for_everyone()
+    with writing(accelerator, best_dir.parent, unfinished=tmp):
+        if accelerator.is_main_process:
+            # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
+            bare.save_pretrained(tmp, state_dict=state_dict, save_original_format=False)
+            tokenizer.save_pretrained(tmp)
+            if step is not None:
+                mark_selection(tmp, step)
+            replace_dir_atomically(tmp, best_dir)
 
 
 # Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
@@ -264,9 +269,9 @@ class Training:
     cadence: Cadence
 
 
-def prepare_training(args, accelerator, model, loaders, log, must_match):
-    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint; prints
-    the run summary."""
+def prepare_training(args, accelerator, model, loaders, log, must_match, resume_path):
+    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint's
+    `resume_path` (agree_on_resume's); prints the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
@@ -281,7 +286,6 @@ def prepare_training(args, accelerator, model, loaders, log, must_match):
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"])
-    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoints.dir)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
@@ -330,13 +334,14 @@ class TrainResult:
     best_eval: dict | None  # the selected model's validation metrics, when they are the last ones measured
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match):
+def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, resume_path):
     """The training loop."""
-    training = prepare_training(args, accelerator, model, loaders, log, must_match)
+    training = prepare_training(args, accelerator, model, loaders, log, must_match, resume_path)
     model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
                                                    training.state, training.cadence)
     best_dir = args.output_dir / "best_model"
-    guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
+    guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
+    meter = LossMeter(accelerator.device)
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
     best = BestWeights()  # this run's best weights, in memory on every rank
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
@@ -386,9 +391,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
                     state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
                     best.keep(model)
                     with speed.pause("save"):
-                        save_best_model(accelerator, model, tokenizer, best_dir)
-                        accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
-            preempted = guard.should_stop()
+                        save_best_model(accelerator, model, tokenizer, best_dir, completed_steps)
+            preempted = guard.should_stop(completed_steps)
             if due.checkpoint or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
@@ -449,8 +453,10 @@ def main(args):
     set_seed(args.seed)
     check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
-    if args.do_train:
+    resume_path = None
+    if args.do_train:  # the checkpoint to resume from, its files checked before anything is built or written
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+        resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
@@ -478,7 +484,7 @@ def main(args):
     if args.do_train:
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint)
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
-        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
+        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, resume_path)
         results.update(trained.results)
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "

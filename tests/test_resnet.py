@@ -8,8 +8,10 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json, read_jsonl,
-                      run, run_here, start, wait_for)
+import os
+
+from conftest import (ACCELERATE, ELASTIC, assert_same_curve, assert_same_weights, free_port, kill_job, launch,
+                      launch_cmd, read_json, read_jsonl, run, run_here, start, wait_for, workers)
 from PIL import Image
 
 import train_resnet
@@ -174,6 +176,24 @@ def test_sigkill_then_resume_latest_is_exact(trained, digits_data, tmp_path):
     same_run(trained[2], out)
 
 
+def test_accelerate_max_restarts_resumes_a_killed_worker_exactly(trained, digits_data, tmp_path):
+    """Elastic: `accelerate launch --max_restarts 1` with `--resume latest` from the start, rank 0 (the one that
+    writes) SIGKILLed mid-epoch 1; the restarted group resumes from the latest checkpoint and ends bitwise as the
+    uninterrupted run, EMA included (c10d rendezvous with a store per attempt, its endpoint through torchrun's
+    PET_RDZV_ENDPOINT: accelerate passes none on one machine)."""
+    out = tmp_path / "elastic"
+    cmd = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", free_port(), "--max_restarts", "1", "--rdzv_backend",
+           "c10d", SCRIPT, "--cpu", *train_args(digits_data, out, "--resume", "latest")]
+    job = start(cmd, tmp_path / "job.log", env={**ELASTIC, "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"})
+    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
+    os.kill(min(workers(job, out)), signal.SIGKILL)
+    job.wait(timeout=300)
+    log = (tmp_path / "job.log").read_text()
+    assert job.returncode == 0 and "exitcode: -9" in log and "Resumed from" in log, log[-3000:]
+    same_run(trained[2], out)
+
+
 def main_py_checkpoint(path, best):
     """What imagenet/main.py saves from a DDP model: `module.` keys, optimizer state, epoch, a tensor best_acc1."""
     model = torchvision.models.resnet18(num_classes=10)
@@ -304,11 +324,12 @@ def small_args(data, out, *extra):
 
 def main_here(argv):
     """The script's main() in this process (no start-up cost), for one process; restores what it changes."""
-    sigterm = signal.getsignal(signal.SIGTERM)  # PreemptionGuard installs its own handler
+    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)  # PreemptionGuard's own
     try:
         return train_resnet.main(train_resnet.parse_args([str(a) for a in argv]))
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+        signal.signal(signal.SIGINT, sigint)
         AcceleratorState._reset_state(reset_partial_state=True)
 
 

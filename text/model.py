@@ -24,14 +24,19 @@ import torch
 from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
-from common.export import load_torch_checkpoint
+from common.export import load_torch_checkpoint, safetensors_problem
 from common.runtime import UserError
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
 
 
 def load_classifier(model_name_or_path, config, trust_remote_code=False):
-    """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised."""
+    """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised;
+    a local safetensors file that is cut short is named first (transformers' error would not name it)."""
+    for weights in sorted(Path(model_name_or_path).glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise UserError(problem)
     model, info = AutoModelForSequenceClassification.from_pretrained(
         model_name_or_path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
         trust_remote_code=trust_remote_code, output_loading_info=True)
