@@ -35,7 +35,7 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_model, save_model
 
-from .export import check_torch_file, safetensors_problem
+from .export import check_dcp_checkpoint, check_torch_file, safetensors_problem
 from .runtime import UserError, stop_together, writing
 
 STATE_FILE = "training_state.json"
@@ -318,34 +318,39 @@ def load_checkpoint(accelerator, path, expected, modules=None):
 def check_checkpoint_files(accelerator, path, modules=()):
     """Before anything is loaded from checkpoint `path`, on every rank (a collective): no file that accelerate would
     unpickle with weights_only=False (custom_checkpoint_<i>.pkl), `<name>.safetensors` for each of `modules`, and
-    every file this rank reads (the weights, optimizer, scheduler, sampler and scaler states, its own RNG state)
-    whole and loadable with weights_only=True. The first problem of any rank stops every rank with one line naming
-    the file. (accelerate would stop at a damaged file halfway through load_state with a traceback, and skips an
-    unreadable RNG state without a word, which would make the resumed run silently inexact.)"""
+    every file this rank reads (the weights, optimizer, scheduler, sampler and scaler states, its own RNG state,
+    FSDP's sharded state dicts) whole and loadable with weights_only=True. The first problem of any rank stops every
+    rank with one line naming the file. (accelerate would stop at a damaged file halfway through load_state with a
+    traceback, and skips an unreadable RNG state without a word, which would make the resumed run silently
+    inexact.)"""
     path = Path(path)
     problem = None
     try:
-        files = sorted(file for file in path.iterdir() if file.is_file())
-        for file in files:
-            if _PICKLED_OBJECT.match(file.name):
-                raise UserError(f"{file}: holds a pickle, which is never loaded (unpickling runs whatever code it "
-                                "names); this project saves no such file (train_resnet.py's EMA is ema.safetensors): "
-                                "remove it to load the rest of the checkpoint")
-        for name in modules:
-            if not (path / f"{name}.safetensors").is_file():
-                raise UserError(f"{path}: no {name}.safetensors, which this run restores; not a complete checkpoint "
-                                "of this run")
-        for file in files:
-            rng_state = _RNG_STATE.match(file.name)
-            if file.suffix == ".safetensors":
-                problem = safetensors_problem(file)
-                if problem:
-                    raise UserError(problem)
-            elif file.suffix in (".bin", ".pt") or (rng_state and int(rng_state.group(1)) == accelerator.process_index):
-                check_torch_file(file)
+        _check_files(path, modules, accelerator.process_index)
     except UserError as err:
         problem = str(err)
     stop_together(accelerator, problem)
+
+
+def _check_files(path, modules, rank):
+    files = sorted(file for file in path.iterdir() if file.is_file())
+    for file in files:
+        if _PICKLED_OBJECT.match(file.name):
+            raise UserError(f"{file}: holds a pickle, which is never loaded (unpickling runs whatever code it names); "
+                            "this project saves no such file (train_resnet.py's EMA is ema.safetensors): remove it to "
+                            "load the rest of the checkpoint")
+    for name in modules:
+        if not (path / f"{name}.safetensors").is_file():
+            raise UserError(f"{path}: no {name}.safetensors, which this run restores; not a complete checkpoint of "
+                            "this run")
+    for file in files:
+        rng_state = _RNG_STATE.match(file.name)
+        if file.suffix == ".safetensors" and safetensors_problem(file):
+            raise UserError(safetensors_problem(file))
+        if file.suffix in (".bin", ".pt") or (rng_state and int(rng_state.group(1)) == rank):
+            check_torch_file(file)
+    for directory in sorted(d for d in path.iterdir() if (d / ".metadata").is_file()):
+        check_dcp_checkpoint(directory)  # FSDP's sharded state dicts
 
 
 _HYPERPARAMETERS = ("lr", "initial_lr", "weight_decay", "momentum", "betas", "eps")

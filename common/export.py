@@ -16,6 +16,7 @@ Every function that gathers or broadcasts weights runs on every process (collect
 Neighbours: common/checkpoint.py (resumable checkpoints), vision/references.py (main.py's .pth layout),
 text/model.py (the Hugging Face export's loading).
 """
+import io
 import json
 import pickle
 import re
@@ -206,6 +207,53 @@ def check_torch_file(path):
         accelerate_load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
     except Exception as err:
         raise UserError(torch_load_problem(path, err)) from None
+
+
+def _dcp_class_allowed(module, name):
+    """What a torch.distributed.checkpoint .metadata file pickles: its own dataclasses, sizes, dtypes, layouts, paths."""
+    if module == "torch.distributed.checkpoint.metadata":
+        return True
+    return (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                              ("pathlib", "WindowsPath"), ("collections", "OrderedDict")} or (
+        module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if not _dcp_class_allowed(module, name):
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_dcp_checkpoint(directory):
+    """Raise a one-line UserError unless a torch.distributed.checkpoint directory (FSDP's sharded state dicts,
+    accelerate's pytorch_model_fsdp_0/ and optimizer_0/) is data only. torch reads its .metadata with pickle.load and
+    its non-tensor items with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes): here the metadata is
+    read allowing only the checkpoint format's own classes, and each non-tensor item with weights_only=True."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata_path = Path(directory) / ".metadata"
+    try:
+        with open(metadata_path, "rb") as f:
+            metadata = _DcpMetadataUnpickler(f).load()
+    except Exception as err:
+        raise UserError(torch_load_problem(metadata_path, err)) from None
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue  # a tensor: torch reads it with weights_only=True
+        path = Path(directory) / info.relative_path
+        if getattr(info, "transform_descriptors", None):
+            raise UserError(f"{path}: item {index.fqn} is stored transformed ({info.transform_descriptors}), "
+                            "which is not checked here; only plain torch.distributed.checkpoint files are loaded")
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            item = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
+        except Exception as err:
+            problem = torch_load_problem(path, err) if len(item) == info.length else f"{path}: {DAMAGED}"
+            raise UserError(f"{problem} (item {index.fqn})") from None
 
 
 def safetensors_problem(path):

@@ -84,8 +84,9 @@ def digits(tmp_path_factory):
 
 
 def resnet_args(data, out, *extra):
-    return ["--cpu", data, "--image_size", "16", "--val_resize", "16", "-b", "40", "-j", "0", "--epochs", "1",
-            "--checkpointing_steps", "2", "--output_dir", out, *extra]
+    # ShuffleNetV2 x0.5: 0.35 M parameters, so that the many runs below write and read little (ResNet-18 has 11 M)
+    return ["--cpu", data, "-a", "shufflenet_v2_x0_5", "--image_size", "16", "--val_resize", "16", "-b", "40", "-j",
+            "0", "--epochs", "1", "--checkpointing_steps", "2", "--output_dir", out, *extra]
 
 
 EMA = ["--model_ema", "--model_ema_steps", "1"]
@@ -135,6 +136,32 @@ def test_another_ranks_random_state_is_not_this_ranks_business(bert_run, tmp_pat
         process_index = 1
     with pytest.raises(UserError, match=r"random_states_1.pkl: holds a pickle"):
         check_checkpoint_files(SecondRank(), checkpoint)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_fsdp_sharded_state_dicts_are_checked_item_by_item(tmp_path):
+    """accelerate_configs/fsdp.yaml's SHARDED_STATE_DICT is written by torch.distributed.checkpoint, whose reader
+    unpickles .metadata with pickle.load and every non-tensor item with weights_only=False."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    marker = tmp_path / "marker"
+    checkpoint = tmp_path / "step_2"
+    dcp.save({"weight": torch.ones(2), "step": 3}, checkpoint_id=checkpoint / "pytorch_model_fsdp_0")
+    dcp.save({"weight": torch.ones(2), "step": Payload(marker)}, checkpoint_id=checkpoint / "optimizer_0")
+    with pytest.raises(UserError, match=rf"^{checkpoint / 'optimizer_0'}/__0_0.distcp: holds a pickled \S*exec"
+                                        r", .* \(item step\)$"):
+        check_checkpoint_files(OneProcess(), checkpoint)
+    assert not marker.exists()
+    dcp.load({"weight": torch.zeros(2), "step": 0}, checkpoint_id=checkpoint / "optimizer_0")  # torch's own reader
+    assert marker.exists(), "the planted item did not run: this test would prove nothing"
+    shutil.rmtree(checkpoint / "optimizer_0")
+    check_checkpoint_files(OneProcess(), checkpoint)  # a plain one passes
+    with open(checkpoint / "pytorch_model_fsdp_0" / ".metadata", "wb") as f:
+        pickle.dump(Payload(tmp_path / "metadata_marker"), f)
+    with pytest.raises(UserError, match=r"pytorch_model_fsdp_0/.metadata: holds a pickled \S*exec"):
+        check_checkpoint_files(OneProcess(), checkpoint)
+    assert not (tmp_path / "metadata_marker").exists()
 
 
 # ---- every loading path of both scripts, with a planted pickle or a file cut short ----

@@ -164,23 +164,12 @@ def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, digi
     assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[2] / "all_results.json")["best_acc1"]
 
 
-def test_sigkill_then_resume_latest_is_exact(trained, digits_data, tmp_path):
-    """2 processes, every recipe feature on: killed mid-epoch 1 (step 20 of 21), resumed, bitwise the same run."""
-    out = tmp_path / "killed"
-    job = start(launch_cmd(SCRIPT, train_args(digits_data, out), num_processes=2), tmp_path / "job.log")
-    wait_for(lambda: (out / "checkpoints" / "step_20" / "training_state.json").exists(), job)
-    kill_job(job, signal.SIGKILL)
-    job.wait()
-    assert not (out / "checkpoints" / f"step_{STEPS}").exists()
-    launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"), num_processes=2)
-    same_run(trained[2], out)
-
-
-def test_accelerate_max_restarts_resumes_a_killed_worker_exactly(trained, digits_data, tmp_path):
-    """Elastic: `accelerate launch --max_restarts 1` with `--resume latest` from the start, rank 0 (the one that
-    writes) SIGKILLed mid-epoch 1; the restarted group resumes from the latest checkpoint and ends bitwise as the
-    uninterrupted run, EMA included (c10d rendezvous with a store per attempt, its endpoint through torchrun's
-    PET_RDZV_ENDPOINT: accelerate passes none on one machine)."""
+def test_sigkill_then_accelerate_max_restarts_resumes_latest_exactly(trained, digits_data, tmp_path):
+    """2 processes, every recipe feature on, elastic: `accelerate launch --max_restarts 1` with `--resume latest` from
+    the start, the first worker (rank 0, the one that writes) SIGKILLed mid-epoch 1; the launcher restarts the group,
+    which resumes from the latest checkpoint and ends bitwise as the uninterrupted run, EMA included (c10d rendezvous
+    with a store per attempt, its endpoint through torchrun's PET_RDZV_ENDPOINT: accelerate passes none on one
+    machine)."""
     out = tmp_path / "elastic"
     cmd = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", free_port(), "--max_restarts", "1", "--rdzv_backend",
