@@ -2,13 +2,15 @@
 
 common/ (both scripts)
   runtime.py     the Accelerator and the launches refused because they would go wrong silently, DataLoader
-                 settings, the --help look, UserError and run_cli (one-line errors, exit status 2)
+                 settings, the --help look, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a
+                 problem on one rank stopping all of them (a failure to write: a full disk)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, LossMeter, HealthCheck, Throughput, PreemptionGuard, epoch_batches
-  checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest), agreeing on the one to resume
-                 from, what a resume must match and may change
+  checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest; modules such as the EMA as
+                 safetensors), agreeing on the one to resume from and checking its files, what a resume must match
+                 and may change
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
-                 on every rank, PyTorch files read without running code
+                 on every rank, PyTorch files read without running code and checked whole
   outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers),
                  console lines, progress bar, training curves, the output directory's policy
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
