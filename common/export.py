@@ -210,7 +210,7 @@ def check_torch_file(path):
 
 
 def _dcp_class_allowed(module, name):
-    """What a torch.distributed.checkpoint .metadata file pickles: its own dataclasses, sizes, dtypes, layouts, paths."""
+    """What a torch.distributed.checkpoint .metadata file pickles: its dataclasses, sizes, dtypes, layouts, paths."""
     if module == "torch.distributed.checkpoint.metadata":
         return True
     return (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
