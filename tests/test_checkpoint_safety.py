@@ -334,7 +334,7 @@ def test_a_full_disk_during_the_best_model_export(bert_run, text_data, tmp_path,
     out = shutil.copytree(bert_run, tmp_path / "out")
     shutil.rmtree(out / "checkpoints" / "step_4")
     state = read_json(out / "checkpoints" / "step_2" / "training_state.json")
-    state["best_macro_f1"] = -1.0  # so that the resumed run's validation at step 4 is a new best, exported
+    state["best_macro_f1"] = None  # as before any validation: the resumed run's at step 4 is a new best, exported
     (out / "checkpoints" / "step_2" / "training_state.json").write_text(json.dumps(state))
     previous = (out / "best_model" / "model.safetensors").read_bytes()
     real = transformers.modeling_utils.safe_save_file
@@ -381,4 +381,5 @@ def test_ctrl_c_is_one_line_and_exit_status_130(text_data, tmp_path):
     assert lines[0].endswith(f"the last checkpoint, {last}, is complete: continue with "
                              "--resume_from_checkpoint latest")
     check_checkpoint_files(OneProcess(), last)
+    assert not (out / ".lock").exists()  # the interrupted run let go of its output directory
     assert not AcceleratorState._shared_state  # run_here put everything back

@@ -78,6 +78,7 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_previous_checkpoint_
         "not saved; the latest complete checkpoint is still" in errors[0], errors[0]
     assert f'{SCRIPT}", line' not in proc.stderr, proc.stderr[-3000:]  # no worker's traceback (the launcher has its own)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+    assert not (out / ".lock").exists()  # released on the full disk too
     copy = shutil.copytree(out, tmp_path / "copy")  # on a disk with room: the latest checkpoint resumes
     run_here(SCRIPT, ["--cpu", *args, "--output_dir", copy, "--resume_from_checkpoint", "latest"])
     assert [e["step"] for e in read_jsonl(copy / "metrics.jsonl") if e["event"] == "train"] == [1, 2, 3]
@@ -99,6 +100,7 @@ def test_ctrl_c_is_one_line_per_process_and_the_last_checkpoint_resumes(text_dat
                                                      "--resume_from_checkpoint latest"), log[-3000:]
     # no worker prints a traceback (the launcher prints its own SignalException: its business)
     assert "KeyboardInterrupt" not in log and f'{SCRIPT}", line' not in log, log[-3000:]
+    assert not (out / ".lock").exists()  # the interrupted run let go of its output directory
     step = int(last.name.split("_")[1])
     run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--max_train_steps", str(step + 1),
                                           "--checkpointing_steps", "10", "--resume_from_checkpoint", "latest")])
