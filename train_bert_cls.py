@@ -40,7 +40,7 @@ from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
-                            run_cli, run_info)
+                            run_cli, run_info, writing)
 from text.data import (LengthGroupedSampler, add_dataset_args, add_padding_args, add_text_format_args, build_collator,
                        build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
                        data_must_match, fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
@@ -259,21 +259,23 @@ def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=
 
 def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card_results, step=None):
     """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, with what it was
-    trained with (`settings`, TRAINED_WITH; the tokenizer truncates at max_seq_len, in pipeline() too) and its model
-    card (README.md, from `card_results`), swapped in atomically; `step`: the validation step that selected it."""
+    trained with (`settings`, TRAINED_WITH; the tokenizer truncates at max_seq_len, in pipeline() too), its model card
+    (README.md, from `card_results`) and the selected `step` (best_step.json), swapped in atomically; a full disk
+    stops every rank with one line and keeps the previous best_model/."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     tokenizer.model_max_length = settings["max_seq_len"]
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
-    # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
-    accelerator.on_main_process(bare.save_pretrained)(tmp, state_dict=state_dict, save_original_format=False)
-    accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
-    accelerator.on_main_process((tmp / TRAINED_WITH).write_text)(json.dumps(settings, indent=2) + "\n")
-    log.write_model_card(tmp / "README.md", card_results)
-    accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
-    if step is not None:
-        accelerator.on_main_process(mark_selection)(best_dir, step)
-    accelerator.wait_for_everyone()
+    with writing(accelerator, best_dir.parent, unfinished=tmp):
+        if accelerator.is_main_process:
+            # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
+            bare.save_pretrained(tmp, state_dict=state_dict, save_original_format=False)
+            tokenizer.save_pretrained(tmp)
+            (tmp / TRAINED_WITH).write_text(json.dumps(settings, indent=2) + "\n")
+            log.write_model_card(tmp / "README.md", card_results)
+            if step is not None:
+                mark_selection(tmp, step)
+            replace_dir_atomically(tmp, best_dir)
 
 
 # Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
@@ -296,9 +298,9 @@ class Training:
     selection: Selection  # the validation metric that selects the best model
 
 
-def prepare_training(args, accelerator, model, loaders, log, must_match, selection):
-    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint; prints
-    the run summary."""
+def prepare_training(args, accelerator, model, loaders, log, must_match, selection, resume_path):
+    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint's
+    `resume_path` (agree_on_resume's); prints the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
@@ -314,7 +316,6 @@ def prepare_training(args, accelerator, model, loaders, log, must_match, selecti
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
                               allow_data_change=args.allow_data_change)
-    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoints.dir)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
@@ -364,13 +365,14 @@ class TrainResult:
 
 
 def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection, metric_modules,
-          class_weights=None):
-    """The training loop; class_weights: (C,) --class_weights."""
-    training = prepare_training(args, accelerator, model, loaders, log, must_match, selection)
+          resume_path, class_weights=None):
+    """The training loop, from agree_on_resume's `resume_path`; class_weights: (C,) --class_weights."""
+    training = prepare_training(args, accelerator, model, loaders, log, must_match, selection, resume_path)
     model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
                                                    training.state, training.cadence)
     best_dir = args.output_dir / "best_model"
-    guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
+    guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
+    meter = LossMeter(accelerator.device)
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
     best = BestWeights()  # this run's best weights, in memory on every rank
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
@@ -424,7 +426,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
                         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log,
                                         {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps)
                 stopped_at = completed_steps if selection.should_stop(state) else None
-            preempted = guard.should_stop() and stopped_at is None  # stopping early ends the run: no resume needed
+            # stopping early ends the run: no resume needed
+            preempted = guard.should_stop(completed_steps) and stopped_at is None
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
@@ -492,8 +495,10 @@ def main(args):
     set_seed(args.seed)
     check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
-    if args.do_train:
+    resume_path = None
+    if args.do_train:  # the checkpoint to resume from, its files checked before anything is built or written
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+        resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path),
                                    accelerator.print)
     predict_examples = examples.pop("predict", None)
@@ -532,7 +537,7 @@ def main(args):
                   card=model_card(args, labels, examples, results))
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
         trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection,
-                        metric_modules, class_weights and class_weights.tensor(accelerator.device))
+                        metric_modules, resume_path, class_weights and class_weights.tensor(accelerator.device))
         results.update(trained.results)
         if results["stopped_early"]:
             accelerator.print(f"stopped early at step {results['stopped_early_at_step']}: "

@@ -359,12 +359,11 @@ def prepare_training(args, accelerator, model, data, log, must_match, legacy, re
     mixer = build_mixer(args, len(must_match["class_to_idx"]), args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, data.train_loader, data.val_loader, scheduler)
-    if ema:
-        accelerator.register_for_checkpointing(ema)  # saved and restored with the resumable checkpoints
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
                               resume_settings(args, {**RESUMABLE_FLAGS, **EVAL_IMAGE_FLAGS, **EARLY_STOPPING_FLAGS}),
                               exports=["model_best.pth", "model_card.md", "model_best_ema.pth", "checkpoint_ema.pth"],
+                              modules={"ema": ema} if ema else None,  # ema.safetensors in every checkpoint
                               allow_data_change=args.allow_data_change)
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
@@ -401,7 +400,7 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, s
     model, optimizer, scheduler, ema, mixer, state, cadence = (
         training.model, training.optimizer, training.scheduler, training.ema, training.mixer, training.state,
         training.cadence)
-    guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
+    guard, meter = PreemptionGuard(accelerator, training.checkpoints.latest), LossMeter(accelerator.device)
     speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
     counts = ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr", also=[counts.check_unreadable])
@@ -456,7 +455,8 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, s
                                                 must_match["class_to_idx"])
                     accelerator.on_main_process(plot_curves)(log, args, cadence.steps_per_epoch)
                 stopped_at = completed_steps if selection.should_stop(state) else None
-            preempted = guard.should_stop() and stopped_at is None  # stopping early ends the run: no resume needed
+            # stopping early ends the run: no resume needed
+            preempted = guard.should_stop(completed_steps) and stopped_at is None
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
@@ -488,7 +488,8 @@ def main(args):
         raise UserError(f"--resume {args.resume}: no such file or directory")
     selection = Selection.from_args(args, position="epoch")
     legacy_file = args.resume is not None and Path(args.resume).is_file()
-    resume_dir = None if legacy_file else agree_on_resume(accelerator, args.resume, args.output_dir / "checkpoints")
+    resume_dir = None if legacy_file else agree_on_resume(accelerator, args.resume, args.output_dir / "checkpoints",
+                                                          modules=["ema"] if args.model_ema else [])
     if args.evaluate and args.resume and not legacy_file and resume_dir is None:
         raise UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
     resuming = resume_dir is not None or args.resume == "latest"

@@ -3,14 +3,17 @@
 common/ (both scripts)
   runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
                  an output directory: its lock), DataLoader settings, the --help look and the parser's number
-                 checks, UserError and run_cli (one-line errors, exit status 2)
+                 checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on one rank
+                 stopping all of them (a failure to write: a full disk)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
                  epoch_batches; Selection (the best model's metric and early stopping)
-  checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest), agreeing on the one to resume
-                 from, what a resume must match (the training data's fingerprint too) and may change
+  checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest; modules such as the EMA as
+                 safetensors), agreeing on the one to resume from and checking its files, what a resume must match
+                 (the training data's fingerprint too) and may change
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
-                 on every rank, PyTorch files read without running code, the settings an export carries
+                 on every rank, PyTorch files read without running code and checked whole, the settings an export
+                 carries
   outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers,
                  secrets such as --token masked), the model card, console lines, progress bar, training curves, the
                  output directory's policy

@@ -1,10 +1,20 @@
 """Resumable checkpoints that a kill can never leave half-written: writing, rotating, finding and restoring them.
 
 Layout: output_dir/checkpoints/step_<N>/ holds what `accelerator.save_state` writes (model, optimizer, scheduler,
-RNG states of every rank, sampler) plus training_state.json (`training_state`: where in training the run was, what
+RNG states of every rank, sampler), `<name>.safetensors` for each of the run's other modules (`Checkpoints`'
+`modules`: the ResNet script's EMA), plus training_state.json (`training_state`: where in training the run was, what
 it had selected, what must match for a resume, and the settings a resume may change).
 A checkpoint is first written to `.tmp-step_<N>`, and renamed to `step_<N>` only once every rank has finished and
-training_state.json is on disk, so `latest` always resolves to a complete one.
+training_state.json is on disk, so `latest` always resolves to a complete one. A save that cannot finish (a full
+disk) stops every rank with one line naming the directory and its free space, removes its `.tmp-step_<N>`, and
+leaves the previous checkpoint the latest.
+
+Nothing in a checkpoint runs code when loaded: accelerate reads its files with torch.load(weights_only=True) or
+safetensors, except what `register_for_checkpointing` saves (custom_checkpoint_<i>.pkl, unpickled with
+weights_only=False), which is why the modules are saved here as safetensors instead, and why a checkpoint holding a
+custom_checkpoint_<i>.pkl is refused. Every file a rank will read is checked when the run agrees on the checkpoint
+to resume from, before anything is loaded or written (`check_checkpoint_files`), so that a damaged file is named,
+not met halfway through load_state.
 An --output_dir on each node's own disk (not shared) gets a complete copy on every node (accelerate's
 save_on_each_node): `Checkpoints` finds out which it is when a run starts (`output_dir_is_shared`).
 Every function that calls save_state/load_state, or takes a decision all ranks must share, runs on every process.
@@ -29,8 +39,10 @@ import time
 from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
+from safetensors.torch import load_model, save_model
 
-from .runtime import UserError
+from .export import check_dcp_checkpoint, check_torch_file, safetensors_problem
+from .runtime import UserError, stop_together, writing
 
 STATE_FILE = "training_state.json"
 SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
@@ -38,6 +50,8 @@ SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries 
 DATA_KEY = "training_data"  # must_match's entry for data_fingerprint
 
 _NAME = re.compile(r"^step_(\d+)$")
+_PICKLED_OBJECT = re.compile(r"^custom_checkpoint_\d+\.pkl$")  # accelerate unpickles these with weights_only=False
+_RNG_STATE = re.compile(r"^random_states_(\d+)\.pkl$")
 
 
 def complete_checkpoints(checkpoint_dir):
@@ -72,9 +86,11 @@ def resolve_resume(resume, checkpoint_dir):
     return path
 
 
-def agree_on_resume(accelerator, resume, checkpoint_dir):
+def agree_on_resume(accelerator, resume, checkpoint_dir, modules=()):
     """The checkpoint every rank resumes from: the main process decides, and a node whose disk lacks it stops
     every rank at once (a rank that resumed alone would wait in the first collective until --ddp_timeout).
+    Its files are checked before anything is loaded or written (check_checkpoint_files; `modules`: the names of the
+    `<name>.safetensors` the run restores).
 
     `latest` is decided as a step_N name, looked up in each node's own checkpoint_dir (its --output_dir)."""
     if not resume:
@@ -99,6 +115,7 @@ def agree_on_resume(accelerator, resume, checkpoint_dir):
         host, rank, where = missing[0]
         raise UserError(f"{where}: not on the disk of node {host} (rank {rank}), but the main process resumes from "
                         f"{name}; copy that checkpoint to every node's --output_dir, or use a shared --output_dir")
+    check_checkpoint_files(accelerator, path, modules)
     return path
 
 
@@ -195,16 +212,19 @@ class Checkpoints:
     `latest`. `must_match`: what a resumed run must share with the checkpoint (model, labels, batch layout, the
     training data's fingerprint under DATA_KEY); keys starting with `--` are flags, named in the error.
     `settings`: the flags a resumed run may change (named, then applied). `exports`: files in output_dir that an
-    abandoned branch's best model replaced (start_new_branch). `allow_data_change`: resume on changed training data.
+    abandoned branch's best model replaced (start_new_branch). `modules`: {name: nn.Module} saved beside accelerate's
+    files as `<name>.safetensors` and restored from there (the same on every rank, written once), instead of
+    accelerate's pickled register_for_checkpointing. `allow_data_change`: resume on changed training data.
 
     Constructing it is a collective: every rank finds out whether output_dir is one disk shared by the nodes or each
     node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
 
-    def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), allow_data_change=False):
+    def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), modules=None,
+                 allow_data_change=False):
         self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
         self.dir = self.output_dir / "checkpoints"
         self.must_match, self.settings, self.exports = must_match, settings, exports
-        self.allow_data_change = allow_data_change
+        self.modules, self.allow_data_change = modules or {}, allow_data_change
         shared = output_dir_is_shared(accelerator, self.dir)
         accelerator.project_configuration.save_on_each_node = not shared
         if not shared:
@@ -227,23 +247,35 @@ class Checkpoints:
     def save(self, step, state, epoch, batches_in_epoch):
         """Write checkpoint `step_<step>` atomically on all ranks, with `training_state` beside the weights; keep only
         the newest `total_limit`. An existing step_<step> (a SIGTERM right after resuming from it) is replaced, not
-        kept: the log's "saved" must be true of the file."""
+        kept: the log's "saved" must be true of the file. A failure to write (a full disk) on any rank stops every
+        rank with one line; the unfinished `.tmp-step_<step>` is removed and the previous checkpoint stays the latest.
+        """
         final, tmp = self.dir / f"step_{step}", self.dir / f".tmp-step_{step}"
-        if self.writer:
-            shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
-            tmp.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp))
-        self.accelerator.wait_for_everyone()
-        if self.writer:
-            _write_json_durably(tmp / STATE_FILE, {
-                **training_state(self.must_match, state, self.settings, step, epoch, batches_in_epoch),
-                "num_processes": self.accelerator.num_processes})
-            replace_dir_atomically(tmp, final)
-            if self.total_limit:
-                for old in complete_checkpoints(self.dir)[:-self.total_limit]:
-                    shutil.rmtree(old, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
+        try:
+            # three blocks, each ending in a collective: every rank starts writing once tmp exists, and the writer
+            # renames it only once every rank has written its part (its RNG state)
+            with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
+                if self.writer:
+                    shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+                    tmp.mkdir(parents=True)
+            with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
+                self.accelerator.save_state(str(tmp))
+                if self.writer:
+                    for name, module in self.modules.items():
+                        save_model(module, str(tmp / f"{name}.safetensors"))
+            with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
+                if self.writer:
+                    _write_json_durably(tmp / STATE_FILE, {
+                        **training_state(self.must_match, state, self.settings, step, epoch, batches_in_epoch),
+                        "num_processes": self.accelerator.num_processes})
+                    replace_dir_atomically(tmp, final)
+                    if self.total_limit:
+                        for old in complete_checkpoints(self.dir)[:-self.total_limit]:
+                            shutil.rmtree(old, ignore_errors=True)
+        except UserError as err:
+            latest = self.latest()
+            raise UserError(f"{err}: checkpoint step_{step} not saved; the latest complete checkpoint is still "
+                            f"{latest if latest else 'none'}") from None
         return final
 
     def restore(self, path, fresh_state, batches_per_epoch, optimizer=None, scheduler=None):
@@ -258,7 +290,8 @@ class Checkpoints:
         if path is not None:
             command_line = _hyperparameters(optimizer)
             # an entry an older checkpoint lacks (the early-stopping count) starts fresh
-            state = {**fresh_state, **load_checkpoint(self.accelerator, path, self.must_match, self.allow_data_change)}
+            state = {**fresh_state, **load_checkpoint(self.accelerator, path, self.must_match, self.modules,
+                                                      self.allow_data_change)}
             if start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports):
                 state.update({k: v for k, v in fresh_state.items() if k.startswith(SELECTION_PREFIXES)})
             _apply_hyperparameters(optimizer, scheduler, command_line)
@@ -313,15 +346,57 @@ def output_dir_is_shared(accelerator, checkpoint_dir):
     return shared
 
 
-def load_checkpoint(accelerator, path, expected, allow_data_change=False):
-    """Restore everything a checkpoint holds, after checking it belongs to this run; return its training state."""
+def load_checkpoint(accelerator, path, expected, modules=None, allow_data_change=False):
+    """Restore everything a checkpoint holds (accelerate's files, then `modules` from `<name>.safetensors`), after
+    checking it belongs to this run; return its training state. `path` comes from agree_on_resume, which checked
+    its files."""
     state = read_training_state(path)
     check_compatible(state, expected, path)  # before load_state, whose size-mismatch error is a traceback
     check_same_data(state.get(DATA_KEY), expected.get(DATA_KEY), path, allow_data_change, accelerator.print)
     check_precision(accelerator, path)
     accelerator.wait_for_everyone()
     accelerator.load_state(str(path))
+    for name, module in (modules or {}).items():
+        load_model(module, str(Path(path) / f"{name}.safetensors"))
     return state
+
+
+def check_checkpoint_files(accelerator, path, modules=()):
+    """Before anything is loaded from checkpoint `path`, on every rank (a collective): no file that accelerate would
+    unpickle with weights_only=False (custom_checkpoint_<i>.pkl), `<name>.safetensors` for each of `modules`, and
+    every file this rank reads (the weights, optimizer, scheduler, sampler and scaler states, its own RNG state,
+    FSDP's sharded state dicts) whole and loadable with weights_only=True. The first problem of any rank stops every
+    rank with one line naming the file. (accelerate would stop at a damaged file halfway through load_state with a
+    traceback, and skips an unreadable RNG state without a word, which would make the resumed run silently
+    inexact.)"""
+    path = Path(path)
+    problem = None
+    try:
+        _check_files(path, modules, accelerator.process_index)
+    except UserError as err:
+        problem = str(err)
+    stop_together(accelerator, problem)
+
+
+def _check_files(path, modules, rank):
+    files = sorted(file for file in path.iterdir() if file.is_file())
+    for file in files:
+        if _PICKLED_OBJECT.match(file.name):
+            raise UserError(f"{file}: holds a pickle, which is never loaded (unpickling runs whatever code it names); "
+                            "this project saves no such file (train_resnet.py's EMA is ema.safetensors): remove it to "
+                            "load the rest of the checkpoint")
+    for name in modules:
+        if not (path / f"{name}.safetensors").is_file():
+            raise UserError(f"{path}: no {name}.safetensors, which this run restores; not a complete checkpoint of "
+                            "this run")
+    for file in files:
+        rng_state = _RNG_STATE.match(file.name)
+        if file.suffix == ".safetensors" and safetensors_problem(file):
+            raise UserError(safetensors_problem(file))
+        if file.suffix in (".bin", ".pt") or (rng_state and int(rng_state.group(1)) == rank):
+            check_torch_file(file)
+    for directory in sorted(d for d in path.iterdir() if (d / ".metadata").is_file()):
+        check_dcp_checkpoint(directory)  # FSDP's sharded state dicts
 
 
 _HYPERPARAMETERS = ("lr", "initial_lr", "weight_decay", "momentum", "betas", "eps")
@@ -390,20 +465,8 @@ def _write_json_durably(path, data):
         os.fsync(f.fileno())
 
 
-class _Ignored:
-    """Stands in for an object the checkpoint's run registered for checkpointing (the EMA) and this one does not."""
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state_dict):
-        pass
-
-
 def load_checkpoint_weights(accelerator, path):
     """A resumable checkpoint's model weights into the prepared model for evaluation, in whatever layout
-    save_state wrote them (DDP, FSDP, DeepSpeed): through load_state, which also reads what else the run registered
-    (its EMA), here into stand-ins: the model is what is evaluated."""
-    for _ in Path(path).glob("custom_checkpoint_*.pkl"):
-        accelerator.register_for_checkpointing(_Ignored())
+    save_state wrote them (DDP, FSDP, DeepSpeed): through load_state (`path` comes from agree_on_resume, which
+    checked its files; the modules saved beside, the EMA, are not read: the model is what is evaluated)."""
     accelerator.load_state(str(path))

@@ -2,6 +2,11 @@
 parameter names, whatever wrapped it during training), the best weights kept in memory for the end of training,
 weights read back from an export, and PyTorch checkpoint files read without running any code.
 
+Files read back are checked first, each failure one line naming the file: a pickle that would run code
+(torch.load(weights_only=True) refuses it, and the message names the refused object), a file cut short (a copy
+between nodes interrupted, a full disk: "damaged or incomplete"), a file that is no PyTorch file at all.
+`check_torch_file` and `safetensors_problem` do that without reading the tensors (mmap, header only).
+
 DDP/DataParallel add `module.`, torch.compile adds `_orig_mod.` (before every key when the whole model is
 compiled, inside each block under regional compilation). A file with those names loads into a fresh model as random
 weights with no error (transformers reports every weight MISSING and initialises it), so both scripts export through
@@ -16,14 +21,18 @@ that says so (`eval_max_seq_len_64_*`), so that they never pass for the training
 Neighbours: common/checkpoint.py (resumable checkpoints), vision/references.py (main.py's .pth layout),
 text/model.py (the Hugging Face export's loading).
 """
+import io
 import json
 import pickle
 import re
 import struct
+import zipfile
 from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast_object_list
+from accelerate.utils import load as accelerate_load
+from safetensors import SafetensorError, safe_open
 
 from .runtime import UserError
 
@@ -118,21 +127,24 @@ def mark_selection(best_dir, step):
 
 def load_selected_weights(accelerator, model, best_dir, step):
     """The best weights of a run that resumed after selecting them: from the main process's export, after
-    checking (there) that it holds that step, every rank stopping at once if not."""
+    checking (there) that it is whole and holds that step, every rank stopping at once if not."""
     problem = [None]
+    weights = Path(best_dir) / "model.safetensors"
     if accelerator.is_main_process:
         selection = Path(best_dir) / SELECTION_FILE
         found = json.loads(selection.read_text())["step"] if selection.is_file() else step
-        if not (Path(best_dir) / "model.safetensors").is_file():
+        if not weights.is_file():
             problem = [f"{best_dir}: no model.safetensors, but the best model (step {step}) was saved there"]
         elif found != step:
             problem = [f"{best_dir}: holds the weights of step {found}, not those of the best step {step} of the "
                        "checkpoint this run resumed from (an abandoned branch's?); resume from a later checkpoint "
                        "or train again"]
+        else:
+            problem = [safetensors_problem(weights)]
     broadcast_object_list(problem)
     if problem[0]:
         raise UserError(problem[0])
-    load_full_weights(accelerator, model, Path(best_dir) / "model.safetensors")
+    load_full_weights(accelerator, model, weights)
 
 
 def prepare_for_inference(accelerator, model, loaders):
@@ -153,15 +165,8 @@ def load_torch_checkpoint(path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{path}: no such checkpoint file") from None
-    except pickle.UnpicklingError as err:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if refused is None:  # random bytes fail the same way
-            reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
-            raise UserError(f"{path}: not a PyTorch checkpoint (unpickling failed: {reason})") from None
-        raise UserError(f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; "
-                        "only tensors and plain values are loaded from checkpoints") from None
-    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as err:
-        raise UserError(f"{path}: not a PyTorch checkpoint ({type(err).__name__}: {err})".splitlines()[0]) from None
+    except Exception as err:
+        raise UserError(torch_load_problem(path, err)) from None
     if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict, as torch.save(model.state_dict()) writes
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
@@ -171,6 +176,98 @@ def load_torch_checkpoint(path):
     if torch.is_tensor(checkpoint.get("best_acc1")):  # main.py stores a (CUDA) tensor
         checkpoint["best_acc1"] = checkpoint["best_acc1"].item()
     return checkpoint
+
+
+DAMAGED = "damaged or incomplete (a copy or a save cut short?)"
+_LOAD_ERRORS = (pickle.UnpicklingError, OSError, RuntimeError, EOFError, ValueError, struct.error)
+
+
+def torch_load_problem(path, err):
+    """One line for what torch.load(weights_only=True) raised on `path`; the error itself if it is none of those."""
+    if not isinstance(err, _LOAD_ERRORS):
+        raise err
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    if refused:
+        return (f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; only "
+                "tensors and plain values are loaded from checkpoints")
+    if path.stat().st_size == 0 or "central directory" in str(err) or isinstance(err, EOFError) or (
+            _starts_as_zip(path) and not zipfile.is_zipfile(path)):  # torch.save writes a zip: its end is lost
+        return f"{path}: {DAMAGED}: {str(err).strip().splitlines()[0][:160]}"
+    if isinstance(err, pickle.UnpicklingError):  # random bytes fail the same way
+        reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        return f"{path}: not a PyTorch checkpoint (unpickling failed: {reason})"
+    return f"{path}: not a PyTorch checkpoint ({type(err).__name__}: {err})".splitlines()[0]
+
+
+def _starts_as_zip(path):
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def check_torch_file(path):
+    """Raise a one-line UserError unless `path` loads with torch.load(weights_only=True) (with accelerate's numpy
+    types, which its RNG states hold): tensors are mapped, not read, so this costs little beside the real load."""
+    path = Path(path)
+    try:
+        accelerate_load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
+    except Exception as err:
+        raise UserError(torch_load_problem(path, err)) from None
+
+
+def _dcp_class_allowed(module, name):
+    """What a torch.distributed.checkpoint .metadata file pickles: its dataclasses, sizes, dtypes, layouts, paths."""
+    if module == "torch.distributed.checkpoint.metadata":
+        return True
+    return (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                              ("pathlib", "WindowsPath"), ("collections", "OrderedDict")} or (
+        module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if not _dcp_class_allowed(module, name):
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_dcp_checkpoint(directory):
+    """Raise a one-line UserError unless a torch.distributed.checkpoint directory (FSDP's sharded state dicts,
+    accelerate's pytorch_model_fsdp_0/ and optimizer_0/) is data only. torch reads its .metadata with pickle.load and
+    its non-tensor items with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes): here the metadata is
+    read allowing only the checkpoint format's own classes, and each non-tensor item with weights_only=True."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata_path = Path(directory) / ".metadata"
+    try:
+        with open(metadata_path, "rb") as f:
+            metadata = _DcpMetadataUnpickler(f).load()
+    except Exception as err:
+        raise UserError(torch_load_problem(metadata_path, err)) from None
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue  # a tensor: torch reads it with weights_only=True
+        path = Path(directory) / info.relative_path
+        if getattr(info, "transform_descriptors", None):
+            raise UserError(f"{path}: item {index.fqn} is stored transformed ({info.transform_descriptors}), "
+                            "which is not checked here; only plain torch.distributed.checkpoint files are loaded")
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            item = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
+        except Exception as err:
+            problem = torch_load_problem(path, err) if len(item) == info.length else f"{path}: {DAMAGED}"
+            raise UserError(f"{problem} (item {index.fqn})") from None
+
+
+def safetensors_problem(path):
+    """None if `path` is a whole safetensors file (its header read, its length checked against it), else one line."""
+    try:
+        with safe_open(path, framework="pt"):
+            return None
+    except (SafetensorError, OSError) as err:
+        return f"{path}: {DAMAGED}: {str(err).strip().splitlines()[0]}"
 
 
 def strip_module_prefix(state_dict):

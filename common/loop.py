@@ -14,7 +14,7 @@ One optimizer step, as both scripts' `train()` take it:
    and `Cadence.after_step` say what is due: a log line (`LossMeter.mean` and `Throughput.read`, after
    `HealthCheck.check` stopped a run whose loss became NaN/inf), a validation, a checkpoint.
 5. `PreemptionGuard.should_stop`: a SIGTERM on any rank (Slurm, a cloud preemption) becomes a checkpoint at this step
-   on every rank, then a clean stop.
+   on every rank, then a clean stop; Ctrl-C stops at once, with one line per process naming the last checkpoint.
 After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
 EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
 the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
@@ -36,7 +36,7 @@ import numpy as np
 import psutil
 import torch
 
-from .runtime import UserError, hf_bool
+from .runtime import Interrupted, UserError, hf_bool
 
 
 class Due(NamedTuple):
@@ -352,24 +352,43 @@ class Throughput:
 
 
 class PreemptionGuard:
-    """SIGTERM (what Slurm and cloud preemption send) becomes "checkpoint at the next step boundary, then exit".
+    """SIGTERM (what Slurm and cloud preemption send) becomes "checkpoint at the next step boundary, then exit";
+    Ctrl-C (SIGINT) stops at once, with one line per process saying where: `Interrupted` (common/runtime.py run_cli).
 
-    The signal may reach only some ranks; `should_stop` turns it into a decision all ranks share (one tiny
+    The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one tiny
     all-reduce per optimizer step, and a device sync with it: skipped when there is a single process), so every
-    rank saves the same checkpoint and none hangs.
+    rank saves the same checkpoint and none hangs. Ctrl-C saves nothing: a save it interrupts leaves only a
+    `.tmp-step_N` that is never `latest`, and the line names the last complete checkpoint (`last_checkpoint()`) and
+    how to continue (`resume`, the script's resume flag).
     """
 
-    def __init__(self, accelerator, signals=(signal.SIGTERM,)):
-        self.accelerator = accelerator
+    def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest", signals=(signal.SIGTERM,)):
+        self.accelerator, self.last_checkpoint, self.resume = accelerator, last_checkpoint, resume
         self.received = None
+        self.step = None  # the last optimizer step taken, as of the last should_stop
         for sig in signals:
             signal.signal(sig, self._handler)
+        signal.signal(signal.SIGINT, self._interrupt)
 
     def _handler(self, signum, frame):
         self.received = signal.Signals(signum).name
 
-    def should_stop(self):
+    def _interrupt(self, signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes the terminal's Ctrl-C on: one is enough
+        raise Interrupted(self.where())
+
+    def where(self):
+        """`interrupted (Ctrl-C) after step N; ...`: the line an interrupted process prints."""
+        last = self.last_checkpoint()
+        after = f" after step {self.step}" if self.step is not None else ""
+        if last is None:
+            return f"interrupted (Ctrl-C){after}; no checkpoint was saved yet"
+        return (f"interrupted (Ctrl-C){after}; the last checkpoint, {last}, is complete: continue with "
+                f"{self.resume}")
+
+    def should_stop(self, completed_steps=None):
         """True on every rank once any rank has received the signal. Call on all ranks at the same points."""
+        self.step = completed_steps
         if self.accelerator.num_processes == 1:  # nothing to agree on: no all-reduce, no `.item()` device sync
             return self.received is not None
         if self.received:

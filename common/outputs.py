@@ -4,7 +4,10 @@ tracker_settings says where each one writes), the model card of the selected mod
 and the progress bar.
 
 Every RunLog method may be called on every process; only the main process writes, so the training scripts need
-no `if is_main_process` around logging.
+no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):
+a failure to write (a full disk) stops every rank with one line naming the directory and its free space
+(common/runtime.py `writing`), and the JSON files are replaced atomically, never left half-written. A crash or a full
+disk can leave metrics.jsonl's last line cut short: a resumed run drops it with a note.
 
 Neighbours: common/checkpoint.py (the checkpoints in output_dir/checkpoints), common/export.py (the exported
 models).
@@ -22,7 +25,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .checkpoint import complete_checkpoints
-from .runtime import MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs
+from .runtime import MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs, writing
 
 
 class RunLog:
@@ -34,20 +37,36 @@ class RunLog:
 
     def open(self, resume_step=None):
         """Start metrics.jsonl afresh, or, when resuming, keep it up to the checkpoint's step."""
-        if self.accelerator.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            if resume_step is None:
-                self.metrics_path.unlink(missing_ok=True)
-            else:
-                self._truncate_after(resume_step)
+        with writing(self.accelerator, self.output_dir):
+            if self.accelerator.is_main_process:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                if resume_step is None:
+                    self.metrics_path.unlink(missing_ok=True)
+                else:
+                    self._truncate_after(resume_step)
 
     def _truncate_after(self, step):
-        """On resume, drop events logged after the checkpoint, so the log neither repeats nor skips steps."""
+        """On resume, drop events logged after the checkpoint, so the log neither repeats nor skips steps; and a last
+        line cut short (a crash or a full disk in the middle of a write), with a note. Any other line that is not
+        JSON is an error naming it."""
         if not self.metrics_path.exists():
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        lines = [(number, line) for number, line in enumerate(self.metrics_path.read_text().splitlines(), 1)
+                 if line.strip()]
+        kept = []
+        for number, line in lines:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError as err:
+                if number != lines[-1][0]:
+                    raise UserError(f"{self.metrics_path}:{number}: not a JSON line ({err.msg}); only the last line "
+                                    "can be cut short by a crash: remove or repair this one") from None
+                print(f"note: {self.metrics_path}:{number}: the last line is cut short (a crash or a full disk during "
+                      "a write) and is dropped", flush=True)
+                break
+            if event.get("step", 0) <= step:
+                kept.append(line)
+        _write_atomically(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def start(self, args, project_name, clear, card=None):
         """A training run's output directory before its first step (every rank): with `clear` (--overwrite_output_dir,
@@ -67,9 +86,10 @@ class RunLog:
 
     def log(self, event, step, values):
         """One JSON line ({"event", "step", **values}) and, with tracking on, the numbers to TensorBoard."""
-        if self.accelerator.is_main_process:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"event": event, "step": step, **values}) + "\n")
+        with writing(self.accelerator, self.output_dir):
+            if self.accelerator.is_main_process:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps({"event": event, "step": step, **values}) + "\n")
         if self.accelerator.log_with:
             numbers = {f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
             self.accelerator.log(numbers, step=step)
@@ -80,21 +100,24 @@ class RunLog:
             tqdm.write(line)
 
     def write_json(self, name, data):
-        if self.accelerator.is_main_process:
-            (self.output_dir / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        with writing(self.accelerator, self.output_dir):
+            if self.accelerator.is_main_process:
+                _write_atomically(self.output_dir / name, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
     def merge_results(self, results, prefixes=("eval_", "test_")):
         """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
         `merge_results`, which names in one line the numbers it keeps because they were measured with other
         settings."""
-        if self.accelerator.is_main_process:
-            for line in merge_results(self.output_dir / "all_results.json", results, prefixes):
-                self.console(line)
+        with writing(self.accelerator, self.output_dir):
+            if self.accelerator.is_main_process:
+                for line in merge_results(self.output_dir / "all_results.json", results, prefixes):
+                    self.console(line)
 
     def write_jsonl(self, name, rows):
-        if self.accelerator.is_main_process:
-            with open(self.output_dir / name, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        with writing(self.accelerator, self.output_dir):
+            if self.accelerator.is_main_process:
+                _write_atomically(self.output_dir / name,
+                                  "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
     def read_events(self, event):
         """Events of one kind from metrics.jsonl (main process; used for the curves plot)."""
@@ -370,13 +393,29 @@ def merge_results(path, results, prefixes=("eval_", "test_")):
     if not path.is_file():
         merged = dict(results)
     else:
-        merged = json.loads(path.read_text())
+        try:
+            merged = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}: not valid JSON ({err}), so the results cannot be added to it; move it "
+                            "aside") from None
         for prefix in prefixes:
             settings = f"{prefix}settings"
             if (any(k.startswith(prefix) for k in results) and settings in merged
                     and merged[settings] != results.get(settings)):
                 kept.append(prefix)
         merged.update({k: v for k, v in results.items() if k.startswith(prefixes) and not k.startswith(tuple(kept))})
-    path.write_text(json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
+    _write_atomically(path, json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
     return [f"{path}: keeps its {prefix}* numbers, measured with {merged[f'{prefix}settings']} (this evaluation: "
             f"{results.get(f'{prefix}settings')}, in its own {prefix}results.json)" for prefix in kept]
+
+
+def _write_atomically(path, text):
+    """`path` holds `text` or, whatever happens while writing (a full disk, a kill), its previous content."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -10,12 +10,17 @@ Flags: every count, interval and size is checked by the parser itself (`positive
 `positive_float`, `nonnegative_float` as argparse types), so `--logging_steps 0` is one line naming the flag, not a
 ZeroDivisionError an hour later.
 
-Errors: a problem with the user's input is a `UserError`, which `run_cli` turns into one line on stderr and exit
-status 2, no traceback. Under a multi-process launch every rank usually meets the same bad input: the line is
-printed once, by each machine's first process, and every rank writes it into the error file torch's elastic agent
-gives it (TORCHELASTIC_ERROR_FILE), so that the launcher's failure summary, the last thing `accelerate launch` and
-`torchrun` print, ends with this line instead of "To enable traceback see ...". The launcher's own traceback above
-that summary is its business: it exits 1 there, the processes exit 2.
+Errors: a problem with the user's input (or with the machine: a full disk) is a `UserError`, which `run_cli` turns into
+one line on stderr and exit status 2, no traceback; Ctrl-C is one line per process and exit status 130. Under a
+multi-process launch every rank usually meets the same bad input: the line is printed once, by each machine's first
+process, and every rank writes it into the error file torch's elastic agent gives it (TORCHELASTIC_ERROR_FILE), so
+that the launcher's failure summary, the last thing `accelerate launch` and `torchrun` print, ends with this line
+instead of "To enable traceback see ...". The launcher's own traceback above that summary is its business: it exits 1
+there, the processes exit 2.
+A problem found on one rank must stop every rank, or the others wait in their next collective until --ddp_timeout:
+`stop_together` shares it (a collective), and `writing` does so for a block that writes files, where a full disk
+surfaces as torch.save's "unexpected pos" or safetensors' "os error 28" and becomes one line naming the directory and
+its free space.
 
 One run per output directory (`hold_output_dir`): the main process creates OUTPUT_DIR/.lock atomically (O_CREAT |
 O_EXCL) before anything is written, holding its host, PID, start time and command; a second run on the directory
@@ -24,9 +29,8 @@ on its own disk: on a shared disk it finds the main process's lock (the same job
 disk it takes that node's own lock. A lock whose holder is gone is taken over with one line: on this host, a PID that
 no longer runs (or now runs another program: its start time differs); anywhere, an earlier attempt of this same
 requeued Slurm job. Another host's lock cannot be checked from here: the run refuses and says which file to remove
-once that run is over. The locks are released at the end of the
-run (RunLog.end), and by `run_cli` whatever way the run ends (errors, SIGTERM's preemption path), together with the
-directories created only to hold them.
+once that run is over. The locks are released at the end of the run (RunLog.end), and by `run_cli` whatever way the
+run ends (errors, Ctrl-C, SIGTERM's preemption path), together with the directories created only to hold them.
 
 DataLoaders: pin_memory on CUDA (batches land in page-locked memory, so the copy to the GPU overlaps compute; the
 Accelerator's `non_blocking=True` needs it), and persistent workers (started once per loader, not again every
@@ -43,10 +47,13 @@ import json
 import math
 import os
 import secrets
+import shutil
+import signal
 import socket
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,16 +62,22 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
                               broadcast_object_list, gather_object, is_comet_ml_available, is_mlflow_available,
                               is_tensorboard_available, is_wandb_available, parse_flag_from_env)
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 
 class UserError(Exception):
-    """A problem with the user's input or command line, not a bug in this code."""
+    """A problem with the user's input or command line, or with the machine (a full disk), not a bug in this code."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with where the run stood (common/loop.py PreemptionGuard)."""
 
 
 def run_cli(main, args):
-    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2. The output directory's lock is
-    released however the run ends."""
+    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2, and Ctrl-C into one line per
+    process and exit status 130 (a shell's code for SIGINT). The output directory's lock is released however the run
+    ends."""
     try:
         return main(args)
     except UserError as err:
@@ -73,8 +86,77 @@ def run_cli(main, args):
             tqdm.write(line, file=sys.stderr)  # on its own line even under a progress bar
         record_for_launcher(line)
         sys.exit(2)
+    except KeyboardInterrupt as err:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on too: one line, not two
+        line = str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)"
+        if launched_world_size() > 1:
+            line = f"rank {os.environ.get('RANK', '?')}: {line}"
+        tqdm.write(line, file=sys.stderr)
+        record_for_launcher(line)
+        sys.exit(130)
     finally:
         release_output_dirs()
+
+
+def stop_together(accelerator, problem):
+    """Raise UserError(problem) on every rank if any rank has a problem (the lowest rank's), else return.
+    A collective (one gather; nothing on a single process): every rank calls it at the same point."""
+    problems = gather_object([problem]) if accelerator.num_processes > 1 else [problem]
+    first = next((p for p in problems if p), None)
+    if first:
+        raise UserError(first)
+
+
+def write_failure(err, directory):
+    """The one line for `err` if it is a failure to write into `directory` (a full disk, a quota, a read-only or
+    vanished mount), else None. torch.save reports a full disk as "unexpected pos" or "file write failed" (a
+    RuntimeError from its zip writer), safetensors as "os error 28", Python as OSError."""
+    if isinstance(err, OSError):
+        reason = f"{err.strerror or err}"
+    elif isinstance(err, SafetensorError) or (isinstance(err, RuntimeError) and any(
+            mark in str(err) for mark in ("inline_container", "PytorchStreamWriter", "file write failed"))):
+        reason = str(err).strip().splitlines()[0]
+    else:
+        return None
+    try:
+        free = f"{human_bytes(shutil.disk_usage(directory).free)} free there"
+    except OSError as usage_err:
+        free = f"its free space unknown ({usage_err.strerror})"
+    return f"{directory}: cannot write ({reason}); {free}"
+
+
+def human_bytes(count):
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+
+
+@contextmanager
+def writing(accelerator, directory, unfinished=None, writer=None):
+    """For a block that writes files into `directory` (on some ranks; every rank enters it): a failure to write there
+    (write_failure: one line naming the directory and its free space), or a UserError, on any rank stops every rank,
+    after the main process (or `writer`) removed `unfinished` (the partial output, so that it frees its space).
+    A collective at the block's end, which also makes it a barrier: every rank leaves it once the writes are done."""
+    problem = None
+    try:
+        yield
+    except UserError as err:
+        problem = str(err)
+    except Exception as err:
+        problem = write_failure(err, directory)
+        if problem is None:
+            raise
+    try:
+        stop_together(accelerator, problem)
+    except UserError:
+        if unfinished is not None and (accelerator.is_main_process if writer is None else writer):
+            if Path(unfinished).is_dir():
+                shutil.rmtree(unfinished, ignore_errors=True)
+            else:
+                Path(unfinished).unlink(missing_ok=True)
+        raise
 
 
 def record_for_launcher(line):
@@ -146,6 +228,22 @@ CPU_BF16_WITHOUT_AMX = (
     "note: this CPU has no AMX (no amx_bf16 flag in /proc/cpuinfo), and bf16 autocast without it is usually slower "
     "than fp32 (docs/gpu.md#precision-defaults); drop --mixed_precision bf16 here for speed"
 )
+
+
+ELASTIC_RESTART_WARNING = (
+    "warning: this launch restarts failed workers (--max-restarts / --max_restarts) with the rendezvous store of the "
+    "previous attempt (the static rendezvous, or c10d's shared store): a restarted group can be handed the dead "
+    "workers' addresses and fail to connect or hang. Launch with --rdzv_backend c10d, an endpoint, and "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/faults_and_resume.md#elastic-restarts)"
+)
+
+
+def elastic_restart_warning(environ=os.environ):
+    """ELASTIC_RESTART_WARNING when torch's elastic agent may restart this group and hands it the store of the previous
+    attempt (TORCHELASTIC_USE_AGENT_STORE): gloo's and NCCL's keys from the dead workers are still there, so the
+    restarted workers can read a dead worker's address before the new one writes it. Else None."""
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return ELASTIC_RESTART_WARNING if restarts and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
 
 
 def add_runtime_args(parser):
@@ -269,9 +367,9 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     if effective_precision(accelerator) != accelerator.mixed_precision:
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")
-    note = cpu_bf16_note(accelerator.device, effective_precision(accelerator))
-    if note:
-        accelerator.print(note)
+    for note in (cpu_bf16_note(accelerator.device, effective_precision(accelerator)), elastic_restart_warning()):
+        if note:
+            accelerator.print(note)
     return accelerator
 
 

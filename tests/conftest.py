@@ -54,7 +54,7 @@ def run_here(script, args, check=True):
     in this process: a 1-process run that stops at bad input (or trains a few steps) then costs no start-up, which
     (importing torch and transformers in a fresh interpreter) is most of such a run. Returns what `run` returns: the
     exit status and what went to stdout and stderr. Puts back what the run changes in this process: the SIGTERM
-    handler, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the directory."""
+    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the directory."""
     import contextlib
     import importlib
     import io
@@ -67,7 +67,8 @@ def run_here(script, args, check=True):
     module = importlib.import_module(Path(script).stem)
     argv = [str(a) for a in args]
     stdout, stderr = io.StringIO(), io.StringIO()
-    sigterm, environ, sys_argv = signal.getsignal(signal.SIGTERM), dict(os.environ), sys.argv
+    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    environ, sys_argv = dict(os.environ), sys.argv
     returncode = 0
     try:
         sys.argv = [script, *argv]  # argparse's usage and error lines name the script, as on the command line
@@ -78,6 +79,7 @@ def run_here(script, args, check=True):
     finally:
         sys.argv = sys_argv
         signal.signal(signal.SIGTERM, sigterm)
+        signal.signal(signal.SIGINT, sigint)
         AcceleratorState._reset_state(reset_partial_state=True)
         os.environ.clear()
         os.environ.update(environ)
@@ -149,10 +151,16 @@ def launch_cmd(script, args, num_processes=1):
     return [str(c) for c in [*head, script, "--cpu", *args]]
 
 
-def start(cmd, log_path):
+def start(cmd, log_path, env=None):
     """Start a job in its own process group (so the test can signal launcher and workers together)."""
     log = open(log_path, "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env={**ENV, **(env or {})}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+# torch's elastic agent restarting workers (--max-restarts) hands them the previous attempt's rendezvous store unless
+# the c10d rendezvous keeps its own store per attempt (docs/faults_and_resume.md#elastic-restarts)
+ELASTIC = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def wait_for(predicate, proc, timeout=120):
@@ -183,6 +191,42 @@ def descendants(pid):
         for child in children.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
+    return found
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a directory on a tmpfs of that size, a disk that fills up for real; unmounted after the test.
+    Skips the test where no tmpfs can be mounted (it needs root)."""
+    mounted = []
+
+    def mount(size):
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True,
+                              text=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(disk)
+        return disk
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def workers(job, out):
+    """The training processes of a launched job writing to `out` (the launcher's own process excluded)."""
+    found = []
+    for pid in descendants(job.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        except OSError:
+            continue
+        if f"--output_dir {out}" in cmdline and "accelerate.commands.launch" not in cmdline \
+                and "torch.distributed.run" not in cmdline:
+            found.append(pid)
     return found
 
 

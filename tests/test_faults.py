@@ -1,6 +1,8 @@
-"""Faults around a run: a dead rank, a diverging loss, a taken port, legacy DataParallel, two runs on one directory."""
+"""Faults around a run: a dead rank, a diverging loss, a full disk, Ctrl-C, a taken port, legacy DataParallel, two
+runs on one directory."""
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -10,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, descendants, free_port, launch, launch_cmd, read_json,
-                      run, run_here, start, wait_for)
+                      read_jsonl, run, run_here, start, wait_for)
 from safetensors.torch import load_file
 
-from common.runtime import UserError, hold_output_dir, release_output_dirs
+from common.checkpoint import latest_checkpoint
+from common.runtime import UserError, elastic_restart_warning, hold_output_dir, release_output_dirs
 
 SCRIPT = "train_bert_cls.py"
 
@@ -55,6 +58,60 @@ def test_nan_loss_stops_with_a_clear_message_and_a_good_checkpoint(text_data, tm
     latest = sorted((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
     assert str(latest) in error[0]
     assert all(torch.isfinite(w).all() for w in load_file(latest / "model.safetensors").values())
+
+
+def test_a_full_disk_stops_every_rank_with_one_line_and_the_previous_checkpoint_stays_latest(text_data, tmp_path,
+                                                                                              small_disk):
+    """2 processes writing to a 3 MiB disk: step_1 (about 1.8 MiB) fits, step_2 does not. Every rank stops (none
+    waits in a collective), with one line naming the directory and its free space; the unfinished step_2 is removed and
+    the run resumes from step_1."""
+    out = small_disk("3M") / "out"
+    # no validation file: the checkpoints are what fills the disk
+    args = ["--train_file", text_data / "train.txt", "--model_name_or_path", text_data / "model", "--from_scratch",
+            "--do_train", "--max_seq_len", "32", "--train_batch_size", "16", "--max_train_steps", "3",
+            "--checkpointing_steps", "1", "--logging_steps", "1"]
+    proc = launch(SCRIPT, [*args, "--output_dir", out], num_processes=2, check=False, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: {out / 'checkpoints'}: cannot write (") and " free there: checkpoint step_2 " \
+        "not saved; the latest complete checkpoint is still" in errors[0], errors[0]
+    assert f'{SCRIPT}", line' not in proc.stderr, proc.stderr[-3000:]  # no worker's traceback (the launcher has its own)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+    assert not (out / ".lock").exists()  # released on the full disk too
+    copy = shutil.copytree(out, tmp_path / "copy")  # on a disk with room: the latest checkpoint resumes
+    run_here(SCRIPT, ["--cpu", *args, "--output_dir", copy, "--resume_from_checkpoint", "latest"])
+    assert [e["step"] for e in read_jsonl(copy / "metrics.jsonl") if e["event"] == "train"] == [1, 2, 3]
+
+
+def test_ctrl_c_is_one_line_per_process_and_the_last_checkpoint_resumes(text_data, tmp_path):
+    """A terminal's Ctrl-C: SIGINT to the launcher's process group (the launcher passes it on to the workers)."""
+    out = tmp_path / "out"
+    args = bert_args(text_data, out, "--max_train_steps", "5000", "--checkpointing_steps", "10")
+    job = start(launch_cmd(SCRIPT, args, num_processes=2), tmp_path / "job.log")
+    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
+    os.killpg(job.pid, signal.SIGINT)
+    job.wait(timeout=60)
+    log = (tmp_path / "job.log").read_text()
+    last = latest_checkpoint(out / "checkpoints")
+    for rank in (0, 1):
+        lines = [line for line in log.splitlines() if line.startswith(f"rank {rank}: interrupted (Ctrl-C)")]
+        assert len(lines) == 1 and lines[0].endswith(f"the last checkpoint, {last}, is complete: continue with "
+                                                     "--resume_from_checkpoint latest"), log[-3000:]
+    # no worker prints a traceback (the launcher prints its own SignalException: its business)
+    assert "KeyboardInterrupt" not in log and f'{SCRIPT}", line' not in log, log[-3000:]
+    assert not (out / ".lock").exists()  # the interrupted run let go of its output directory
+    step = int(last.name.split("_")[1])
+    run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--max_train_steps", str(step + 1),
+                                          "--checkpointing_steps", "10", "--resume_from_checkpoint", "latest")])
+    assert read_json(out / "all_results.json")["train_steps"] == step + 1
+
+
+def test_elastic_restarts_that_share_the_previous_store_are_warned_about():
+    assert elastic_restart_warning({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert elastic_restart_warning({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert elastic_restart_warning({"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}) is None
+    assert elastic_restart_warning({}) is None
 
 
 def test_a_taken_port_and_a_forced_gloo_backend(text_data, tmp_path):

@@ -1,5 +1,6 @@
 """train_resnet.py end to end through the real launcher on 1 and 2 CPU processes, on real handwritten digits."""
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -10,8 +11,8 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, one_thread, read_json,
-                      read_jsonl, run, run_here, start, wait_for)
+from conftest import (ACCELERATE, ELASTIC, assert_same_curve, assert_same_weights, free_port, kill_job, launch,
+                      launch_cmd, one_thread, read_json, read_jsonl, run, run_here, start, wait_for, workers)
 from PIL import Image
 
 import train_resnet
@@ -186,20 +187,29 @@ def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, digi
     assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[2] / "all_results.json")["best_acc1"]
 
 
-def test_sigkill_then_resume_latest_is_exact(trained, digits_data, tmp_path):
-    """2 processes, every recipe feature on: killed mid-epoch 1 (step 20 of 21), resumed, bitwise the same run."""
-    out = tmp_path / "killed"
-    job = start(launch_cmd(SCRIPT, train_args(digits_data, out), num_processes=2), tmp_path / "job.log")
-    wait_for(lambda: (out / "checkpoints" / "step_20" / "training_state.json").exists(), job)
+def test_sigkill_then_accelerate_max_restarts_resumes_latest_exactly(trained, digits_data, tmp_path):
+    """2 processes, every recipe feature on, elastic: `accelerate launch --max_restarts 1` with `--resume latest` from
+    the start, the first worker (rank 0, the one that writes and holds the output directory's lock) SIGKILLed
+    mid-epoch 1; the launcher restarts the group, which takes the dead worker's lock over, resumes from the latest
+    checkpoint and ends bitwise as the uninterrupted run, EMA included (c10d rendezvous with a store per attempt, its
+    endpoint through torchrun's PET_RDZV_ENDPOINT: accelerate passes none on one machine)."""
+    out = tmp_path / "elastic"
+    cmd = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", free_port(), "--max_restarts", "1", "--rdzv_backend",
+           "c10d", SCRIPT, "--cpu", *train_args(digits_data, out, "--resume", "latest")]
+    job = start(cmd, tmp_path / "job.log", env={**ELASTIC, "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"})
+    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
     # a second run on the running job's directory stops before writing anything, naming the holder
     with pytest.raises(UserError, match=rf"{out}: another run is using this directory \(host \S+, PID \d+"):
         main_here(train_args(digits_data, out, "--cpu", "--resume", "latest"))
     assert job.poll() is None  # it was refused while the job held the directory
-    kill_job(job, signal.SIGKILL)
-    job.wait()
-    assert not (out / "checkpoints" / f"step_{STEPS}").exists()
-    proc = launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"), num_processes=2)
-    assert f"{out / '.lock'}: taking over the lock of a run that is no longer running" in proc.stdout
+    holder = read_json(out / ".lock")["pid"]  # rank 0
+    assert holder in workers(job, out)
+    os.kill(holder, signal.SIGKILL)
+    job.wait(timeout=300)
+    log = (tmp_path / "job.log").read_text()
+    assert job.returncode == 0 and "exitcode: -9" in log and "Resumed from" in log, log[-3000:]
+    assert f"{out / '.lock'}: taking over the lock of a run that is no longer running" in log, log[-3000:]
     same_run(trained[2], out)
     assert not (out / ".lock").exists()
 
@@ -367,12 +377,13 @@ def small_args(data, out, *extra):
 def main_here(argv):
     """The script's main() in this process (no start-up cost), for one process; restores what it changes and, as
     run_cli does, releases the output directory's lock however main() ended."""
-    sigterm = signal.getsignal(signal.SIGTERM)  # PreemptionGuard installs its own handler
+    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)  # PreemptionGuard's own
     try:
         return train_resnet.main(train_resnet.parse_args([str(a) for a in argv]))
     finally:
         release_output_dirs()
         signal.signal(signal.SIGTERM, sigterm)
+        signal.signal(signal.SIGINT, sigint)
         AcceleratorState._reset_state(reset_partial_state=True)
 
 

@@ -217,11 +217,12 @@ def test_one_process_checks_for_preemption_without_a_device_sync():
         def check_trigger(self):  # an all-reduce and `.item()`: a host-device sync every optimizer step
             raise AssertionError("no collective with a single process")
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         guard = PreemptionGuard(OneProcess())
         assert guard.should_stop() is False
         os.kill(os.getpid(), signal.SIGTERM)
         assert guard.should_stop() is True
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])

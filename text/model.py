@@ -40,7 +40,7 @@ import torch
 from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
-from common.export import load_torch_checkpoint, on_meta_device, settings_from_model
+from common.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
 from common.outputs import ModelCard, command_line
 from common.runtime import UserError, hf_bool
 
@@ -97,7 +97,12 @@ def hub_options(args):
 
 def load_classifier(model_name_or_path, config, trust_remote_code=False, hub=None):
     """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised;
-    hub: `hub_options`."""
+    hub: `hub_options`. A local safetensors file that is cut short is named first (transformers' error would not
+    name it)."""
+    for weights in sorted(Path(model_name_or_path).glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise UserError(problem)
     model, info = AutoModelForSequenceClassification.from_pretrained(
         model_name_or_path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
         trust_remote_code=trust_remote_code, output_loading_info=True, **(hub or {}))

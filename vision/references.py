@@ -22,7 +22,7 @@ import torch
 
 from common.export import check_same_keys, export_state_dict, strip_module_prefix
 from common.outputs import ModelCard, command_line
-from common.runtime import UserError
+from common.runtime import UserError, writing
 from vision.data import IMAGENET_MEAN, IMAGENET_STD
 
 MAIN_PY_FLAGS = {
@@ -113,23 +113,30 @@ def save_exported_checkpoint(path, state_dict, **fields):
     path = Path(path)
     state_dict = {key: value.detach().cpu().contiguous() for key, value in strip_module_prefix(state_dict).items()}
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"state_dict": state_dict, **fields}, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save({"state_dict": state_dict, **fields}, tmp)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a kill: the previous file stays, without the partial one beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, fields, ema_state=None, suffix=""):
     """checkpoint{suffix}.pth, and model_best{suffix}.pth when `is_best`, in main.py's layout ({state_dict, **fields});
     checkpoint.pth also holds `ema_state` (torchvision's `model_ema` key). `fresh`: a model of the architecture (on
     the meta device) whose names the weights must have, so that plain torchvision loads them. Every rank calls it:
-    under FSDP/DeepSpeed, gathering the weights is a collective."""
+    under FSDP/DeepSpeed, gathering the weights is a collective, and a failure to write (a full disk) stops every
+    rank with one line, the previous files kept."""
     state_dict = export_state_dict(accelerator, model, fresh)
     if ema_state is not None:
         ema_state = strip_module_prefix(ema_state)
         check_same_keys(ema_state, fresh)
     extra = {"model_ema": ema_state} if ema_state is not None else {}
-    for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
-        accelerator.on_main_process(save_exported_checkpoint)(Path(output_dir) / f"{name}{suffix}.pth", state_dict,
-                                                              **fields, **(extra if name == "checkpoint" else {}))
+    with writing(accelerator, output_dir):
+        for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
+            accelerator.on_main_process(save_exported_checkpoint)(Path(output_dir) / f"{name}{suffix}.pth",
+                                                                  state_dict, **fields,
+                                                                  **(extra if name == "checkpoint" else {}))
 
 
 def model_card(args, class_to_idx, train_set, val_set, run):
