@@ -32,7 +32,8 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from common.checkpoint import Checkpoints, agree_on_resume, replace_dir_atomically, resume_settings
 from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput, epoch_batches)
+from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry, PreemptionGuard, Throughput,
+                         epoch_batches)
 from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             loader_generator, loader_settings, maybe_data_parallel, print_run_summary, run_cli,
@@ -42,8 +43,8 @@ from text.data import (LengthGroupedSampler, add_padding_args, add_text_format_a
                        resolve_padding, text_format, token_lengths, tokenize_examples, write_labels_file)
 from text.metrics import (compute_metrics, evaluation_metrics, load_metrics, prediction_rows, save_confusion_matrix,
                           training_loss)
-from text.model import (check_problem_type, check_unk_rate, load_classifier, load_legacy_bert, optimizer_groups,
-                        saved_labels)
+from text.model import (check_problem_type, check_unk_rate, enable_gradient_checkpointing, load_classifier,
+                        load_legacy_bert, optimizer_groups, saved_labels)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -179,6 +180,8 @@ def build_model(args, labels):
         raise UserError(f"{args.model_name_or_path}: cannot load model ({str(err).splitlines()[0]})") from None
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model, args.model_name_or_path)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
     if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
         raise UserError(f"{args.model_name_or_path}: tokenizer has {len(tokenizer)} tokens but the model expects "
@@ -264,9 +267,9 @@ class Training:
     cadence: Cadence
 
 
-def prepare_training(args, accelerator, model, loaders, log, must_match):
-    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint; prints
-    the run summary."""
+def prepare_training(args, accelerator, model, loaders, log, must_match, resume=None):
+    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint (or
+    `resume`: a checkpoint an earlier go at this launch saved); prints the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
@@ -281,7 +284,7 @@ def prepare_training(args, accelerator, model, loaders, log, must_match):
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"])
-    resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, checkpoints.dir)
+    resume_path = agree_on_resume(accelerator, resume or args.resume_from_checkpoint, checkpoints.dir)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
@@ -330,9 +333,9 @@ class TrainResult:
     best_eval: dict | None  # the selected model's validation metrics, when they are the last ones measured
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match):
-    """The training loop."""
-    training = prepare_training(args, accelerator, model, loaders, log, must_match)
+def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, attempt):
+    """The training loop; `attempt`: each process's micro-batches and where this go starts (OutOfMemoryRetry)."""
+    training = prepare_training(args, accelerator, model, loaders, log, must_match, attempt.resume)
     model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
                                                    training.state, training.cadence)
     best_dir = args.output_dir / "best_model"
@@ -352,17 +355,18 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
         for batch in speed.epoch(batches):
             with accelerator.accumulate(model):
-                logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-                losses = training_loss(logits, batch["labels"], args.multi_label, args.label_smoothing)  # (B,)
-                # a mean over the real samples of the whole optimizer step, padding and short windows included
-                loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch)
-                accelerator.backward(loss)
+                for offset, part in attempt.micro_batches(model, batch):  # the batch, or its micro-batches
+                    logits = model(**{k: v for k, v in part.items() if k != "labels"}).logits
+                    losses = training_loss(logits, part["labels"], args.multi_label, args.label_smoothing)  # (b,)
+                    # a mean over the real samples of the whole optimizer step, padding and short windows included
+                    loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch, offset)
+                    accelerator.backward(loss)
+                    meter.update(local_mean, local_real)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            meter.update(local_mean, local_real)
             samples_seen += loss_scale.real_in_batch(batches_in_epoch)
             batches_in_epoch += 1
             if not accelerator.sync_gradients:
@@ -447,7 +451,7 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
     set_seed(args.seed)
-    check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
+    per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
     if args.do_train:
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -464,6 +468,8 @@ def main(args):
                   "--train_batch_size": args.train_batch_size,
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
     model = maybe_data_parallel(model, args)
+    retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
+                             args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
     if "train" in loaders:
@@ -478,8 +484,9 @@ def main(args):
     if args.do_train:
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint)
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
-        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match)
-        results.update(trained.results)
+        trained = retry.run(lambda attempt: train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
+                                                  attempt))
+        results.update(trained.results, **retry.results)
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
                               "--resume_from_checkpoint latest")

@@ -37,7 +37,8 @@ from torch.utils.data import DataLoader
 from common.checkpoint import (Checkpoints, agree_on_resume, check_compatible, load_checkpoint_weights,
                                read_training_state, resume_settings)
 from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
-from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, PreemptionGuard, Throughput, epoch_batches)
+from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry, PreemptionGuard, Throughput,
+                         epoch_batches)
 from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             launched_world_size, loader_generator, loader_settings, maybe_data_parallel,
@@ -47,13 +48,14 @@ from vision.augment import (RepeatedAugmentationSampler, add_augment_args, add_m
 from vision.data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
                          build_dummy_datasets, topk_hits)
 from vision.device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
+from vision.model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
+                          is_weights_file)
 from vision.optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, update_ema)
 from vision.references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
                                export_main_py_checkpoints, global_batch_size)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
-AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
 
 
 def parse_args(argv=None):
@@ -73,9 +75,7 @@ def parse_args(argv=None):
     model = parser.add_argument_group("model")
     model.add_argument("-a", "--arch", "--model", default="resnet18",
                        help="any torchvision classification model name, or timm:NAME for a timm model")
-    model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
-    model.add_argument("--weights", default=None,
-                       help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2")
+    add_model_args(model)  # --pretrained [PATH], --weights NAME|PATH, --drop_path, --drop
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
     train = parser.add_argument_group("training")
@@ -105,6 +105,8 @@ def parse_args(argv=None):
     add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
+    if args.data is None and args.pretrained not in (None, "DEFAULT") and not is_weights_file(args.pretrained):
+        args.data, args.pretrained = Path(args.pretrained), "DEFAULT"  # main.py's `--pretrained DATA`
     if args.data and args.data_path and args.data != args.data_path:
         parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
     args.data = args.data or args.data_path
@@ -116,32 +118,17 @@ def parse_args(argv=None):
         resolve_augment_args(args)
     except UserError as err:
         parser.error(str(err))
-    if args.pretrained and args.weights:
-        parser.error("--pretrained means --weights DEFAULT: pass one of them")
-    args.weights = "DEFAULT" if args.pretrained else args.weights
-    if args.arch.startswith("timm:"):
-        check_timm_model(parser, args)
-    elif args.arch not in MODEL_NAMES:
+    if not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
         close = difflib.get_close_matches(args.arch, MODEL_NAMES, n=3)
         parser.error(f"--arch {args.arch}: not a torchvision classification model"
                      + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}"))
+    check_model_args(parser, args)  # and --weights from --pretrained
     if args.evaluate and args.model_ema:
         parser.error("--evaluate/--test-only evaluates one model: for the EMA, --resume checkpoint_ema.pth or "
                      "model_best_ema.pth (its own export), without --model_ema")
     if args.evaluate and not (args.resume or args.weights):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
     return args
-
-
-def check_timm_model(parser, args):
-    """-a timm:NAME: timm is optional; its weights come from the Hub, so --weights/--pretrained are refused."""
-    try:
-        import timm
-    except ImportError:
-        parser.error(f"-a {args.arch}: timm is not installed (pip install timm)")
-    if args.arch[len("timm:"):] not in timm.list_models() or args.weights:
-        parser.error(f"-a {args.arch}: not a timm model (timm.list_models())" if not args.weights else
-                     f"-a {args.arch}: --weights/--pretrained name torchvision weights; timm models start random")
 
 
 @dataclass
@@ -175,29 +162,10 @@ def build_dataloaders(accelerator, args):
     return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
 
 
-def build_model(args, num_classes):
-    """A torchvision (or timm) model; with --weights, torchvision's weights and, for another class count, a new head."""
-    if args.arch.startswith("timm:"):
-        import timm
-        return timm.create_model(args.arch[len("timm:"):], pretrained=False, num_classes=num_classes)
-    kwargs = {"aux_logits": False} if args.arch in AUX_HEAD_MODELS else {}
-    if not args.weights:
-        return torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
-    flag = "--pretrained" if args.pretrained else f"--weights {args.weights}"
-    try:
-        model = torchvision.models.get_model(args.arch, weights=args.weights, **kwargs)
-    except (KeyError, ValueError) as err:  # no such enum, or weights of another architecture
-        raise UserError(f"{flag}: not weights of torchvision's {args.arch} ({err})") from None
-    except (OSError, RuntimeError) as err:  # URLError offline, a broken file in the cache
-        raise UserError(f"{flag}: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
-                        f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
-    head_name, head = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1]
-    if head.out_features != num_classes and args.evaluate:
-        raise UserError(f"{flag}: its head predicts {head.out_features} classes, the data has {num_classes}; "
-                        "a new head would be random: evaluate a model trained on these classes (--resume PATH)")
-    if head.out_features != num_classes:
-        model.set_submodule(head_name, torch.nn.Linear(head.in_features, num_classes))
-    return model
+def build_model(args, num_classes, print_fn=print):
+    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
+    new head, and --drop_path/--drop (vision/model.py)."""
+    return build_image_model(args, num_classes, print_fn)
 
 
 def place_model(model, args):
@@ -206,6 +174,8 @@ def place_model(model, args):
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if args.gradient_checkpointing:  # after SyncBatchNorm replaced the BatchNorm layers that it adjusts
+        enable_gradient_checkpointing(model, args.arch)
     return maybe_data_parallel(model, args)
 
 
@@ -321,9 +291,11 @@ class Training:
     cadence: Cadence
 
 
-def prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir):
+def prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, retry_from=None):
     """Optimizer, schedule, EMA and batch mixing, prepared, then restored from --resume (or started at main.py's
-    epoch); prints the run summary."""
+    epoch), or from `retry_from`: a checkpoint an earlier go at this launch saved; prints the run summary."""
+    if retry_from is not None:
+        legacy, resume_dir = None, retry_from
     steps_per_epoch = math.ceil(len(data.train_loader) / args.gradient_accumulation_steps)
     total_steps = args.epochs * steps_per_epoch
     start_epoch = legacy.get("epoch", args.start_epoch) if legacy else args.start_epoch  # main.py: epochs done
@@ -374,9 +346,9 @@ class TrainResult:
     preempted: bool  # stopped on SIGTERM after saving a checkpoint
 
 
-def train(args, accelerator, model, data, log, must_match, legacy, resume_dir):
-    """The training loop."""
-    training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir)
+def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, attempt):
+    """The training loop; `attempt`: each process's micro-batches and where this go starts (OutOfMemoryRetry)."""
+    training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, attempt.resume)
     model, optimizer, scheduler, ema, mixer, state, cadence = (
         training.model, training.optimizer, training.scheduler, training.ema, training.mixer, training.state,
         training.cadence)
@@ -389,7 +361,6 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir):
     completed_steps, images_seen, preempted, last_metrics = state["completed_steps"], 0, False, None
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     state["start_time"] = start_time = time.perf_counter()
-
     model.train()
     for epoch in range(state["epoch"], args.epochs):
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
@@ -401,17 +372,19 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir):
             if args.channels_last:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(model):
-                logits = model(inputs)  # (B, C), B = this process's share of the batch
-                loss = (soft_cross_entropy(logits, soft_targets, args.label_smoothing) if mixer
-                        else classification_loss(logits, targets, args.label_smoothing))
-                # accelerate divides by the full accumulation count, also in an epoch's shorter last window
-                accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch))
+                for _, (images, labels, soft_labels) in attempt.micro_batches(  # the batch, or its micro-batches
+                        model, (inputs, targets, soft_targets if mixer else None)):
+                    logits = model(images)  # (b, C), b = this process's share of the batch, or a micro-batch of it
+                    loss = (soft_cross_entropy(logits, soft_labels, args.label_smoothing) if mixer
+                            else classification_loss(logits, labels, args.label_smoothing))
+                    # accelerate divides by the full accumulation count, also in an epoch's shorter last window
+                    accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch) * len(labels) / len(targets))
+                    meter.update(loss, counts.add(logits, labels))  # the loss is a mean over the readable images
                 if args.clip_grad_norm and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            meter.update(loss, counts.add(logits, targets))  # the loss is a mean over the readable images
             batches_in_epoch += 1
             images_seen += args.batch_size
             if not accelerator.sync_gradients:
@@ -448,10 +421,9 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir):
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": speed.startup_seconds,
-               "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
-               "train_steps": completed_steps, "best_acc1": state["best_acc1"] if state["best_epoch"] else None,
-               "best_epoch": state["best_epoch"], "train_skipped_images": counts.skipped_total,
+    results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime, "train_steps": completed_steps,
+               "train_images_per_second": images_seen / runtime, "train_skipped_images": counts.skipped_total,
+               "best_acc1": state["best_acc1"] if state["best_epoch"] else None, "best_epoch": state["best_epoch"],
                **({"best_ema_acc1": state["best_ema_acc1"]} if ema else {})}
     return TrainResult(model, last_metrics, results, preempted)
 
@@ -459,7 +431,7 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir):
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
     set_seed(args.seed)
-    check_global_batch(accelerator, args.batch_size, "--batch-size")
+    per_device_batch = check_global_batch(accelerator, args.batch_size, "--batch-size")
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
     if args.resume not in (None, "latest") and not Path(args.resume).exists():
@@ -473,7 +445,7 @@ def main(args):
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming else None)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
-    model = build_model(args, len(class_to_idx))
+    model = build_model(args, len(class_to_idx), accelerator.print)
     must_match = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
                   # another value would change what each step sees
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -489,6 +461,8 @@ def main(args):
     elif args.evaluate and resume_dir is not None:  # loaded by load_state once prepared (any FSDP/DeepSpeed layout)
         check_compatible(read_training_state(resume_dir), {"arch": args.arch, "class_to_idx": class_to_idx}, resume_dir)
     model = place_model(model, args)
+    retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
+                             args.output_dir / "checkpoints", args.auto_find_batch_size and not args.evaluate)
 
     log = RunLog(accelerator, args.output_dir)
     results = run_info(accelerator, args.batch_size)
@@ -504,8 +478,9 @@ def main(args):
         log.merge_results(results)
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming)
-        trained = train(args, accelerator, model, data, log, must_match, legacy, resume_dir)
-        results.update(trained.results)
+        trained = retry.run(lambda attempt: train(args, accelerator, model, data, log, must_match, legacy, resume_dir,
+                                                  attempt))
+        results.update(trained.results, **retry.results)
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
             log.write_json("all_results.json", {**results, "preempted": True})

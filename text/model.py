@@ -1,5 +1,5 @@
 """The text classifier's model: loading it from any checkpoint layout users bring, the checks that it fits the
-text and the task, the reference repository's best.pt, and AdamW's parameter groups.
+text and the task, the reference repository's best.pt, gradient checkpointing, and AdamW's parameter groups.
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
@@ -119,6 +119,14 @@ def load_legacy_bert(path, model):
                             "(check --model_name_or_path / --config_overrides)")
     model.load_state_dict(renamed, strict=False)
     return model
+
+
+def enable_gradient_checkpointing(model, source):
+    """--gradient_checkpointing: transformers' own, non-reentrant (the variant that works under DDP). It replays the
+    forward's random state when it recomputes a layer, so dropout draws the same masks: the training is the same."""
+    if not model.supports_gradient_checkpointing:
+        raise UserError(f"{source}: {type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def saved_labels(model_name_or_path):
