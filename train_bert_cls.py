@@ -269,7 +269,7 @@ class Training:
 
 def prepare_training(args, accelerator, model, loaders, log, must_match, resume=None):
     """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint (or
-    `resume`: a checkpoint an earlier go at this launch saved); prints the run summary."""
+    `resume`: a checkpoint an earlier attempt of this launch saved); prints the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
@@ -334,7 +334,7 @@ class TrainResult:
 
 
 def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, attempt):
-    """The training loop; `attempt`: each process's micro-batches and where this go starts (OutOfMemoryRetry)."""
+    """The training loop; `attempt`: each process's micro-batches and where this attempt starts (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, loaders, log, must_match, attempt.resume)
     model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
                                                    training.state, training.cadence)

@@ -105,8 +105,9 @@ def parse_args(argv=None):
     add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
-    if args.data is None and args.pretrained not in (None, "DEFAULT") and not is_weights_file(args.pretrained):
-        args.data, args.pretrained = Path(args.pretrained), "DEFAULT"  # main.py's `--pretrained DATA`
+    if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
+            and not is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data
+        args.data, args.pretrained = Path(args.pretrained), "DEFAULT"
     if args.data and args.data_path and args.data != args.data_path:
         parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
     args.data = args.data or args.data_path
@@ -293,7 +294,7 @@ class Training:
 
 def prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, retry_from=None):
     """Optimizer, schedule, EMA and batch mixing, prepared, then restored from --resume (or started at main.py's
-    epoch), or from `retry_from`: a checkpoint an earlier go at this launch saved; prints the run summary."""
+    epoch), or from `retry_from`: a checkpoint an earlier attempt of this launch saved; prints the run summary."""
     if retry_from is not None:
         legacy, resume_dir = None, retry_from
     steps_per_epoch = math.ceil(len(data.train_loader) / args.gradient_accumulation_steps)
@@ -347,7 +348,7 @@ class TrainResult:
 
 
 def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, attempt):
-    """The training loop; `attempt`: each process's micro-batches and where this go starts (OutOfMemoryRetry)."""
+    """The training loop; `attempt`: each process's micro-batches and where this attempt starts (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, attempt.resume)
     model, optimizer, scheduler, ema, mixer, state, cadence = (
         training.model, training.optimizer, training.scheduler, training.ema, training.mixer, training.state,

@@ -4,7 +4,8 @@ common/ (both scripts)
   runtime.py     the Accelerator and the launches refused because they would go wrong silently, DataLoader
                  settings, the --help look, UserError and run_cli (one-line errors, exit status 2)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
-                 LossScale, LossMeter, HealthCheck, Throughput, PreemptionGuard, epoch_batches
+                 LossScale, LossMeter, HealthCheck, Throughput, PreemptionGuard, epoch_batches; micro-batches and
+                 the retry after an out-of-memory error (--auto_find_batch_size: Attempt, OutOfMemoryRetry)
   checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest), agreeing on the one to resume
                  from, what a resume must match and may change
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
@@ -14,15 +15,18 @@ common/ (both scripts)
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
 text/ (train_bert_cls.py)
   data.py        text files (cnews .txt/.tsv, CSV, JSON), labels, tokenising, padding, length-grouped sampling
-  model.py       loading the classifier from any checkpoint layout, tokenizer and task checks, best.pt, AdamW groups
+  model.py       loading the classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient
+                 checkpointing, AdamW groups
   metrics.py     loss, metrics and predictions, single- and multi-label; confusion matrix; --metric modules
 vision/ (train_resnet.py)
   data.py        ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k
   augment.py     torchvision's training/validation presets, repeated augmentation, MixUp/CutMix
   optim.py       torchvision's optimizer, weight-decay groups and schedule; the model EMA
+  model.py       the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local
+                 files) with a new head for the data's classes, drop path, gradient checkpointing
   references.py  main.py's and torchvision's flags, batch-size convention and .pth checkpoint files
   device_decode.py  --decode_on_device: JPEGs decoded and augmented on the training device
 
 Dependencies point one way: text/ and vision/ use common/, never each other; within common/, runtime.py is used by
-all, and outputs.py uses checkpoint.py.
+all, and outputs.py and loop.py use checkpoint.py.
 """

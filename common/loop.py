@@ -18,8 +18,8 @@ One optimizer step, as both scripts' `train()` take it:
 Every method that reduces over ranks is a collective: every rank calls it at the same points.
 
 Out of device memory (--auto_find_batch_size, `OutOfMemoryRetry`): the run is not over. Every process drops what the
-failed go built, puts the model, random generators and loss scaler back as they were when training started, and
-trains again from the newest checkpoint the failed go saved (else from where the launch started), with each
+failed attempt built, puts the model, random generators and loss scaler back as they were when training started, and
+trains again from the newest checkpoint the failed attempt saved (else from where the launch started), with each
 process's share of a batch cut into micro-batches of half the size: twice the accumulation. The loader's batches, the
 accumulation windows, the loss of each sample, the schedule and the checkpoints' positions are those of the command
 line, so the run trains the same samples in the same steps as with a smaller -b and more accumulation.
@@ -340,9 +340,9 @@ class OutOfMemoryOnAnotherRank(RuntimeError):
 
 
 class Attempt:
-    """One go at training (OutOfMemoryRetry.run): each process runs its share of every batch as micro-batches of at
-    most `micro_batch_size` samples, and the go starts from `resume`, a checkpoint an earlier go saved (None: where
-    the launch starts)."""
+    """One attempt at training (OutOfMemoryRetry.run): each process runs its share of every batch as micro-batches
+    of at most `micro_batch_size` samples, and it starts from `resume`, a checkpoint an earlier attempt saved (None:
+    where the launch starts)."""
 
     def __init__(self, accelerator, micro_batch_size, resume=None):
         self.accelerator, self.micro_batch_size, self.resume = accelerator, micro_batch_size, resume
@@ -379,11 +379,12 @@ class OutOfMemoryRetry:
     run. `run(train)` calls train(Attempt) and, after an out-of-memory error, again with half the per-device
     micro-batch (rounded up), until it fits or one sample does not; each retry prints one line.
 
-    Before a retry every process releases what the failed go prepared (accelerator.free_memory, which also resets its
-    accumulation counter, and the gradients), and puts back what it changed: the model's weights, the random generators
-    and the fp16 loss scale as they were when training started (a CPU copy of the weights, kept from the start), or,
-    when the go saved a checkpoint, restores that one (the newest). accelerate's find_executable_batch_size retries the
-    same way; here the batch that gets smaller is the micro-batch inside each process's share, not the loader's.
+    Before a retry every process releases what the failed attempt prepared (accelerator.free_memory, which also resets
+    its accumulation counter, and the gradients), and puts back what it changed: the model's weights, the random
+    generators and the fp16 loss scale as they were when training started (a CPU copy of the weights, kept from the
+    start), or, when the attempt saved a checkpoint, restores that one (the newest). accelerate's
+    find_executable_batch_size retries the same way; here the batch that gets smaller is the micro-batch inside each
+    process's share, not the loader's.
 
     Several processes: the error may hit one of them only, and all must retry together. A forward hook on the model
     (always_call: it also runs when the forward raised) ends every training forward pass with a one-number all-reduce
@@ -429,7 +430,7 @@ class OutOfMemoryRetry:
                     if not is_out_of_memory(error):
                         raise
                     self._check_retriable(error)
-                # out of the except block: the failed go's frames and tensors are free to go
+                # out of the except block: the failed attempt's frames and tensors can be freed
                 saved = [p for p in complete_checkpoints(self.checkpoint_dir) if p not in saved_before]
                 attempt = self._next_attempt(attempt, saved[-1] if saved else attempt.resume, start)
         finally:
@@ -487,9 +488,9 @@ class OutOfMemoryRetry:
             self.accelerator.scaler.load_state_dict(start["scaler"])
 
     def _release(self):
-        """Drop every reference the failed go left: the accelerator's prepared objects (and its accumulation count),
-        the objects it registered for checkpoints (accelerate has no public way to unregister them: the next go
-        registers its own), the gradients; then the device's cached blocks."""
+        """Drop every reference the failed attempt left: the accelerator's prepared objects (and its accumulation
+        count), the objects it registered for checkpoints (accelerate has no public way to unregister them: the next
+        attempt registers its own), the gradients; then the device's cached blocks."""
         self.accelerator.free_memory()
         self.accelerator._custom_objects.clear()
         for parameter in self.model.parameters():

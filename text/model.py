@@ -126,7 +126,11 @@ def enable_gradient_checkpointing(model, source):
     forward's random state when it recomputes a layer, so dropout draws the same masks: the training is the same."""
     if not model.supports_gradient_checkpointing:
         raise UserError(f"{source}: {type(model).__name__} does not support gradient checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def saved_labels(model_name_or_path):

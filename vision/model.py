@@ -68,8 +68,6 @@ def check_model_args(parser, args):
         parser.error(f"--pretrained {args.pretrained}: PATH is a weights file ({', '.join(WEIGHT_FILE_SUFFIXES)})")
     args.weights = args.pretrained or args.weights
     weights_file = args.weights is not None and is_weights_file(args.weights)
-    if weights_file and not Path(args.weights).is_file():
-        parser.error(f"{args.weights}: no such weights file")
     if args.arch.startswith("timm:"):
         try:
             import timm
@@ -123,6 +121,8 @@ def timm_model(args, num_classes, print_fn):
     except TypeError as err:
         raise UserError(f"-a {args.arch}: {err}") from None
     except (OSError, RuntimeError, ValueError) as err:  # offline and not cached; no weights for this model
+        if not pretrained:
+            raise
         from huggingface_hub.constants import HF_HUB_CACHE
         raise UserError(f"--pretrained: cannot get timm's {name} weights ({str(err).splitlines()[0]}); timm reads them "
                         f"from the Hugging Face cache {HF_HUB_CACHE} (HF_HUB_CACHE), where they are downloaded once, "
@@ -179,6 +179,8 @@ def check_new_head(source, trained_classes, num_classes, evaluate, print_fn):
 def read_weights_file(path):
     """A state dict from a .safetensors file or a PyTorch file (torch.load(weights_only=True), main.py's layout or a
     bare state dict, `module.` prefixes dropped); one-line errors naming the file."""
+    if not Path(path).is_file():
+        raise UserError(f"{path}: no such weights file")
     if str(path).endswith(".safetensors"):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
