@@ -26,6 +26,16 @@ NO_DROPOUT = ",hidden_dropout_prob=0,attention_probs_dropout_prob=0"
 SIMULATED = "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread in this process, as every process the suite launches has (OMP_NUM_THREADS=1): on a busy
+    2-core machine two threads spent most of their CPU time waiting for each other (20x the CPU time measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def bert_args(text_data, out, *extra, config=TINY_BERT):
     """4 steps of a tiny BERT, dropout on (the fixture's 0.1), every batch padded to one length: the dropout masks
     of a micro-batch are then those of a batch of its size. No validation: the last weights are exported."""

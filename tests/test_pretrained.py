@@ -14,6 +14,16 @@ from common.runtime import UserError
 timm = pytest.importorskip("timm")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread in this process, as every process the suite launches has (OMP_NUM_THREADS=1): on a busy
+    2-core machine two threads spent most of their CPU time waiting for each other (20x the CPU time measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def parse(*argv):
     return train_resnet.parse_args(["--dummy", *argv])
 
