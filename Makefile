@@ -22,7 +22,7 @@ GPU_READY := $(GPU_SITE)/.installed
 GPU_ENV := PYTHONPATH=$(GPU_SITE)
 endif
 
-.PHONY: install install-dev demo test test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
+.PHONY: install install-dev demo test test-slurm test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
 
 $(VENV)/.installed: requirements.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ demo: install
 TEST_WORKERS ?= 2
 test: install-dev
 	$(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# slurm/multinode.sbatch on a real Slurm: a throwaway cluster of slurmds on this machine (tests/slurm/). Needs root;
+# installs Debian's Slurm 22.05 and munge with apt-get if they are missing. 5 to 8 minutes on 2 cores.
+test-slurm: install-dev
+	tests/slurm/install_slurm.sh
+	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests/slurm/check_multinode.py
 
 $(LOWER)/.installed: requirements.txt requirements-dev.txt
 	rm -rf $(LOWER)

@@ -13,8 +13,8 @@ runs these two commands as printed and expects a test accuracy above 0.9, chance
         --config_overrides num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512 \
         --max_seq_len 64 --learning_rate 2e-3 --num_train_epochs 2 --do_train --do_eval --do_test \
         --output_dir outputs/bert_tiny --overwrite_output_dir
-Sentence pairs, multi-label, other encodings: docs/bert_data_formats.md; checkpoints, compile, --metric:
-docs/bert_checkpoints_and_compile.md.
+Sentence pairs, multi-label, regression, `datasets` datasets, other encodings: docs/bert_data_formats.md;
+checkpoints, compile, --metric: docs/bert_checkpoints_and_compile.md; run_classification.py's flags: docs/bert.md.
 Batch sizes are GLOBAL: the same command trains the same way on any number of processes.
 """
 import argparse
@@ -32,19 +32,22 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from common.checkpoint import Checkpoints, agree_on_resume, replace_dir_atomically, resume_settings
 from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry, PreemptionGuard, Throughput,
-                         epoch_batches)
+from common.loop import (CLASS_WEIGHTS_HELP, Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry,
+                         PreemptionGuard, Throughput, epoch_batches, load_class_weights)
 from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             loader_generator, loader_settings, maybe_data_parallel, print_run_summary, run_cli,
                             run_info)
-from text.data import (LengthGroupedSampler, add_padding_args, add_text_format_args, build_collator, build_label_list,
-                       check_known_labels, find_split_file, label_targets, read_examples, read_unlabelled,
-                       resolve_padding, text_format, token_lengths, tokenize_examples, write_labels_file)
-from text.metrics import (compute_metrics, evaluation_metrics, load_metrics, prediction_rows, save_confusion_matrix,
-                          training_loss)
-from text.model import (check_problem_type, check_unk_rate, enable_gradient_checkpointing, load_classifier,
-                        load_legacy_bert, optimizer_groups, saved_labels)
+from text.data import (LengthGroupedSampler, add_dataset_args, add_padding_args, add_text_format_args, build_collator,
+                       build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
+                       data_must_match, label_targets, read_dataset_splits, read_file_splits, read_predict_file,
+                       resolve_padding, select_examples, text_format, token_lengths, tokenize_examples,
+                       write_labels_file)
+from text.metrics import (Selection, check_task_args, compute_metrics, default_selection, evaluation_metrics,
+                          headline_scores, load_metrics, prediction_rows, save_confusion_matrix, training_loss)
+from text.model import (add_model_source_args, check_model_source_args, check_problem_type, check_unk_rate,
+                        enable_gradient_checkpointing, hub_options, load_classifier, load_legacy_bert, loading,
+                        optimizer_groups, problem_type, saved_labels)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -52,13 +55,16 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     data = parser.add_argument_group("data")
-    data.add_argument("--data_dir", type=Path, help="directory with train.txt/val.txt/test.txt (or cnews.*.txt)")
+    data.add_argument("--data_dir", type=Path,
+                      help="directory with train/val/test files (also dev, validation, cnews.*), any supported type")
     data.add_argument("--train_file", type=Path, help=".txt/.tsv (label TAB text), .csv or .json(l) (label, text)")
     data.add_argument("--validation_file", type=Path)
     data.add_argument("--test_file", type=Path)
-    data.add_argument("--predict_file", type=Path, help="one text per line, or .jsonl/.csv with a 'text' field")
+    data.add_argument("--predict_file", type=Path, help="texts to predict (docs/bert_data_formats.md); default: the "
+                                                        "test split")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
-    data.add_argument("--max_seq_len", type=int, default=512, help="tokens; longer texts are truncated")
+    data.add_argument("--max_seq_len", "--max_seq_length", type=int, default=512, help="tokens; longer are truncated")
+    add_dataset_args(data)
     add_text_format_args(data)
     add_padding_args(data)
     data.add_argument("--group_by_length", action="store_true",
@@ -72,6 +78,7 @@ def parse_args(argv=None):
     model.add_argument("--init_from_legacy", type=Path, default=None,
                        help="weights from the reference repo's best.pt (bert.* + linear.*, `module.` or not)")
     model.add_argument("--trust_remote_code", action="store_true", help="allow code from the model repo (off)")
+    add_model_source_args(model)
     modes = parser.add_argument_group("modes")
     modes.add_argument("--do_train", action="store_true")
     modes.add_argument("--do_eval", action="store_true", help="evaluate the best model on the validation file")
@@ -84,31 +91,35 @@ def parse_args(argv=None):
     train.add_argument("--weight_decay", type=float, default=0.01, help="not applied to bias and LayerNorm")
     train.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear warmup")
     train.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
-    train.add_argument("--label_smoothing", type=float, default=0.0,
-                       help="training loss only (like Trainer's label_smoothing_factor); eval loss stays plain")
+    train.add_argument("--label_smoothing", "--label_smoothing_factor", type=float, default=0.0,
+                       help="training loss only (Trainer's label_smoothing_factor); eval loss stays plain")
+    train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
     train.add_argument("--num_train_epochs", type=int, default=3)
-    train.add_argument("--max_train_steps", type=int, default=None, help="optimizer steps; overrides epochs")
+    train.add_argument("--max_train_steps", "--max_steps", type=int, default=None, help="optimizer steps, not epochs")
     train.add_argument("--seed", type=int, default=42)
-    train.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
+    train.add_argument("--num_workers", "--dataloader_num_workers", type=int, default=0, help="DataLoader processes")
     output = parser.add_argument_group("output")
     output.add_argument("--output_dir", type=Path, default=Path("outputs/bert_cls"))
     output.add_argument("--overwrite_output_dir", action="store_true")
     output.add_argument("--logging_steps", type=int, default=50, help="optimizer steps between log lines")
     output.add_argument("--eval_steps", type=int, default=None, help="optimizer steps between evals; default per epoch")
-    output.add_argument("--checkpointing_steps", type=int, default=None,
+    output.add_argument("--checkpointing_steps", "--save_steps", type=int, default=None,
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
     output.add_argument("--save_total_limit", type=int, default=2, help="resumable checkpoints kept")
     output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
-    output.add_argument("--metric", action="append", default=[], metavar="NAME_OR_PATH",
+    output.add_argument("--metric", "--metric_name", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
-    if args.do_predict and not args.predict_file:
-        parser.error("--do_predict needs --predict_file")
+    for check in (check_dataset_args, check_text_format_args, check_task_args, check_model_source_args):
+        try:
+            check(args)
+        except UserError as err:
+            parser.error(str(err))
     if not 0.0 <= args.label_smoothing < 1.0:
         parser.error(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
     if args.multi_label and args.label_smoothing:
@@ -118,40 +129,39 @@ def parse_args(argv=None):
                      "built-in exact-match accuracy and micro/macro F1")
     if not 0.0 < args.threshold < 1.0:
         parser.error(f"--threshold {args.threshold}: must be in (0, 1)")
-    for split, flag in (("train", "train_file"), ("validation", "validation_file"), ("test", "test_file")):
-        if getattr(args, flag) is None and args.data_dir is not None:
-            setattr(args, flag, find_split_file(args.data_dir, split))
     return args
 
 
-def load_splits(args, checkpoint_labels):
-    """Read and validate every input file before anything is written; return (labels, {split: examples})."""
-    if args.data_dir is not None and not args.data_dir.is_dir():
-        raise UserError(f"--data_dir {args.data_dir}: no such directory")
-    needed = {"train": args.do_train, "validation": args.do_eval, "test": args.do_test}
-    files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
-    for split, need in needed.items():
-        if need and files[split] is None:
-            raise UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
-                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)")
-    if args.do_train and files["validation"] is not None:
-        needed["validation"] = True  # model selection uses the validation set, never the test set
+def load_splits(args, checkpoint_labels, say=print):
+    """Read and validate every input (files or --dataset_name) before anything is written; say what was read for
+    what; return (labels, {split: examples}), "predict" among the splits with --do_predict."""
     fmt = text_format(args)
-    examples = {split: read_examples(files[split], fmt=fmt) for split, need in needed.items() if need}
-    if "train" in examples:
+    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say)
+    examples = data.examples
+    if args.do_regression:  # one output, named after what it predicts
+        labels = checkpoint_labels if checkpoint_labels and not args.do_train else [args.label_column]
+    elif "train" in examples and data.labels and not args.labels_file:
+        labels = data.labels
+    elif "train" in examples:  # from all of them, before --max_train_samples (run_classification.py does the same)
         labels = build_label_list(examples["train"], args.labels_file, args.encoding)
     elif args.labels_file:
         labels = build_label_list([], args.labels_file, args.encoding)
     else:
         labels = checkpoint_labels
     if checkpoint_labels and not args.do_train:
-        check_problem_type(args.model_name_or_path, args.multi_label)
+        check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
     if checkpoint_labels and not args.do_train and labels != checkpoint_labels:
         raise UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} "
                         f"(trained with {checkpoint_labels})")
     for split in ("validation", "test"):
-        if split in examples:
+        if split in examples and not args.do_regression:
             check_known_labels(examples[split], labels, source=f"the labels of the model ({', '.join(labels)})")
+    predict_file = args.predict_file or (None if args.dataset_name else args.test_file)
+    if args.do_predict and predict_file:  # without --predict_file, the test split, as run_classification.py does
+        examples["predict"] = read_predict_file(predict_file, fmt, labels, say)
+    examples, cuts = select_examples(examples, args)
+    for note in data.notes + cuts:
+        say(note)
     return labels, examples
 
 
@@ -165,26 +175,27 @@ def build_model(args, labels):
                         "pass --from_scratch to train a randomly initialised model from its config.json")
     label_kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
                         label2id={label: i for i, label in enumerate(labels)},
-                        problem_type=f"{'multi' if args.multi_label else 'single'}_label_classification")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
-                                            **label_kwargs)
+                        problem_type=problem_type(args.multi_label, args.do_regression))
+    hub, remote = hub_options(args), args.trust_remote_code
+    tokenizer_source, config_source = args.tokenizer_name or path, args.config_name or path
+    with loading(tokenizer_source, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=remote, **hub)
+    with loading(config_source, "config"):
+        config = AutoConfig.from_pretrained(config_source, trust_remote_code=remote, **hub, **label_kwargs)
+    with loading(path, "model"):
         if from_config:
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
-            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=args.trust_remote_code)
+            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
         else:
-            model = load_classifier(args.model_name_or_path, config, args.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UserError(f"{args.model_name_or_path}: cannot load model ({str(err).splitlines()[0]})") from None
+            model = load_classifier(args.model_name_or_path, config, remote, hub)
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model, args.model_name_or_path)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
     if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
-        raise UserError(f"{args.model_name_or_path}: tokenizer has {len(tokenizer)} tokens but the model expects "
+        raise UserError(f"{tokenizer_source}: tokenizer has {len(tokenizer)} tokens but the model expects "
                         f"{config.vocab_size}; is vocab.txt there and read?")
     return tokenizer, model
 
@@ -195,8 +206,8 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
     collator = build_collator(tokenizer, args.max_seq_len, **(padding or {}))
     loaders, stats = {}, {}
     for split, split_examples in examples.items():
-        dataset = tokenize_examples(tokenizer, split_examples,
-                                    label_targets(split_examples, labels, args.multi_label), args.max_seq_len)
+        targets = label_targets(split_examples, labels, args.multi_label, args.do_regression)
+        dataset = tokenize_examples(tokenizer, split_examples, targets, args.max_seq_len)
         training = split == "train"
         # a sampler whose order depends on (seed, epoch) only, like the seedable random sampler it replaces
         sampler = (LengthGroupedSampler(token_lengths(dataset), args.train_batch_size, args.seed)
@@ -205,8 +216,8 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
                                     collate_fn=collator, **loader_settings(args.num_workers),
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
-    if predict_examples is not None:
-        dataset = tokenize_examples(tokenizer, predict_examples, None, args.max_seq_len)
+    if predict_examples is not None:  # blank lines have a row in predictions.jsonl, but nothing to predict
+        dataset = tokenize_examples(tokenizer, [e for e in predict_examples if not e.skipped], None, args.max_seq_len)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
                                         **loader_settings(args.num_workers))
     return loaders, stats
@@ -231,7 +242,7 @@ def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=
     """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
     `extra`: --metric's results."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc)
-    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold)
+    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
     metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
     return metrics
 
@@ -265,6 +276,7 @@ class Training:
     checkpoints: Checkpoints
     state: dict  # where the run starts (a checkpoint's position) and what it selected so far (best_*)
     cadence: Cadence
+    selection: Selection  # the validation metric that selects the best model
 
 
 def prepare_training(args, accelerator, model, loaders, log, must_match, resume=None):
@@ -285,7 +297,8 @@ def prepare_training(args, accelerator, model, loaders, log, must_match, resume=
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"])
     resume_path = agree_on_resume(accelerator, resume or args.resume_from_checkpoint, checkpoints.dir)
-    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, "best_macro_f1": -1.0, "best_step": None}
+    selection = default_selection(args.do_regression)
+    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, selection.state_key: None, "best_step": None}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
     cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
@@ -298,19 +311,19 @@ def prepare_training(args, accelerator, model, loaders, log, must_match, resume=
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
         "resume_step": state["completed_steps"],
     })
-    return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence)
+    return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence, selection)
 
 
 def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
     """A validation during training: its `eval` event in metrics.jsonl and one console line."""
-    scores = {k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}
+    scores = headline_scores(metrics)
     log.log("eval", completed_steps, {**scores, "eval_seconds": eval_seconds, "train_seconds": train_seconds})
-    log.console(f"eval step {completed_steps} | loss {metrics['loss']:.4f} | accuracy {metrics['accuracy']:.4f} | "
-                f"macro_f1 {metrics['macro_f1']:.4f}")
+    log.console(f"eval step {completed_steps} | "
+                + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples"))
 
 
 def select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir):
-    """Put the weights of the best validation macro-F1 into the model: this run's from memory, or, selected before
+    """Put the weights of the best validation score into the model: this run's from memory, or, selected before
     the run resumed, from best_model/ (a preempted run keeps its last weights). Returns their validation metrics when
     they are the last ones measured (nothing to reload or re-evaluate), else None."""
     best_step = training.state["best_step"]
@@ -327,17 +340,17 @@ def select_best_model(accelerator, training, best, last_eval, completed_steps, p
 
 @dataclass
 class TrainResult:
-    model: torch.nn.Module  # the selected model (best validation macro-F1), or the last one where nothing selects
+    model: torch.nn.Module  # the selected model (best validation score), or the last one where nothing selects
     results: dict  # all_results.json's training entries
     preempted: bool  # stopped on SIGTERM after saving a checkpoint
     best_eval: dict | None  # the selected model's validation metrics, when they are the last ones measured
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, attempt):
-    """The training loop; `attempt`: each process's micro-batches and where this attempt starts (OutOfMemoryRetry)."""
+def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, attempt, class_weights=None):
+    """The training loop; `attempt`: micro-batches and start (OutOfMemoryRetry); class_weights: (C,) --class_weights."""
     training = prepare_training(args, accelerator, model, loaders, log, must_match, attempt.resume)
-    model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
-                                                   training.state, training.cadence)
+    model, optimizer, scheduler, state, cadence, selection = (training.model, training.optimizer, training.scheduler,
+                                                              training.state, training.cadence, training.selection)
     best_dir = args.output_dir / "best_model"
     guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
@@ -349,7 +362,6 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
-
     model.train()
     for epoch in range(state["epoch"], cadence.epochs):
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
@@ -357,7 +369,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
             with accelerator.accumulate(model):
                 for offset, part in attempt.micro_batches(model, batch):  # the batch, or its micro-batches
                     logits = model(**{k: v for k, v in part.items() if k != "labels"}).logits
-                    losses = training_loss(logits, part["labels"], args.multi_label, args.label_smoothing)  # (b,)
+                    losses = training_loss(logits, part["labels"], args.multi_label, args.label_smoothing,  # (b,)
+                                           class_weights, args.do_regression)
                     # a mean over the real samples of the whole optimizer step, padding and short windows included
                     loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch, offset)
                     accelerator.backward(loss)
@@ -386,8 +399,9 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
                     metrics = evaluate(accelerator, model, training.eval_loader, labels, "validation", args)
                 log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - start_time)
                 last_eval = (completed_steps, metrics)
-                if metrics["macro_f1"] > state["best_macro_f1"]:  # a new best model, kept in memory and exported
-                    state.update(best_macro_f1=metrics["macro_f1"], best_step=completed_steps)
+                score = metrics[selection.metric]
+                if selection.improves(score, state[selection.state_key]):  # a new best model, kept in memory, exported
+                    state.update({selection.state_key: score, "best_step": completed_steps})
                     best.keep(model)
                     with speed.pause("save"):
                         save_best_model(accelerator, model, tokenizer, best_dir)
@@ -410,21 +424,22 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
     results = {"startup_seconds": speed.startup_seconds,
                "train_runtime": runtime, "train_samples_per_second": samples_seen / runtime,
                "train_steps": completed_steps, "best_step": state["best_step"],
-               "best_eval_macro_f1": state["best_macro_f1"] if state["best_step"] is not None else None}
+               f"best_eval_{selection.metric}": state[selection.state_key] if state["best_step"] is not None else None}
     return TrainResult(model, results, preempted, best_eval)
 
 
 def report(accelerator, log, prefix, metrics, labels, output_dir):
     """Flat `{prefix}_*` results, plus the per-class report and the confusion matrix as files."""
-    log.write_json(f"{prefix}_report.json", metrics["report"])
-    if metrics["confusion_matrix"] is not None:  # None for multi-label
+    if metrics["report"] is not None:  # None for regression
+        log.write_json(f"{prefix}_report.json", metrics["report"])
+    if metrics["confusion_matrix"] is not None:  # None for multi-label and regression
         accelerator.on_main_process(save_confusion_matrix)(
             metrics["confusion_matrix"], labels, output_dir / f"{prefix}_confusion_matrix.csv",
             output_dir / f"{prefix}_confusion_matrix.png", title=f"{prefix} confusion matrix")
-    accelerator.print(f"{prefix}: accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
-                      f"micro_f1 {metrics['micro_f1']:.4f} | loss {metrics['loss']:.4f} | "
-                      f"{metrics['samples']} samples")
-    return {**{f"{prefix}_{k}": metrics[k] for k in ("accuracy", "macro_f1", "micro_f1", "loss", "samples")},
+    scores = headline_scores(metrics)
+    accelerator.print(f"{prefix}: " + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples")
+                      + f" | {metrics['samples']} samples")
+    return {**{f"{prefix}_{k}": v for k, v in scores.items()},
             **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
 
 
@@ -437,15 +452,17 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
             reuse = trained.best_eval if trained and split == "validation" and not metric_modules else None
             metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
-            log.log(f"best_model_{prefix}", step, {
-                **{k: metrics[k] for k in ("loss", "accuracy", "macro_f1", "micro_f1", "samples")}, **metrics["extra"]})
+            log.log(f"best_model_{prefix}", step, {**headline_scores(metrics), **metrics["extra"]})
     return results
 
 
 def write_predictions(accelerator, log, model, loader, examples, labels, args):
     logits, _ = predict_logits(accelerator, model, loader, "predict")
-    log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold))
-    accelerator.print(f"wrote {len(examples)} predictions to {args.output_dir / 'predictions.jsonl'}")
+    log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold,
+                                                         args.do_regression))
+    skipped = sum(1 for example in examples if example.skipped)
+    accelerator.print(f"wrote {len(examples) - skipped} predictions and {skipped} skipped rows (blank lines, empty "
+                      f"texts) to {args.output_dir / 'predictions.jsonl'}, one row per input record")
 
 
 def main(args):
@@ -455,17 +472,23 @@ def main(args):
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
     if args.do_train:
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path))
+    labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path),
+                                   accelerator.print)
     if labels is None:
         raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
-    predict_examples = read_unlabelled(args.predict_file, text_format(args)) if args.do_predict else None
-    metric_modules = load_metrics(args.metric, len(labels))
+    predict_examples = examples.pop("predict", None)
+    metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
+    train_ids = label_targets(examples["train"], labels, multi_label=False) if args.class_weights else None
+    class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
+    if class_weights:
+        accelerator.print(class_weights.line())
     tokenizer, model = build_model(args, labels)
     must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
+                  "regression": args.do_regression, "class_weights": class_weights and class_weights.by_label,
                   "model": {k: getattr(model.config, k, None) for k in
                             ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
                   # another value would change which samples each step sees (or the inputs themselves)
-                  "--train_batch_size": args.train_batch_size,
+                  "--train_batch_size": args.train_batch_size, **data_must_match(args),
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
     model = maybe_data_parallel(model, args)
     retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
@@ -474,7 +497,7 @@ def main(args):
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
     if "train" in loaders:
         stats["train_unk_rate"] = check_unk_rate(accelerator, tokenizer, loaders["train"].dataset,
-                                                 args.model_name_or_path)
+                                                 args.tokenizer_name or args.model_name_or_path)
         accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
                           f"{stats['train_unk_rate']:.2%}")
 
@@ -484,8 +507,9 @@ def main(args):
     if args.do_train:
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint)
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
+        weights = class_weights and class_weights.tensor(accelerator.device)
         trained = retry.run(lambda attempt: train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
-                                                  attempt))
+                                                  attempt, weights))
         results.update(trained.results, **retry.results)
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "

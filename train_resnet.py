@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader
 from common.checkpoint import (Checkpoints, agree_on_resume, check_compatible, load_checkpoint_weights,
                                read_training_state, resume_settings)
 from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
-from common.loop import (Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry, PreemptionGuard, Throughput,
-                         epoch_batches)
+from common.loop import (CLASS_WEIGHTS_HELP, Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry,
+                         PreemptionGuard, Throughput, epoch_batches, load_class_weights)
 from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             launched_world_size, loader_generator, loader_settings, maybe_data_parallel,
@@ -85,6 +85,7 @@ def parse_args(argv=None):
                        help="GLOBAL images per step, split over processes (torchvision's per-process --batch-size: "
                             "see docs/resnet_recipes.md)")
     train.add_argument("--label_smoothing", "--label-smoothing", type=float, default=0.0, help="training loss only")
+    train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
     train.add_argument("--seed", type=int, default=42, help="model init, shuffling and augmentation")
     output = parser.add_argument_group("output")
@@ -129,6 +130,8 @@ def parse_args(argv=None):
                      "model_best_ema.pth (its own export), without --model_ema")
     if args.evaluate and not (args.resume or args.weights):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
+    if args.evaluate and args.class_weights:
+        parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
     return args
 
 
@@ -180,9 +183,12 @@ def place_model(model, args):
     return maybe_data_parallel(model, args)
 
 
-def classification_loss(logits, targets, label_smoothing=0.0):
-    """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none."""
-    losses = F.cross_entropy(logits, targets.clamp(min=0), label_smoothing=label_smoothing, reduction="none")
+def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
+    """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none. class_weights
+    (C,): each image's cross-entropy times its class's weight, still averaged over the images (common/loop.py
+    ClassWeights)."""
+    losses = F.cross_entropy(logits, targets.clamp(min=0), weight=class_weights, label_smoothing=label_smoothing,
+                             reduction="none")
     readable = (targets >= 0).float()
     return (losses * readable).sum() / readable.sum().clamp(min=1)
 
@@ -347,12 +353,11 @@ class TrainResult:
     preempted: bool  # stopped on SIGTERM after saving a checkpoint
 
 
-def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, attempt):
-    """The training loop; `attempt`: each process's micro-batches and where this attempt starts (OutOfMemoryRetry)."""
+def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, attempt, class_weights=None):
+    """The training loop; `attempt`: micro-batches and start (OutOfMemoryRetry); class_weights: (C,) --class_weights."""
     training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, attempt.resume)
-    model, optimizer, scheduler, ema, mixer, state, cadence = (
-        training.model, training.optimizer, training.scheduler, training.ema, training.mixer, training.state,
-        training.cadence)
+    model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
+    ema, mixer, state, cadence = training.ema, training.mixer, training.state, training.cadence
     guard, meter = PreemptionGuard(accelerator), LossMeter(accelerator.device)
     speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
     counts = ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
@@ -376,8 +381,8 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, a
                 for _, (images, labels, soft_labels) in attempt.micro_batches(  # the batch, or its micro-batches
                         model, (inputs, targets, soft_targets if mixer else None)):
                     logits = model(images)  # (b, C), b = this process's share of the batch, or a micro-batch of it
-                    loss = (soft_cross_entropy(logits, soft_labels, args.label_smoothing) if mixer
-                            else classification_loss(logits, labels, args.label_smoothing))
+                    loss = (soft_cross_entropy(logits, soft_labels, args.label_smoothing, class_weights) if mixer
+                            else classification_loss(logits, labels, args.label_smoothing, class_weights))
                     # accelerate divides by the full accumulation count, also in an epoch's shorter last window
                     accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch) * len(labels) / len(targets))
                     meter.update(loss, counts.add(logits, labels))  # the loss is a mean over the readable images
@@ -446,8 +451,12 @@ def main(args):
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming else None)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
+    class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
+    if class_weights:
+        accelerator.print(class_weights.line())
     model = build_model(args, len(class_to_idx), accelerator.print)
     must_match = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
+                  "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
                   # another value would change what each step sees
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps,
                   "--train_crop_size": args.train_crop_size,
@@ -479,8 +488,9 @@ def main(args):
         log.merge_results(results)
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming)
+        weights = class_weights and class_weights.tensor(accelerator.device)
         trained = retry.run(lambda attempt: train(args, accelerator, model, data, log, must_match, legacy, resume_dir,
-                                                  attempt))
+                                                  attempt, weights))
         results.update(trained.results, **retry.results)
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")

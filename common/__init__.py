@@ -4,20 +4,25 @@ common/ (both scripts)
   runtime.py     the Accelerator and the launches refused because they would go wrong silently, DataLoader
                  settings, the --help look, UserError and run_cli (one-line errors, exit status 2)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
-                 LossScale, LossMeter, HealthCheck, Throughput, PreemptionGuard, epoch_batches; micro-batches and
-                 the retry after an out-of-memory error (--auto_find_batch_size: Attempt, OutOfMemoryRetry)
+                 LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
+                 epoch_batches; micro-batches and the retry after an out-of-memory error (--auto_find_batch_size:
+                 Attempt, OutOfMemoryRetry)
   checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest), agreeing on the one to resume
                  from, what a resume must match and may change
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
                  on every rank, PyTorch files read without running code
-  outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers),
-                 console lines, progress bar, training curves, the output directory's policy
+  outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers,
+                 secrets such as --token masked), console lines, progress bar, training curves, the output
+                 directory's policy
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
 text/ (train_bert_cls.py)
-  data.py        text files (cnews .txt/.tsv, CSV, JSON), labels, tokenising, padding, length-grouped sampling
-  model.py       loading the classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient
-                 checkpointing, AdamW groups
-  metrics.py     loss, metrics and predictions, single- and multi-label; confusion matrix; --metric modules
+  data.py        text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
+                 --max_*_samples cuts, tokenising, padding, length-grouped sampling
+  model.py       where the model's files come from (--config_name, --tokenizer_name, hub options), loading the
+                 classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient checkpointing,
+                 AdamW groups
+  metrics.py     loss, metrics and predictions, single-label, multi-label and regression; the selection metric;
+                 confusion matrix; --metric modules
 vision/ (train_resnet.py)
   data.py        ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k
   augment.py     torchvision's training/validation presets, repeated augmentation, MixUp/CutMix

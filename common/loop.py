@@ -5,10 +5,11 @@ One optimizer step, as both scripts' `train()` take it:
 1. `epoch_batches` gives the epoch's batches (after a resume, those after the checkpoint's position), and
    `Throughput.epoch` iterates them, timing the wait for each batch.
 2. Inside `accelerator.accumulate(model)`: for each micro-batch of this process's share (`Attempt.micro_batches`:
-   the whole share, unless --auto_find_batch_size split it), forward, the per-sample losses, and `LossScale` turns
-   them into the loss to backward, so that the step's gradient is the mean over exactly the real samples it saw (an
-   epoch's last, short batch and accumulation window included), on any number of processes. Then clipping when the
-   gradients are synchronised, `optimizer.step()`, `scheduler.step()`, `zero_grad`.
+   the whole share, unless --auto_find_batch_size split it), forward, the per-sample losses (each times its class's
+   weight with --class_weights: `ClassWeights`), and `LossScale` turns them into the loss to backward, so that the
+   step's gradient is the mean over exactly the real samples it saw (an epoch's last, short batch and accumulation
+   window included), on any number of processes. Then clipping when the gradients are synchronised,
+   `optimizer.step()`, `scheduler.step()`, `zero_grad`.
 3. `LossMeter.update` adds the batch's loss to per-rank sums on the device (no `.item()`, which is a device sync).
 4. Once the gradients were synchronised (the last micro-batch of the window), the step counts: `Throughput.step`
    and `Cadence.after_step` say what is due: a log line (`LossMeter.mean` and `Throughput.read`, after
@@ -28,6 +29,7 @@ Neighbours: common/checkpoint.py (what a step's checkpoint writes), common/outpu
 common/runtime.py (the Accelerator).
 """
 import contextlib
+import json
 import math
 import random
 import signal
@@ -35,6 +37,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -152,6 +155,76 @@ class LossScale:
     def window_scale(self, index):
         """For a loss that is already a mean over full batches (drop_last): N / (batches in this window)."""
         return self.accumulation / self.window_batches(index)
+
+
+CLASS_WEIGHTS_HELP = ("single-label cross-entropy weighted per class: 'balanced' (n_samples / (n_classes * count) "
+                      "of the training labels, scikit-learn's) or a JSON file {label: weight}")
+
+
+@dataclass(frozen=True)
+class ClassWeights:
+    """--class_weights: one weight per class, multiplying the cross-entropy of the samples of that class. The loss
+    of a step stays the mean over its samples (LossScale), so a step's loss is sum(w_i * l_i) / N: no collective, the
+    same on any number of processes."""
+    by_label: dict  # {label: weight}, in class-id order
+    source: str  # "balanced" or the JSON file
+
+    def tensor(self, device):
+        return torch.tensor(list(self.by_label.values()), dtype=torch.float32, device=device)  # (C,)
+
+    def line(self):
+        """What the run prints once at start."""
+        return f"--class_weights {self.source}: " + ", ".join(f"{k} {v:.4g}" for k, v in self.by_label.items())
+
+
+def load_class_weights(spec, labels, train_targets):
+    """None without --class_weights. `balanced`: scikit-learn's compute_class_weight("balanced") over the classes
+    the training targets (class ids) hold; a class no training sample has gets 0, which changes nothing (no
+    sample's loss is multiplied by it) but label smoothing's share. Otherwise a JSON file mapping every label to a
+    weight >= 0."""
+    if spec is None:
+        return None
+    if spec == "balanced" and train_targets is None:
+        raise UserError("--class_weights balanced counts the training labels, and this data has none (--dummy): "
+                        "pass a JSON file {label: weight}")
+    if spec == "balanced":
+        from sklearn.utils.class_weight import compute_class_weight
+
+        targets = np.asarray(train_targets)
+        present = np.unique(targets)
+        weights = np.zeros(len(labels))
+        weights[present] = compute_class_weight("balanced", classes=present, y=targets)
+        return ClassWeights(dict(zip(labels, weights.tolist())), "balanced")
+    return ClassWeights(read_class_weights_file(spec, labels), str(spec))
+
+
+def read_class_weights_file(path, labels):
+    """{label: weight} in the order of `labels` from a JSON object naming each label once."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--class_weights {path}: no such file (or pass 'balanced')")
+    try:
+        weights = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a JSON file ({err})") from None
+    if not isinstance(weights, dict):
+        raise UserError(f"{path}: expected a JSON object {{label: weight}}")
+    problems = []
+    unknown = [str(label) for label in weights if label not in labels]
+    missing = [label for label in labels if label not in weights]
+    if unknown:
+        problems.append(f"unknown label(s) {', '.join(unknown[:5])}")
+    if missing:
+        problems.append(f"no weight for {', '.join(missing[:5])}")
+    if problems:
+        shown = ", ".join(labels[:10]) + (", ..." if len(labels) > 10 else "")
+        raise UserError(f"{path}: {'; '.join(problems)} (the labels: {shown})")
+    for label, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise UserError(f"{path}: the weight of {label} is {weight!r}; weights are numbers >= 0")
+    if not any(weights.values()):
+        raise UserError(f"{path}: every weight is 0")
+    return {label: float(weights[label]) for label in labels}
 
 
 class LossMeter:

@@ -53,7 +53,7 @@ class RunLog:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.write_json("run_config.json", provenance(args))
         if self.accelerator.log_with:
-            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
+            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in public_args(args).items()}
             self.accelerator.init_trackers(project_name, config=flat)
 
     def log(self, event, step, values):
@@ -100,16 +100,37 @@ class RunLog:
             self.accelerator.end_training()
 
 
+SECRET_ARGS = ("token",)  # arguments whose values are never written or printed (--token)
+MASK = "***"
+
+
+def public_args(args):
+    """vars(args) with the SECRET_ARGS masked."""
+    return {k: MASK if k in SECRET_ARGS and v is not None else v for k, v in vars(args).items()}
+
+
+def public_command(argv):
+    """The command line with the values of the SECRET_ARGS flags masked (`--token X` and `--token=X`)."""
+    flags = {f"--{name}" for name in SECRET_ARGS}
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word in flags and i + 1 < len(words):
+            words[i + 1] = MASK
+        elif word.split("=", 1)[0] in flags and "=" in word:
+            words[i] = f"{word.split('=', 1)[0]}={MASK}"
+    return " ".join(words)
+
+
 def provenance(args):
-    """Resolved arguments, versions and git revision, saved beside the results."""
+    """Resolved arguments (secrets masked), versions and git revision, saved beside the results."""
     try:
         revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                   cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         revision = None
     return {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "command": " ".join(sys.argv),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in public_args(args).items()},
+        "command": public_command(sys.argv),
         "git_revision": revision,
         "versions": {
             "python": platform.python_version(),

@@ -67,6 +67,16 @@ def record_for_launcher(line):
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help keeps the module docstring's layout (its commands) and shows every flag's default."""
 
+
+def hf_bool(value):
+    """A boolean flag's value as transformers' HfArgumentParser takes it (`--flag`, `--flag True`, `--flag no`), for
+    the flags of transformers' example scripts; use with nargs="?", const=True."""
+    if value.lower() in ("true", "yes", "1"):
+        return True
+    if value.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r}: expected true or false")
+
 DATA_PARALLEL_WARNING = (
     "--data_parallel uses legacy single-process nn.DataParallel; multi-process DDP is several times faster "
     "(docs/launching.md): prefer `accelerate launch --config_file accelerate_configs/4gpu.yaml ...`"

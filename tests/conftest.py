@@ -1,4 +1,5 @@
 """Shared test helpers: run the real launchers on tiny fixtures made here, offline, one thread per process."""
+import contextlib
 import json
 import os
 import socket
@@ -85,6 +86,19 @@ def run_here(script, args, check=True):
         raise AssertionError(f"exit {returncode}: {script} {' '.join(argv)}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
                              f"--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Runs in this process (run_here) with one torch thread, as the launched runs have (ENV: OMP_NUM_THREADS=1): on
+    a busy 2-core machine a second thread mostly spins (measured: 10 s of CPU instead of 0.8 s for a 20-step BERT
+    run of tests/test_run_classification_flags.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def launch(script, args, num_processes=1, env=None, **kwargs):

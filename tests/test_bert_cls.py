@@ -101,23 +101,70 @@ def test_outputs_load_anywhere(trained, text_data):
 
 
 def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):
+    """2 processes: one row per input line, in input order, blank lines included (36 texts: the last batch of 16 is
+    padded with duplicates, which must not become rows)."""
     out, _ = trained[1]
     texts = ["球队比赛冠军进球今天", "股市银行利率上涨", "电影明星导演票房"]
+    more = [line.split("\t", 1)[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()[:33]]
+    lines = [texts[0], "", *texts[1:], *more]
     predict_file = tmp_path / "texts.txt"
-    predict_file.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    predict_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
     pred_out = tmp_path / "pred"
     launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--data_dir", text_data, "--do_test",
                     "--do_predict", "--predict_file", predict_file, "--eval_batch_size", "16",
                     "--max_seq_len", "64", "--output_dir", pred_out], num_processes=2)
     rows = read_jsonl(pred_out / "predictions.jsonl")
-    assert [r["text"] for r in rows] == texts
-    assert [r["label"] for r in rows] == ["体育", "财经", "娱乐"]
+    assert [(r["line"], r["text"]) for r in rows] == list(enumerate(lines, start=1))
+    assert rows[1] == {"line": 2, "text": "", "skipped": "blank line"}
+    rows = [r for r in rows if "skipped" not in r]
+    assert [r["label"] for r in rows[:3]] == ["体育", "财经", "娱乐"]
     for row in rows:
         assert abs(sum(row["probabilities"].values()) - 1) < 1e-4
         assert row["score"] == max(row["probabilities"].values())
     # the saved model reproduces the test accuracy the training run reported
     assert read_json(pred_out / "all_results.json")["test_accuracy"] == pytest.approx(
         read_json(out / "all_results.json")["test_accuracy"])
+
+
+def test_labelled_predict_file_predicts_on_its_texts(trained, text_data, tmp_path):
+    """test.txt (label<TAB>text) as --predict_file: the labels are given, not read as text, so the predictions agree
+    with the given labels exactly as often as the training run's test accuracy says."""
+    out, _ = trained[1]
+    proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--do_predict", "--predict_file",
+                             text_data / "test.txt", "--max_seq_len", "64", "--output_dir", tmp_path / "pred"])
+    assert "every line is 'label<TAB>text' with a label of the model" in proc.stdout
+    rows = read_jsonl(tmp_path / "pred" / "predictions.jsonl")
+    given = [line.split("\t", 1) for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()]
+    assert [(r["label_given"], r["text"]) for r in rows] == [(label, text) for label, text in given]
+    agreement = sum(r["label"] == r["label_given"] for r in rows) / len(rows)
+    assert agreement == pytest.approx(read_json(out / "all_results.json")["test_accuracy"])
+
+
+def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
+    """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE): dev.json validates; the unlabelled
+    test.json cannot be a --do_test file, and is a --predict_file."""
+    clue = tmp_path / "clue"
+    clue.mkdir()
+    for source, name, count in (("train.txt", "train.json", 64), ("val.txt", "dev.json", 16), ("test.txt", "test.json", 5)):
+        rows = [line.split("\t", 1) for line in (text_data / source).read_text(encoding="utf-8").splitlines()[:count]]
+        records = [{"sentence": text} if name == "test.json" else {"label": label, "sentence": text}
+                   for label, text in rows]
+        (clue / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    common = ["--cpu", "--data_dir", clue, "--text_column", "sentence"]
+    proc = run_here(SCRIPT, [*common, *bert_args(text_data, tmp_path / "out", "--do_train", "--do_eval")[2:],
+                             "--max_train_steps", "2"])
+    assert f"--data_dir {clue}: train {clue / 'train.json'}, validation {clue / 'dev.json'}, test {clue / 'test.json'}" \
+        in proc.stdout
+    results = read_json(tmp_path / "out" / "all_results.json")
+    assert results["best_step"] == 2 and results["eval_samples"] == 16
+    model = ["--model_name_or_path", tmp_path / "out" / "best_model"]
+    refused = run_here(SCRIPT, [*common, *model, "--do_test", "--output_dir", tmp_path / "test"], check=False)
+    assert refused.returncode == 2
+    assert f"{clue / 'test.json'}:1: no field 'label' (--label_column); files to train or evaluate on need labels" \
+        in refused.stderr
+    run_here(SCRIPT, [*common, *model, "--do_predict", "--predict_file", clue / "test.json", "--output_dir",
+                      tmp_path / "pred"])
+    assert [r["line"] for r in read_jsonl(tmp_path / "pred" / "predictions.jsonl")] == [1, 2, 3, 4, 5]
 
 
 def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):

@@ -5,6 +5,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -17,7 +18,7 @@ from vision.augment import add_augment_args, resolve_augment_args, train_transfo
 from common.demo_data import write_photo_imagefolder
 from vision.device_decode import EncodedImageFolder
 from common.runtime import UserError
-from vision.data import RGBImageFolder
+from vision.data import EXIF_ORIENTATION, RGBImageFolder
 
 SCRIPT = "train_resnet.py"
 NOT_FOR_THE_DEVICE = {"png.png", "cmyk.jpg", "rotated.jpg"}  # decoded in the worker, sent as pixels
@@ -36,7 +37,7 @@ def photos(tmp_path_factory):
     source.save(folder / "png.png")
     source.convert("CMYK").save(folder / "cmyk.jpg")
     exif = Image.Exif()
-    exif[device_decode.EXIF_ORIENTATION] = 6  # stored rotated: "rotate 90 degrees clockwise to view"
+    exif[EXIF_ORIENTATION] = 6  # stored rotated: "rotate 90 degrees clockwise to view"
     source.save(folder / "rotated.jpg", exif=exif)
     source.convert("L").save(folder / "gray.jpg")
     source.save(folder / "progressive.jpg", progressive=True)
@@ -80,6 +81,15 @@ def test_same_images_as_the_cpu_loader_bitwise(photos, interpolation):
     assert not torch.equal(train[0], train[1])  # new crops each epoch: the comparison is not of one fixed image
     (images, targets), (got, got_targets), _ = both_loaders(photos / "val", val_transform(args), 32, epoch=0)
     assert torch.equal(got, images) and torch.equal(got_targets, targets)
+
+
+def test_exif_rotated_jpeg_travels_as_its_stored_pixels(photos):
+    """decode_rgb's orientation rule on this path too: the stored pixels, as PIL gives them (not TorchCodec's turn)."""
+    path = photos / "train" / "china" / "rotated.jpg"
+    jpeg, pixels, shape = device_decode.read_encoded(path)
+    with Image.open(path) as image:
+        stored = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    assert jpeg is None and shape == tuple(stored.shape) and torch.equal(torch.from_numpy(pixels), stored)
 
 
 def test_a_file_the_device_decoder_refuses_is_decoded_as_the_cpu_loader_does(photos, monkeypatch):

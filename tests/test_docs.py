@@ -150,3 +150,75 @@ def test_help_tiny_run_runs_as_printed(module, tmp_path):
         assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     out = tmp_path / re.search(r"--output_dir (\S+)", commands[-1]).group(1)
     assert read_json(out / "all_results.json")[key] > threshold
+
+
+# run_classification.py's flags: every field of its ModelArguments and DataTrainingArguments, as read from
+# transformers' examples/pytorch/text-classification/run_classification.py at v4.57 (check_min_version("4.57.0.dev0");
+# the examples are not part of the installed transformers package).
+MODEL_ARGUMENTS = ("model_name_or_path", "config_name", "tokenizer_name", "cache_dir", "use_fast_tokenizer",
+                   "model_revision", "token", "trust_remote_code", "ignore_mismatched_sizes")
+DATA_TRAINING_ARGUMENTS = (
+    "dataset_name", "dataset_config_name", "do_regression", "text_column_names", "text_column_delimiter",
+    "train_split_name", "validation_split_name", "test_split_name", "remove_splits", "remove_columns",
+    "label_column_name", "max_seq_length", "preprocessing_num_workers", "overwrite_cache", "pad_to_max_length",
+    "shuffle_train_dataset", "shuffle_seed", "max_train_samples", "max_eval_samples", "max_predict_samples",
+    "metric_name", "train_file", "validation_file", "test_file")
+# The TrainingArguments the commands of its README (and of run_glue.py's) pass.
+README_TRAINING_ARGUMENTS = ("output_dir", "do_train", "do_eval", "do_predict", "per_device_train_batch_size",
+                             "per_device_eval_batch_size", "learning_rate", "num_train_epochs", "max_steps", "seed")
+# TrainingArguments fields of transformers 4 that transformers 5 (installed) dropped, still in users' commands.
+TRANSFORMERS_4_TRAINING_ARGUMENTS = ("overwrite_output_dir", "warmup_ratio", "group_by_length")
+BERT_MINIMAL = ["--model_name_or_path", "m", "--do_train"]
+
+
+def run_classification_table():
+    """(flag, status, how) rows of docs/bert.md's run_classification.py table."""
+    text = (ROOT / "docs" / "bert.md").read_text(encoding="utf-8")
+    section = text[text.index("## run_classification.py flag → ours"):]
+    lines = [line for line in section.splitlines() if line.startswith("| `--")]
+    rows = [re.fullmatch(r"\| `--(\w+)` \| (supported|replaced|not supported) \| (.+) \|", line) for line in lines]
+    assert all(rows), [line for line, row in zip(lines, rows) if not row]
+    return [row.groups() for row in rows]
+
+
+def bert_parses(argv):
+    import contextlib
+    import io
+
+    import train_bert_cls
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            train_bert_cls.parse_args(argv)
+    except SystemExit as exit_:
+        return not exit_.code
+    return True
+
+
+def test_run_classification_table_covers_every_flag():
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    flags = [flag for flag, _, _ in run_classification_table()]
+    assert len(flags) == len(set(flags)), "a flag listed twice"
+    for name in (*MODEL_ARGUMENTS, *DATA_TRAINING_ARGUMENTS, *README_TRAINING_ARGUMENTS):
+        assert name in flags, f"docs/bert.md's run_classification.py table lacks --{name}"
+    known = {*MODEL_ARGUMENTS, *DATA_TRAINING_ARGUMENTS, *TRANSFORMERS_4_TRAINING_ARGUMENTS,
+             *(field.name for field in dataclasses.fields(TrainingArguments))}
+    assert not set(flags) - known, f"not a flag of run_classification.py: {sorted(set(flags) - known)}"
+
+
+@pytest.mark.parametrize("flag, status, how", run_classification_table(), ids=lambda value: str(value)[:30])
+def test_run_classification_table_tells_the_truth(flag, status, how):
+    """A supported flag's example (the code that starts its cell) parses and uses that very spelling; a replaced
+    one's example parses with our flag; every replaced or unsupported flag is refused, never silently taken."""
+    if status == "not supported":
+        assert not how.startswith("`"), "an unsupported flag explains why, in words"
+    else:
+        example = shlex.split(re.match(r"`([^`]+)`", how).group(1))
+        data = [] if {"--dataset_name", "--train_file"} & set(example) else ["--train_file", "t.csv"]
+        assert bert_parses([*BERT_MINIMAL, *data, *example]), f"`{' '.join(example)}` is refused"
+        assert (f"--{flag}" in example) == (status == "supported"), example
+    if status != "supported":
+        assert not bert_parses([*BERT_MINIMAL, "--train_file", "t.csv", f"--{flag}", "1"]), f"--{flag} is accepted"

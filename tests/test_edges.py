@@ -238,6 +238,7 @@ def test_loss_scale_gives_every_real_sample_one_share_of_its_step():
 
 
 FSDP2_CHECK = """
+import os
 import sys
 from types import SimpleNamespace
 
@@ -281,6 +282,9 @@ load_full_weights(SimpleNamespace(num_processes=2, is_main_process=rank == 0), m
 assert all(torch.equal(gathered()[k], full[k]) for k in full), "export read on rank 0 and broadcast"
 print(f"rank {rank} ok", flush=True)  # one write: the two ranks share the pipe
 dist.destroy_process_group()
+# After FSDP2's collectives on gloo, a torch thread can abort the interpreter's exit ("terminate called without an
+# active exception", a few runs in a hundred on a busy machine), after everything above has passed: skip the exit.
+os._exit(0)
 """
 
 

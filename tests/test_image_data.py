@@ -7,7 +7,8 @@ from PIL import Image
 from common.runtime import UserError
 from train_resnet import parse_args
 from vision.augment import train_transform, val_transform
-from vision.data import build_datasets, build_dummy_datasets, decode_rgb, describe_bad_image, image_classes, RGBImageFolder
+from vision.data import (bad_image_error, build_datasets, build_dummy_datasets, decode_rgb, describe_bad_image,
+                         image_classes, RGBImageFolder)
 
 
 def picture(width=40, height=30):
@@ -25,7 +26,7 @@ def pil_rgb(path):
 
 @pytest.mark.parametrize("name, mode", [
     ("gray.png", "L"), ("gray.jpg", "L"), ("palette.png", "P"), ("cmyk.jpg", "CMYK"), ("rgba.png", "RGBA"),
-    ("gray_alpha.png", "LA"), ("rgb.jpg", "RGB"), ("rgb.bmp", "RGB"), ("gray16.png", "I;16"),
+    ("gray_alpha.png", "LA"), ("rgb.jpg", "RGB"), ("rgb.bmp", "RGB"),
 ])
 def test_every_mode_loads_as_rgb(tmp_path, name, mode):
     path = tmp_path / name
@@ -33,7 +34,7 @@ def test_every_mode_loads_as_rgb(tmp_path, name, mode):
     image = decode_rgb(path)
     assert image.shape == (3, 30, 40) and image.dtype == torch.uint8
     assert torch.equal(image, pil_rgb(path))  # the same pixels as PIL's conversion, whichever decoder ran
-    if mode in ("L", "LA", "I;16"):
+    if mode in ("L", "LA"):
         assert torch.equal(image[0], image[1]) and torch.equal(image[1], image[2])
 
 
@@ -63,6 +64,17 @@ def test_unreadable_image_is_marked_with_its_index(tmp_path):
     reason = describe_bad_image(bad)
     assert "\n" not in reason and reason
     assert all(dataset[i][1] >= 0 for i in range(len(dataset)) if i != index)
+
+
+def test_float_image_is_unreadable_with_its_reason(tmp_path):
+    root = write_folder(tmp_path / "train")
+    bad = root / "cat" / "float.tif"
+    Image.fromarray(np.linspace(0, 1, 30 * 40, dtype=np.float32).reshape(30, 40)).save(bad)  # PIL mode F
+    dataset = RGBImageFolder(root, transforms(16, 16)[1], image_size=16)
+    _, target = dataset[[path for path, _ in dataset.samples].index(str(bad))]
+    assert str(bad_image_error(dataset, target)) == (
+        f"{bad}: unreadable image (ValueError: float pixels (PIL mode F) have no defined range; save the image with 8 "
+        "or 16 bits per channel); replace or remove it, or pass --skip_bad_images")
 
 
 def test_augmentation_depends_on_seed_epoch_and_index_only(tmp_path):

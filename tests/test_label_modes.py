@@ -1,6 +1,8 @@
-"""text.metrics: multi-label loss, metrics at the threshold and prediction rows, against hand-made cases."""
+"""text.metrics and common.loop's class weights: multi-label, regression and class-weighted losses, metrics and
+prediction rows, against hand-made cases, torch and scipy."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,3 +44,77 @@ def test_prediction_rows_list_every_label_above_the_threshold():
     assert rows[1]["probabilities"] == pytest.approx({"a": 0.1, "b": 0.2, "c": 0.3})
     single = prediction_rows(logits, examples, LABELS, multi_label=False)
     assert single[0]["label"] == "a" and sum(single[0]["probabilities"].values()) == pytest.approx(1.0)
+
+
+def test_regression_metrics_loss_and_rows():
+    from scipy.stats import pearsonr, spearmanr
+
+    predictions = torch.tensor([[1.0], [2.5], [2.0], [4.0]])  # (N, 1): the model's single output
+    targets = torch.tensor([1.5, 2.0, 3.0, 3.5])
+    metrics = evaluation_metrics(predictions, targets, ["score"], multi_label=False, regression=True)
+    errors = [-0.5, 0.5, -1.0, 0.5]
+    assert metrics["mse"] == metrics["loss"] == pytest.approx(sum(e * e for e in errors) / 4)
+    assert metrics["rmse"] == pytest.approx(math.sqrt(metrics["mse"]))
+    assert metrics["mae"] == pytest.approx(sum(map(abs, errors)) / 4)
+    assert metrics["pearson"] == pytest.approx(pearsonr([1, 2.5, 2, 4], [1.5, 2, 3, 3.5]).statistic)
+    assert metrics["spearmanr"] == pytest.approx(spearmanr([1, 2.5, 2, 4], [1.5, 2, 3, 3.5]).statistic)
+    assert metrics["samples"] == 4 and metrics["report"] is None and metrics["confusion_matrix"] is None
+    losses = training_loss(predictions, targets, multi_label=False, regression=True)
+    assert losses.tolist() == pytest.approx([e * e for e in errors])
+    constant = evaluation_metrics(torch.ones(3, 1), torch.tensor([1.0, 2.0, 3.0]), ["score"], False, regression=True)
+    assert math.isnan(constant["pearson"])  # undefined, said as such (not 0)
+    rows = prediction_rows(predictions[:2], [Example("甲", None, "-"), Example("乙", None, "-", "丙")], ["score"],
+                           multi_label=False, regression=True)
+    assert rows == [{"text": "甲", "score": 1.0}, {"text": "乙", "text_pair": "丙", "score": 2.5}]
+
+
+def test_the_selection_metric_of_each_task():
+    from text.metrics import default_selection
+
+    classification, regression = default_selection(regression=False), default_selection(regression=True)
+    assert (classification.metric, classification.state_key) == ("macro_f1", "best_macro_f1")
+    assert regression.metric == "mse" and regression.improves(0.4, 0.5) and not regression.improves(0.5, 0.5)
+    assert classification.improves(0.0, None) and classification.improves(0.6, 0.5)
+
+
+def test_class_weights_multiply_each_samples_cross_entropy():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.5], [0.3, 0.2, 0.1], [1.0, 1.0, 3.0]])
+    targets = torch.tensor([0, 1, 1, 2])
+    weights = torch.tensor([0.5, 2.0, 1.0])
+    plain = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    weighted = training_loss(logits, targets, multi_label=False, class_weights=weights)
+    assert weighted.tolist() == pytest.approx((plain * weights[targets]).tolist())
+    # the step's loss is the mean over its samples (LossScale): sum(w_i * l_i) / N, not torch's sum / sum(w_i)
+    assert weighted.mean().item() != pytest.approx(
+        torch.nn.functional.cross_entropy(logits, targets, weight=weights).item())
+    smoothed = training_loss(logits, targets, False, label_smoothing=0.1, class_weights=weights)
+    expected = torch.nn.functional.cross_entropy(logits, targets, weight=weights, label_smoothing=0.1, reduction="none")
+    assert smoothed.tolist() == pytest.approx(expected.tolist())
+
+
+def test_balanced_class_weights_and_weights_files(tmp_path):
+    from sklearn.utils.class_weight import compute_class_weight
+
+    from common.loop import load_class_weights
+    from common.runtime import UserError
+
+    targets = [0, 0, 0, 1, 2, 2]  # "c" (id 3) has no training sample
+    weights = load_class_weights("balanced", ["a", "b", "c", "d"], targets)
+    assert weights.by_label == pytest.approx({"a": 6 / (3 * 3), "b": 6 / (3 * 1), "c": 6 / (3 * 2), "d": 0.0})
+    assert list(weights.by_label.values())[:3] == pytest.approx(
+        compute_class_weight("balanced", classes=np.arange(3), y=np.array(targets)).tolist())
+    assert weights.line() == "--class_weights balanced: a 0.6667, b 2, c 1, d 0"
+    assert weights.tensor("cpu").tolist() == pytest.approx([2 / 3, 2.0, 1.0, 0.0])
+    path = tmp_path / "weights.json"
+    path.write_text('{"b": 3, "a": 0.5}')
+    assert load_class_weights(path, ["a", "b"], None).by_label == {"a": 0.5, "b": 3.0}  # in label order
+    for content, message in (('{"a": 1}', "no weight for b"), ('{"a": 1, "b": 1, "z": 2}', "unknown label(s) z"),
+                             ('{"a": -1, "b": 1}', "the weight of a is -1; weights are numbers >= 0"),
+                             ('{"a": 0, "b": 0}', "every weight is 0"), ("[1, 2]", "expected a JSON object"),
+                             ("{oops", "not a JSON file")):
+        path.write_text(content)
+        with pytest.raises(UserError) as err:
+            load_class_weights(path, ["a", "b"], None)
+        assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+    with pytest.raises(UserError, match="balanced counts the training labels, and this data has none"):
+        load_class_weights("balanced", ["a"], None)

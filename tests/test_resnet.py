@@ -1,4 +1,5 @@
 """train_resnet.py end to end through the real launcher on 1 and 2 CPU processes, on real handwritten digits."""
+import json
 import shutil
 import signal
 import urllib.error
@@ -8,8 +9,8 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json, read_jsonl,
-                      run, run_here, start, wait_for)
+from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, one_thread, read_json,
+                      read_jsonl, run, run_here, start, wait_for)
 from PIL import Image
 
 import train_resnet
@@ -280,6 +281,21 @@ def test_classification_loss_ignores_unreadable_images():
     assert train_resnet.classification_loss(logits[2:], targets[2:]).item() == 0.0  # not NaN
 
 
+def test_class_weights_weigh_hard_and_mixed_targets():
+    logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 2.0, 0.5], [1.0, 1.0, 1.0]])
+    targets = torch.tensor([0, 2, -2])  # the third image was unreadable
+    weights = torch.tensor([0.5, 1.0, 3.0])
+    per_image = torch.nn.functional.cross_entropy(logits[:2], targets[:2], reduction="none") * weights[targets[:2]]
+    assert train_resnet.classification_loss(logits, targets, class_weights=weights).item() == pytest.approx(
+        per_image.mean().item())  # the mean over the readable images of each one's weighted loss
+    from vision.augment import soft_cross_entropy
+
+    mixed = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.4, 0.6], [0.0, 0.0, 0.0]])  # a placeholder's row is all zeros
+    log_p = torch.log_softmax(logits, dim=1)
+    by_hand = -(mixed * weights * log_p).sum(dim=1)[:2].mean()  # each class of a mixed row weighed by its share
+    assert soft_cross_entropy(logits, mixed, class_weights=weights).item() == pytest.approx(by_hand.item())
+
+
 # ---- bad input: one line naming the problem, exit 2, no traceback ----
 
 @pytest.fixture
@@ -381,3 +397,27 @@ def test_refuses_to_overwrite_another_run(small_digits, tmp_path):
 def test_startup_seconds_is_recorded(trained, n):
     results = read_json(trained[n] / "all_results.json")
     assert 0.5 < results["startup_seconds"] < 600  # importing torch alone takes more than 0.5 s
+
+
+def test_class_weights_balanced_from_the_image_counts(small_digits, tmp_path, capsys):
+    import numpy as np
+    from sklearn.utils.class_weight import compute_class_weight
+
+    out = tmp_path / "out"
+    with one_thread():
+        main_here(small_args(small_digits, out, "--class_weights", "balanced", "--mixup_alpha", "0.2",
+                             "--checkpointing_steps", "3"))
+    train = torchvision.datasets.ImageFolder(small_digits / "train")
+    expected = compute_class_weight("balanced", classes=np.arange(10), y=np.array(train.targets))
+    state = read_json(out / "checkpoints" / "step_3" / "training_state.json")
+    assert state["class_weights"] == pytest.approx(dict(zip(train.classes, expected)))
+    assert capsys.readouterr().out.count("--class_weights balanced: 0 ") == 1  # printed once, class by class
+    weights_file = tmp_path / "uniform.json"
+    weights_file.write_text(json.dumps({str(digit): 1.0 for digit in range(10)}))
+    with pytest.raises(UserError, match=r"checkpoint has class_weights=\{'0': "):
+        main_here(small_args(small_digits, out, "--class_weights", weights_file, "--resume", "latest"))
+    with pytest.raises(UserError, match="balanced counts the training labels, and this data has none"):
+        main_here(["--cpu", "--dummy", "8", "-b", "8", "-j", "0", "--class_weights", "balanced", "--output_dir",
+                   tmp_path / "dummy"])
+    with pytest.raises(SystemExit):
+        train_resnet.parse_args([small_digits, "-e", "--resume", "x.pth", "--class_weights", "balanced"])

@@ -1,10 +1,26 @@
-"""The text classifier's data: reading labelled text files, the label list, tokenising once, padding per batch,
-and the length-grouped training order.
+"""The text classifier's data: reading labelled text files or a `datasets` dataset, the label list, the quick-try
+cuts, tokenising once, padding per batch, and the length-grouped training order.
 
 Files: cnews `label<TAB>text` (.txt/.tsv), CSV and JSON (lines or one array) with named columns (`TextFormat`):
 one text or a sentence pair (LCQMC, AFQMC, OCNLI), one label or several (multi-label, separated by
-`label_separator`), in any ASCII-compatible encoding. Every problem is a UserError that names the file and the
-line, so a bad line in a 50k-line file is found in seconds instead of surfacing as a shape error three layers down.
+`label_separator`) or a number (regression), in any ASCII-compatible encoding. Every problem is a UserError that
+names the file and the line, so a bad line in a 50k-line file is found in seconds instead of surfacing as a shape
+error three layers down. Each file is read as the program that wrote it meant it:
+- lines end in \n, \r\n or a lone \r, numbered as a text editor shows them; a record is named by its first line;
+- CSV goes to the csv module as raw text (quoted commas, quotes, line breaks, long fields: pandas' and Excel's
+  files), and a record whose field count differs from the header's, or an unclosed quote, is an error;
+- a .txt/.tsv whose first line is a header row (pandas' `to_csv(sep="\t")`, with or without its index) is a
+  tab-separated table read the same way, never a class named "label";
+- predict files (`read_predict_file`) keep one record per input line, blank ones marked `skipped`, so that
+  predictions.jsonl row N is input record N; cnews lines whose labels the model knows are recognised as labelled;
+- labels are strings: one number spelt two ways ('1', '1.0') or a list without multi-label is refused.
+`--data_dir` (`split_files`) finds train/dev/val/validation/test in every supported type and says which it chose.
+
+Datasets (`--dataset_name`, run_classification.py's flags): a directory written by `save_to_disk` is read with
+`datasets.load_from_disk`, anything else (a hub id, a directory of parquet/csv/json files) with
+`datasets.load_dataset`. Its rows become the same `Example`s as a file's lines, read through the same column flags,
+so every check downstream is shared; a bad row names the dataset, the split and the row index. A ClassLabel column
+gives the label list (its names, in its order), an integer column its integers in numeric order.
 
 Padding is chosen per device, because it only pays where the hardware wants it:
 - CPU: none beyond the longest text of the batch (a multiple of 8 only adds tokens: up to a quarter more work on
@@ -27,19 +43,26 @@ instead of a uniform random draw; the batches' order is shuffled again, so long 
 
 Neighbours: text/model.py (the model and tokenizer), text/metrics.py (loss, metrics, predictions).
 """
+import ast
 import codecs
 import csv
+import functools
 import json
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
+import numpy as np
 import torch
 from accelerate.utils import DynamoBackend
-from datasets import Dataset
+from datasets import ClassLabel, Dataset, DatasetDict
+from datasets.exceptions import DatasetsError
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
-from common.runtime import UserError
+from common.runtime import UserError, hf_bool
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
 
@@ -47,19 +70,38 @@ CSV_SUFFIXES = {".csv"}
 
 JSON_SUFFIXES = {".json", ".jsonl"}
 
-SPLIT_NAMES = {  # file names looked for in --data_dir, first match wins
-    "train": ("train.txt", "cnews.train.txt", "train.tsv", "train.csv", "train.jsonl", "train.json"),
-    "validation": ("val.txt", "cnews.val.txt", "dev.txt", "val.tsv", "val.csv", "val.jsonl", "val.json"),
-    "test": ("test.txt", "cnews.test.txt", "test.tsv", "test.csv", "test.jsonl", "test.json"),
+DATA_SUFFIXES = (".txt", ".tsv", ".csv", ".jsonl", ".json")
+
+SPLIT_STEMS = {  # --data_dir holds <stem><suffix> for a suffix of DATA_SUFFIXES; two such files for a split: an error
+    "train": ("train", "cnews.train"),
+    "validation": ("val", "dev", "validation", "cnews.val"),
+    "test": ("test", "cnews.test"),
 }
+
+SPLIT_FLAGS = {"train": "--train_file", "validation": "--validation_file", "test": "--test_file"}
+
+CSV_FIELD_LIMIT = 2**31 - 1  # characters; the csv module stops at 131,072 by default (2**31 - 1 fits a C long anywhere)
+
+LINE_BREAK = re.compile(rb"\r\n|\r|\n")  # universal newlines, on bytes
+
+DATASET_SPLITS = {  # DatasetDict keys taken for each role when no --*_split_name says otherwise, first match wins
+    "train": ("train",),
+    "validation": ("validation", "dev", "val", "valid"),
+    "test": ("test",),
+}
+
+SHUFFLE_SEED = 42  # run_classification.py's default --shuffle_seed
 
 
 @dataclass
 class Example:
     text: str
-    label: str | tuple[str, ...] | None  # a tuple of labels when multi-label; None for unlabelled prediction inputs
-    where: str  # "path:line", for error messages
+    label: str | tuple[str, ...] | float | None  # a tuple when multi-label, a number for regression; None where a
+    # predict file or a dataset's test split gives none
+    where: str  # "path:line" or "<dataset> split 'train' row 7", for error messages
     text_pair: str | None = None  # the second sentence of a pair
+    line: int | None = None  # the line where the record starts, numbered as a text editor shows it
+    skipped: str | None = None  # predict files: why the record is not fed to the model ("blank line", "empty text")
 
 
 @dataclass(frozen=True)
@@ -70,6 +112,9 @@ class TextFormat:
     label_column: str = "label"
     label_separator: str | None = None  # set: multi-label, the label field holds several labels
     encoding: str = "utf-8"
+    joined_columns: tuple[str, ...] = ()  # --text_column_names a,b: the text is these fields joined, not text_column
+    column_delimiter: str = " "  # between the joined fields
+    regression: bool = False  # the label is a number
 
     @property
     def multi_label(self):
@@ -81,23 +126,45 @@ DEFAULT_FORMAT = TextFormat()
 def add_text_format_args(group):
     """The flags of `TextFormat` (transformers' run_classification names where it has them)."""
     group.add_argument("--text_column", default="text", help="csv/json field of the text")
+    group.add_argument("--text_column_names", "--text_column_name", default=None,
+                       help="run_classification.py's: one field (= --text_column), or several, comma-separated, "
+                            "joined into one text by --text_column_delimiter")
+    group.add_argument("--text_column_delimiter", default=None, help="with several --text_column_names; default ' '")
     group.add_argument("--text_pair_column", default=None,
                        help="csv/json field of the second sentence: a sentence-pair task (LCQMC, AFQMC, OCNLI)")
-    group.add_argument("--label_column", default="label", help="csv/json field of the label(s)")
+    group.add_argument("--label_column", "--label_column_name", default="label",
+                       help="csv/json field of the label(s)")
     group.add_argument("--multi_label", action="store_true",
                        help="several labels per text (sigmoid + binary cross-entropy)")
     group.add_argument("--label_separator", default=",", help="with --multi_label: between labels in a label field")
     group.add_argument("--threshold", type=float, default=0.5,
                        help="with --multi_label: probability from which a label is predicted")
+    group.add_argument("--do_regression", type=hf_bool, nargs="?", const=True, default=False,
+                       help="the label is a number (STS-B, ratings): one output, mean squared error")
     group.add_argument("--encoding", default="utf-8", help="of every input file, e.g. gb18030 (GBK), big5")
+
+
+def check_text_format_args(args):
+    """The flag combinations `text_format` cannot take, found while parsing the command line."""
+    if args.text_column_names and args.text_column != "text":
+        raise UserError("--text_column and --text_column_names name the same thing: pass one")
+    if args.text_column_delimiter is not None and len((args.text_column_names or "").split(",")) < 2:
+        raise UserError("--text_column_delimiter joins several --text_column_names (comma-separated); here there "
+                        "is nothing to join")
+    if args.do_regression and args.multi_label:
+        raise UserError("--do_regression predicts one number per text; it cannot be combined with --multi_label")
 
 
 def text_format(args):
     check_encoding(args.encoding)
     if args.multi_label and not args.label_separator:
         raise UserError("--label_separator: must not be empty")
-    return TextFormat(args.text_column, args.text_pair_column, args.label_column,
-                      args.label_separator if args.multi_label else None, args.encoding)
+    names = [name.strip() for name in (args.text_column_names or "").split(",") if name.strip()]
+    joined = tuple(names) if len(names) > 1 else ()
+    text_column = names[0] if len(names) == 1 else args.text_column
+    return TextFormat(text_column, args.text_pair_column, args.label_column,
+                      args.label_separator if args.multi_label else None, args.encoding, joined,
+                      " " if args.text_column_delimiter is None else args.text_column_delimiter, args.do_regression)
 
 
 def label_set(example):
@@ -106,16 +173,31 @@ def label_set(example):
 
 
 def find_split_file(data_dir, split):
-    """The file for `split` in a cnews-style directory, or None."""
-    for name in SPLIT_NAMES[split]:
-        path = Path(data_dir) / name
-        if path.is_file():
-            return path
-    return None
+    """The file for `split` ("train", "validation", "test") in --data_dir, or None: <name><suffix> for the names of
+    SPLIT_STEMS (cnews.train, dev, validation, ...) and every supported suffix; two candidates are an error."""
+    found = [Path(data_dir) / f"{stem}{suffix}" for stem in SPLIT_STEMS[split] for suffix in DATA_SUFFIXES
+             if (Path(data_dir) / f"{stem}{suffix}").is_file()]
+    if len(found) > 1:
+        raise UserError(f"--data_dir {data_dir}: {' and '.join(path.name for path in found)} are each a {split} "
+                        f"file; keep one of them there, or name it with {SPLIT_FLAGS[split]}")
+    return found[0] if found else None
+
+
+def split_files(data_dir, given, say=print):
+    """{split: path or None}: the file given for each split (--train_file, ...), else the one --data_dir holds; with
+    --data_dir, one line says which file each split uses."""
+    if data_dir is None:
+        return dict(given)
+    if not Path(data_dir).is_dir():
+        raise UserError(f"--data_dir {data_dir}: no such directory")
+    files = {split: given.get(split) or find_split_file(data_dir, split) for split in SPLIT_FLAGS}
+    say(f"--data_dir {data_dir}: " + ", ".join(f"{split} {files[split] or '(none)'}" for split in SPLIT_FLAGS))
+    return files
 
 
 def check_encoding(encoding):
-    """A known codec in which a newline is the byte 0x0A (lines are split before decoding, to name the bad line)."""
+    """A known codec in which a line break is the ASCII byte (0x0A, 0x0D): an undecodable byte's line is counted on
+    the raw bytes."""
     try:
         name = codecs.lookup(encoding).name
     except LookupError:
@@ -126,23 +208,169 @@ def check_encoding(encoding):
     return name
 
 
-def _decoded_lines(path, encoding="utf-8"):
-    """Yield (line_number, line) with the trailing newline removed; undecodable bytes name their line."""
+def _open_text(path, codec, newline=None):
+    """`path` opened for reading as text in `codec`; a UTF-8 byte order mark (Excel writes one) is not text."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: file not found")
-    codec = check_encoding(encoding)
+    return open(path, encoding="utf-8-sig" if codec == "utf-8" else codec, newline=newline)
+
+
+def _decode_error(path, codec):
+    """The UserError for a file that is not valid `codec`: the line and byte of its first undecodable byte."""
+    data = Path(path).read_bytes()
+    skip = len(codecs.BOM_UTF8) if codec == "utf-8" and data.startswith(codecs.BOM_UTF8) else 0
     utf8 = codec == "utf-8"
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if utf8 and number == 1 else codec)
-            except UnicodeDecodeError as err:
-                hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
-                        "; pass the file's real --encoding")
-                raise UserError(f"{path}:{number}: not valid {'UTF-8' if utf8 else encoding} "
-                                f"({err.reason} at byte {err.start}){hint}") from None
-            yield number, line.rstrip("\r\n")
+    hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
+            "; pass the file's real --encoding")
+    try:
+        data[skip:].decode(codec)
+    except UnicodeDecodeError as err:
+        before = data[:skip + err.start]
+        line = len(LINE_BREAK.findall(before)) + 1
+        byte = len(before) - max(before.rfind(b"\n"), before.rfind(b"\r")) - 1
+        return UserError(f"{path}:{line}: not valid {'UTF-8' if utf8 else codec} ({err.reason} at byte {byte})"
+                         f"{hint}")
+    return UserError(f"{path}: not valid {'UTF-8' if utf8 else codec}{hint}")  # changed while it was read
+
+
+def _decoded_lines(path, encoding="utf-8"):
+    """Yield (line_number, line) without its line end. Universal newlines: a line ends in \\n, \\r\\n or a lone \\r
+    (old Mac files, some Excel exports), and lines are numbered as a text editor shows them."""
+    codec = check_encoding(encoding)
+    with _open_text(path, codec) as f:
+        try:
+            for number, line in enumerate(f, start=1):
+                yield number, line.rstrip("\n")
+        except UnicodeDecodeError:
+            raise _decode_error(path, codec) from None
+
+
+def _table_records(path, codec, delimiter):
+    """Yield (line, fields) of each record of a CSV (or tab-separated) file, read by the csv module from the raw file
+    as pandas and Excel write it: quoted delimiters, doubled quotes, line breaks inside quotes, fields of any length.
+    `line` is where the record starts; a blank line is a record with no fields."""
+    csv.field_size_limit(CSV_FIELD_LIMIT)
+    with _open_text(path, codec, newline="") as f:
+        reader, start = csv.reader(f, delimiter=delimiter, strict=True), 1
+        try:
+            for fields in reader:
+                yield start, fields
+                start = reader.line_num + 1
+        except UnicodeDecodeError:
+            raise _decode_error(path, codec) from None
+        except csv.Error as err:
+            if str(err) == "unexpected end of data":
+                raise UserError(f"{path}:{start}: a quoted field of this record is never closed (the file ends "
+                                "inside it)") from None
+            hint = "; or remove the header row to read lines as label<TAB>text" if delimiter == "\t" else ""
+            raise UserError(f"{path}:{reader.line_num}: {str(err).replace(chr(9), 'TAB')} (a field holding a quote "
+                            f"must be quoted as a whole, its quotes doubled{hint})") from None
+
+
+def _table_rows(path, fmt, labelled, delimiter):
+    """Yield (line, row) of a file with a header row: row maps the header's names to the record's fields; None for a
+    blank line. A record with another number of fields than the header is an error."""
+    records = _table_records(path, check_encoding(fmt.encoding), delimiter)
+    header_line, header = next(((line, fields) for line, fields in records if fields), (1, []))
+    missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled) if column not in header]
+    if missing:
+        raise UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}")
+    for line, fields in records:
+        if not any(field.strip() for field in fields):
+            yield line, None
+        elif len(fields) != len(header):
+            separator = "TAB" if delimiter == "\t" else f"'{delimiter}'"
+            raise UserError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)} (a field holding a "
+                            f"{separator}, a quote or a line break must be quoted)")
+        else:
+            yield line, dict(zip(header, fields))
+
+
+def _json_rows(path, fmt):
+    """Yield (line, value) of a JSON-lines file (None for a blank line), or of the items of one JSON array; `line` is
+    where the value starts."""
+    lines = list(_decoded_lines(path, fmt.encoding))
+    first = next((line for _, line in lines if line.strip()), "")
+    if first.lstrip().startswith("["):
+        yield from _json_array_items(path, "\n".join(line for _, line in lines))
+        return
+    for number, line in lines:
+        try:
+            value = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        yield number, value
+
+
+def _json_array_items(path, text):
+    """[(line, item)] of the JSON array `text`, each item decoded by json's own decoder where it starts."""
+    decoder, space = json.JSONDecoder(), re.compile(r"[ \t\n\r]*")
+    items, line, counted = [], 1, 0
+    position = space.match(text, text.index("[") + 1).end()
+    closed = text.startswith("]", position)  # an empty array
+    while not closed:
+        line, counted = line + text.count("\n", counted, position), position
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        items.append((line, item))
+        position = space.match(text, position).end()
+        closed = text.startswith("]", position)
+        if not closed and not text.startswith(",", position):
+            raise UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (expected ',' or ']')")
+        position = position if closed else space.match(text, position + 1).end()
+    if text[position + 1:].strip():
+        raise UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (data after the array)")
+    return items
+
+
+def _header_row(path, fmt):
+    """(line, fields) of a .txt/.tsv file's first non-blank line if it is a header row, else None: two or more
+    TAB-separated fields, one of them the text or label column's name, as pandas' `to_csv(sep="\\t")` writes
+    (`label<TAB>text`, or `<TAB>label<TAB>text` with its index)."""
+    for number, line in _decoded_lines(path, fmt.encoding):
+        if line.strip():
+            fields = line.split("\t")
+            named = fmt.text_column in fields or fmt.label_column in fields
+            return (number, fields) if len(fields) > 1 and named else None
+    return None
+
+
+def _rows(path, fmt, say, plain_lines, labelled=True):
+    """Yield (line, row) of each record of a supported file: row maps column names to values, None for a blank
+    line. A .txt/.tsv whose first line is a header row is a tab-separated table; otherwise `plain_lines(path, fmt)`
+    reads its lines."""
+    suffix = path.suffix.lower()
+    if suffix in CSV_SUFFIXES:
+        return _table_rows(path, fmt, labelled, ",")
+    if suffix in JSON_SUFFIXES:
+        return _json_rows(path, fmt)
+    if suffix not in TEXT_SUFFIXES:
+        raise UserError(f"{path}: unsupported file type '{suffix}' (use .txt/.tsv, .csv, .json or .jsonl)")
+    header = _header_row(path, fmt)
+    if header is None:
+        return plain_lines(path, fmt)
+    line, fields = header
+    say(f"skipped the header row of {path}:{line} ({', '.join(name or '(index)' for name in fields)}): its columns "
+        "are read by name, quoted fields as pandas and the csv module write them")
+    return _table_rows(path, fmt, labelled, "\t")
+
+
+def _cnews_lines(path, fmt):
+    """Rows of a header-less .txt/.tsv training file: `label<TAB>text` lines (the text may hold more TABs)."""
+    if fmt.text_pair_column:
+        raise UserError(f"{path}: sentence pairs need a .csv or .json(l) file with named columns (or a .tsv whose "
+                        "first line is a header row); other .txt/.tsv files are 'label<TAB>text'")
+    for number, line in _decoded_lines(path, fmt.encoding):
+        if not line.strip():
+            yield number, None  # blank lines (often a trailing one) carry nothing
+            continue
+        if "\t" not in line:
+            raise UserError(f"{path}:{number}: expected 'label<TAB>text', found no TAB")
+        label, text = line.split("\t", 1)
+        yield number, {fmt.label_column: label, fmt.text_column: text}
 
 
 def _check_text(text, where):
@@ -151,37 +379,61 @@ def _check_text(text, where):
     return text.strip()
 
 
-def _check_label(label, where, fmt=DEFAULT_FORMAT):
-    """One label, or with multi-label a sorted tuple of labels (a JSON list, or a field split on the separator).
+def _list_items(label):
+    """The items of a list label: a JSON list, or the text Python or JSON writes for a list (pandas saves a list
+    column as "['a', 'b']"); None for anything else."""
+    if isinstance(label, list):
+        return label
+    text = label.strip() if isinstance(label, str) else ""
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    try:
+        value = ast.literal_eval(text)  # literals only: nothing is run
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, list) else None
 
-    An empty multi-label field is an example with none of the labels, as in most multi-label corpora."""
+
+def _check_label(label, where, fmt=DEFAULT_FORMAT):
+    """One label, or with multi-label a sorted tuple of labels (a list, or a field split on the separator), or with
+    regression a finite number.
+
+    An empty multi-label field is an example with none of the labels, as in most multi-label corpora. A list without
+    --multi_label is an error: it would become one class named after the whole list."""
+    if fmt.regression:
+        return _check_number(label, where)
+    if isinstance(label, dict):
+        raise UserError(f"{where}: the label is a JSON object; expected a label (with --multi_label: a list)")
+    items = _list_items(label)
+    if items is not None and not fmt.multi_label:
+        raise UserError(f"{where}: the label {str(label)[:60]} is a list; pass --multi_label for several labels "
+                        "per text")
     if fmt.multi_label:
         if label is None:
             raise UserError(f"{where}: no label field")
-        parts = label if isinstance(label, list) else str(label).split(fmt.label_separator)
+        parts = items if items is not None else str(label).split(fmt.label_separator)
         return tuple(sorted({str(part).strip() for part in parts if str(part).strip()}))
     if label is None or not str(label).strip():
         raise UserError(f"{where}: empty label")
     return str(label).strip()
 
 
-def _read_tab_separated(path, fmt=DEFAULT_FORMAT):
-    if fmt.text_pair_column:
-        raise UserError(f"{path}: sentence pairs need a .csv or .json(l) file with named columns; "
-                        ".txt/.tsv files are 'label<TAB>text'")
-    for number, line in _decoded_lines(path, fmt.encoding):
-        if not line.strip():
-            continue  # blank lines (often a trailing one) carry nothing
-        where = f"{path}:{number}"
-        if "\t" not in line:
-            raise UserError(f"{where}: expected 'label<TAB>text', found no TAB")
-        label, text = line.split("\t", 1)
-        yield Example(_check_text(text, where), _check_label(label, where, fmt), where)
+def _check_number(label, where):
+    if label is None or not str(label).strip():
+        raise UserError(f"{where}: empty label")
+    try:
+        value = float(label)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: label {str(label).strip()!r} is not a number (--do_regression)") from None
+    if not math.isfinite(value) or isinstance(label, bool):
+        raise UserError(f"{where}: label {str(label).strip()!r} is not a finite number (--do_regression)")
+    return value
 
 
 def _columns(fmt, labelled):
     """(field, flag) pairs a row must have."""
-    columns = [(fmt.text_column, "--text_column")]
+    columns = ([(column, "--text_column_names") for column in fmt.joined_columns] if fmt.joined_columns
+               else [(fmt.text_column, "--text_column")])
     if fmt.text_pair_column:
         columns.append((fmt.text_pair_column, "--text_pair_column"))
     if labelled:
@@ -189,83 +441,320 @@ def _columns(fmt, labelled):
     return columns
 
 
-def _example(row, where, fmt, labelled):
+def _check_columns(row, where, fmt, labelled):
+    if not isinstance(row, dict):
+        fields = " and ".join(f"'{column}'" for column, _ in _columns(fmt, labelled))
+        raise UserError(f"{where}: expected an object with {fields}")
     for column, flag in _columns(fmt, labelled):
         if column not in row:
-            raise UserError(f"{where}: no field '{column}' ({flag})")
+            hint = ("; files to train or evaluate on need labels (texts without labels go to --predict_file)"
+                    if column == fmt.label_column else "")
+            raise UserError(f"{where}: no field '{column}' ({flag}){hint}")
+
+
+def _row_text(row, fmt):
+    """The text of a row: its text column, or with --text_column_names a,b those columns joined as
+    run_classification.py joins them (None, a missing csv/parquet value, joins as nothing)."""
+    if not fmt.joined_columns:
+        return row[fmt.text_column]
+    return fmt.column_delimiter.join("" if row[column] is None else str(row[column]) for column in fmt.joined_columns)
+
+
+def _example(row, where, fmt, line, labelled=True):
+    _check_columns(row, where, fmt, labelled)
     label = _check_label(row[fmt.label_column], where, fmt) if labelled else None
     pair = _check_text(row[fmt.text_pair_column], where) if fmt.text_pair_column else None
-    return Example(_check_text(row[fmt.text_column], where), label, where, pair)
+    return Example(_check_text(_row_text(row, fmt), where), label, where, pair, line)
 
 
-def _read_csv(path, labelled, fmt=DEFAULT_FORMAT):
-    lines = (line for _, line in _decoded_lines(path, fmt.encoding))
-    reader = csv.DictReader(lines)
-    missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled)
-               if column not in (reader.fieldnames or [])]
-    if missing:
-        raise UserError(f"{path}:1: header lacks column(s) {', '.join(missing)}")
-    for row in reader:
-        yield _example({k: v for k, v in row.items() if v is not None}, f"{path}:{reader.line_num}", fmt, labelled)
-
-
-def _read_json(path, labelled, fmt=DEFAULT_FORMAT):
-    numbered = list(_decoded_lines(path, fmt.encoding))
-    first = next((line for _, line in numbered if line.strip()), "")
-    if first.lstrip().startswith("["):  # one JSON array
-        try:
-            rows = json.loads("\n".join(line for _, line in numbered))
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
-        records = [(f"{path}: item {i}", row) for i, row in enumerate(rows)]
-    else:  # JSON lines
-        records = []
-        for number, line in numbered:
-            if not line.strip():
-                continue
-            try:
-                records.append((f"{path}:{number}", json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-    for where, row in records:
-        if not isinstance(row, dict):
-            fields = " and ".join(f"'{column}'" for column, _ in _columns(fmt, labelled))
-            raise UserError(f"{where}: expected an object with {fields}")
-        yield _example(row, where, fmt, labelled)
-
-
-def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT):
-    """All examples of a labelled file (.txt/.tsv label TAB text, .csv or .json/.jsonl with the `fmt` columns)."""
+def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
+    """All examples of a labelled file: .txt/.tsv `label<TAB>text` lines (or a table with a header row), .csv, or
+    .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels are not read). `say` prints
+    one-line notes (a header row skipped)."""
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:
-        examples = list(_read_tab_separated(path, fmt))
-    elif suffix in CSV_SUFFIXES:
-        examples = list(_read_csv(path, labelled, fmt))
-    elif suffix in JSON_SUFFIXES:
-        examples = list(_read_json(path, labelled, fmt))
-    else:
-        raise UserError(f"{path}: unsupported file type '{suffix}' (use .txt/.tsv, .csv, .json or .jsonl)")
+    examples = [_example(row, f"{path}:{line}", fmt, line, labelled)
+                for line, row in _rows(path, fmt, say, _cnews_lines, labelled) if row is not None]
     if not examples:
         raise UserError(f"{path}: no examples (the file is empty)")
     return examples
 
 
-def read_unlabelled(path, fmt=DEFAULT_FORMAT):
-    """Examples to predict: one text per line, or JSON lines/CSV with the `fmt` text (and pair) columns."""
+def read_predict_file(path, fmt=DEFAULT_FORMAT, labels=(), say=print):
+    """One Example per record of a --predict_file, so that predictions.jsonl has one row per input line: blank lines
+    and empty texts included, marked `skipped`. .csv/.json(l) (and a .tsv with a header row) give the `fmt` text
+    (and pair) columns, and the label column's value as `label` where there is one. Other .txt/.tsv files hold one
+    text per line, or `label<TAB>text` lines when every line starts with one of the model's `labels` and a TAB."""
     path = Path(path)
-    if path.suffix.lower() in CSV_SUFFIXES | JSON_SUFFIXES:
-        return read_examples(path, labelled=False, fmt=fmt)
-    if fmt.text_pair_column:
-        raise UserError(f"{path}: sentence pairs to predict need a .csv or .json(l) file with named columns")
-    examples = [
-        Example(_check_text(line, f"{path}:{number}"), None, f"{path}:{number}")
-        for number, line in _decoded_lines(path, fmt.encoding)
-        if line.strip()
-    ]
-    if not examples:
+    rows = _rows(path, fmt, say, functools.partial(_predict_lines, labels=set(labels), say=say), labelled=False)
+    examples = [_predict_example(row, f"{path}:{line}", fmt, line) for line, row in rows]
+    if all(example.skipped for example in examples):
         raise UserError(f"{path}: no texts (the file is empty)")
     return examples
+
+
+def _predict_lines(path, fmt, labels, say):
+    """Rows of a header-less .txt/.tsv predict file: one text per line (a TAB may be part of a text), or, when every
+    non-blank line is `label<TAB>text` with a label of the model, those lines' texts and labels."""
+    if fmt.text_pair_column:
+        raise UserError(f"{path}: sentence pairs to predict need a .csv or .json(l) file with named columns")
+    lines = list(_decoded_lines(path, fmt.encoding))
+    texts = [(number, line) for number, line in lines if line.strip()]
+    with_label = [number for number, line in texts if _starts_with_label(line, labels, fmt)]
+    if len(texts) / 2 < len(with_label) < len(texts):
+        first = next(number for number, line in texts if not _starts_with_label(line, labels, fmt))
+        raise UserError(f"{path}:{first}: {len(with_label)} of the {len(texts)} lines are 'label<TAB>text' with a "
+                        "label of the model, this one is not; correct it, or give the texts as .jsonl with a "
+                        "'text' field")
+    is_labelled = bool(texts) and len(with_label) == len(texts)
+    if is_labelled:
+        say(f"{path}: every line is 'label<TAB>text' with a label of the model: predicting on the texts (the "
+            "labels go to label_given)")
+    for number, line in lines:
+        if not line.strip():
+            yield number, None
+        elif is_labelled:
+            label, text = line.split("\t", 1)
+            yield number, {fmt.label_column: label, fmt.text_column: text}
+        else:
+            yield number, {fmt.text_column: line}
+
+
+def _starts_with_label(line, labels, fmt):
+    label, tab, _ = line.partition("\t")
+    if fmt.regression:  # a number, then the text
+        return bool(tab) and _label_number(label.strip()) is not None
+    names = label.split(fmt.label_separator) if fmt.multi_label else [label]
+    return bool(tab and label.strip()) and all(name.strip() in labels for name in names)
+
+
+def _predict_example(row, where, fmt, line):
+    """An Example to predict; a blank line or an empty text is kept as a `skipped` one."""
+    if row is None:
+        return Example("", None, where, line=line, skipped="blank line")
+    _check_columns(row, where, fmt, labelled=False)
+    texts = [_row_text(row, fmt)] + ([row[fmt.text_pair_column]] if fmt.text_pair_column else [])
+    if any(isinstance(text, str) and not text.strip() for text in texts):
+        return Example("", None, where, line=line, skipped="empty text")
+    given = row.get(fmt.label_column)
+    label = _check_label(given, where, fmt) if given not in (None, "") else None
+    pair = _check_text(row[fmt.text_pair_column], where) if fmt.text_pair_column else None
+    return Example(_check_text(_row_text(row, fmt), where), label, where, pair, line)
+
+
+@dataclass
+class Splits:
+    """What a run reads: {"train"|"validation"|"test"|"predict": examples}, the label list the data defines (a
+    ClassLabel's names, a column's integers; None: the sorted labels of the training examples) and the lines that
+    say what was read for what."""
+    examples: dict
+    labels: list[str] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def read_file_splits(args, fmt, say=print):
+    """The files of --train_file/--validation_file/--test_file (or --data_dir's) this run needs; the ones found in
+    --data_dir are set on args, so that run_config.json records them."""
+    files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
+                                        "test": args.test_file}, say)
+    args.train_file, args.validation_file, args.test_file = files.values()
+    needed = {"train": args.do_train, "validation": args.do_eval, "test": args.do_test}
+    for split, need in needed.items():
+        if need and files[split] is None:
+            raise UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
+                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)")
+    if args.do_train and files["validation"] is not None:
+        needed["validation"] = True  # model selection uses the validation set, never the test set
+    return Splits({split: read_examples(files[split], fmt=fmt, say=say) for split, need in needed.items() if need})
+
+
+def load_dataset_dict(name, config_name, cache_dir=None, token=None):
+    """A DatasetDict from a save_to_disk directory (load_from_disk), or from datasets.load_dataset (a hub id, a
+    directory of parquet/csv/json files); a single Dataset is the train split, as load_dataset names one file."""
+    path = Path(name)
+    saved = path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+    if saved and config_name:
+        raise UserError(f"--dataset_config_name {config_name}: {name} was written by save_to_disk, which has no "
+                        "configurations")
+    try:
+        loaded = (datasets.load_from_disk(str(path)) if saved else
+                  datasets.load_dataset(name, config_name, cache_dir=cache_dir and str(cache_dir), token=token))
+    except (OSError, ValueError, DatasetsError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"--dataset_name {name}: cannot load ({first}); a hub id needs the hub or its cache "
+                        "(--cache_dir), a local directory must be written by save_to_disk or hold "
+                        "parquet/csv/json files") from None
+    return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
+
+
+def dataset_split(dataset_dict, role, chosen, name):
+    """The DatasetDict key used as `role` ('train', 'validation', 'test'): --{role}_split_name, else the first of
+    DATASET_SPLITS[role] the dataset has; None if it has none."""
+    if chosen is not None and chosen not in dataset_dict:
+        raise UserError(f"--{role}_split_name {chosen}: {name} has no such split (it has "
+                        f"{', '.join(dataset_dict)})")
+    return chosen or next((key for key in DATASET_SPLITS[role] if key in dataset_dict), None)
+
+
+def _label_feature(dataset, fmt):
+    """The label column's ClassLabel (also inside a list, for multi-label), or None."""
+    feature = dataset.features.get(fmt.label_column)
+    inner = getattr(feature, "feature", None)  # List(ClassLabel) and Sequence(ClassLabel)
+    return feature if isinstance(feature, ClassLabel) else inner if isinstance(inner, ClassLabel) else None
+
+
+def dataset_labels(dataset, fmt, where):
+    """(label list, note) the dataset defines: a ClassLabel's names in its order, or an integer column's values in
+    numeric order; (None, None) for string labels (sorted as a file's) and for regression. A float column needs
+    --do_regression: run_classification.py would silently switch to regression, here the flag says it."""
+    feature = dataset.features.get(fmt.label_column)
+    dtype = getattr(feature, "dtype", None)
+    class_label = _label_feature(dataset, fmt)
+    if fmt.regression:
+        if class_label is not None:
+            raise UserError(f"{where}: column '{fmt.label_column}' is a ClassLabel (categories, not numbers); "
+                            "drop --do_regression")
+        return None, None
+    if isinstance(feature, (datasets.List, datasets.LargeList)) and not fmt.multi_label:
+        raise UserError(f"{where}: column '{fmt.label_column}' holds lists of labels: pass --multi_label")
+    if class_label is not None:
+        return list(class_label.names), (f"labels: the ClassLabel names of column '{fmt.label_column}', in the "
+                                         "dataset's order (ids as in the dataset)")
+    if dtype in ("float16", "float32", "float64"):
+        raise UserError(f"{where}: column '{fmt.label_column}' holds {dtype} numbers: pass --do_regression to "
+                        "predict them, or make them integer classes")
+    if dtype is not None and dtype.startswith(("int", "uint")) and not fmt.multi_label:
+        values = sorted(set(dataset[fmt.label_column]))
+        return [str(v) for v in values], f"labels: the integers of column '{fmt.label_column}', in numeric order"
+    return None, None
+
+
+def dataset_examples(dataset, fmt, where, labelled=True):
+    """The rows of one split as Examples (ClassLabel ids as their names); `where`: '<dataset> split <name>'."""
+    columns = [column for column, _ in _columns(fmt, labelled)]
+    missing = [f"'{column}' ({flag})" for column, flag in _columns(fmt, labelled) if column not in dataset.features]
+    if missing:
+        raise UserError(f"{where}: no column {', '.join(missing)}; it has {', '.join(dataset.features)}")
+    rows = dataset.select_columns(columns).to_dict()  # {column: values}: one pass in C instead of a dict per row
+    class_label = _label_feature(dataset, fmt) if labelled else None
+    examples = []
+    for index in range(len(dataset)):
+        row = {column: rows[column][index] for column in columns}
+        if class_label is not None:
+            row[fmt.label_column] = _label_names(row[fmt.label_column], class_label, f"{where} row {index}")
+        examples.append(_example(row, f"{where} row {index}", fmt, None, labelled))
+    if not examples:
+        raise UserError(f"{where}: no rows")
+    return examples
+
+
+def _label_names(ids, class_label, where):
+    if isinstance(ids, list):
+        return [_label_names(i, class_label, where) for i in ids]
+    if ids is None or ids < 0:  # GLUE's test splits carry -1: no label
+        raise UserError(f"{where}: label {ids} (no label; a test split without labels can only be predicted, "
+                        "with --do_predict)")
+    return class_label.names[ids]
+
+
+def read_dataset_splits(args, fmt):
+    """--dataset_name's splits this run needs, as Examples, and its test split to predict without --predict_file."""
+    dataset_dict = load_dataset_dict(args.dataset_name, args.dataset_config_name, args.cache_dir, args.token)
+    roles = {role: dataset_split(dataset_dict, role, getattr(args, f"{role}_split_name"), args.dataset_name)
+             for role in DATASET_SPLITS}
+    needed = {"train": args.do_train,  # model selection uses the validation split, never the test split
+              "validation": args.do_eval or (args.do_train and roles["validation"] is not None), "test": args.do_test}
+    for role, need in needed.items():
+        if need and roles[role] is None:
+            raise UserError(f"--do_{'eval' if role == 'validation' else role} needs a {role} split: "
+                            f"{args.dataset_name} has {', '.join(dataset_dict)} (--{role}_split_name NAME)")
+    if args.do_predict and not args.predict_file and roles["test"] is None:
+        raise UserError(f"--do_predict needs --predict_file or a test split: {args.dataset_name} has "
+                        f"{', '.join(dataset_dict)} (--test_split_name NAME)")
+    where = {role: f"{args.dataset_name} split '{key}'" for role, key in roles.items()}
+    labels, labels_note = (dataset_labels(dataset_dict[roles["train"]], fmt, where["train"]) if needed["train"]
+                           else (None, None))
+    used = [f"{role} <- split '{roles[role]}' ({len(dataset_dict[roles[role]]):,} rows)"
+            for role, need in needed.items() if need]
+    if args.do_predict and not args.predict_file:
+        used.append(f"predict <- split '{roles['test']}' (its labels unused)")
+    splits = Splits({role: dataset_examples(dataset_dict[roles[role]], fmt, where[role])
+                     for role, need in needed.items() if need}, labels,
+                    [note for note in (f"--dataset_name {args.dataset_name}: {', '.join(used)}", labels_note) if note])
+    if args.do_predict and not args.predict_file:
+        splits.examples["predict"] = dataset_examples(dataset_dict[roles["test"]], fmt, where["test"], False)
+    return splits
+
+
+def select_examples(examples, args):
+    """run_classification.py's quick-try cuts: the training examples in the order of datasets'
+    `Dataset.shuffle(seed)` with --shuffle_train_dataset, then the first --max_train_samples of them, the first
+    --max_eval_samples of the validation and test sets, the first --max_predict_samples texts to predict.
+    Returns (examples, notes)."""
+    limits = {"train": args.max_train_samples, "validation": args.max_eval_samples, "test": args.max_eval_samples,
+              "predict": args.max_predict_samples}
+    selected, notes = {}, []
+    for split, items in examples.items():
+        if split == "train" and args.shuffle_train_dataset:
+            order = np.random.default_rng(args.shuffle_seed or SHUFFLE_SEED).permutation(len(items))
+            items = [items[i] for i in order]
+        selected[split] = items[:limits[split]]
+        if limits[split] is not None:
+            notes.append(f"{split}: the first {len(selected[split]):,} of {len(items):,} examples"
+                         + (" (after --shuffle_train_dataset)" if split == "train" and args.shuffle_train_dataset
+                            else ""))
+    return selected, notes
+
+
+def add_dataset_args(group):
+    """run_classification.py's dataset flags: a `datasets` dataset instead of files, and the quick-try cuts."""
+    group.add_argument("--dataset_name", default=None,
+                       help="instead of files: a hub id, or a local directory written by save_to_disk or holding "
+                            "parquet/csv/json files (datasets.load_from_disk / load_dataset)")
+    group.add_argument("--dataset_config_name", default=None, help="the hub dataset's configuration, e.g. stsb")
+    for role, default in (("train", "train"), ("validation", "validation, dev, val or valid"), ("test", "test")):
+        group.add_argument(f"--{role}_split_name", default=None,
+                           help=f"the dataset's split used as {role} set; default: {default}")
+    group.add_argument("--max_train_samples", type=int, default=None,
+                       help="train on the first N examples (labels still come from all of them)")
+    group.add_argument("--max_eval_samples", type=int, default=None,
+                       help="the first N examples of the validation and the test set")
+    group.add_argument("--max_predict_samples", type=int, default=None, help="the first N texts to predict")
+    group.add_argument("--shuffle_train_dataset", type=hf_bool, nargs="?", const=True, default=False,
+                       help="shuffle the training examples once, before --max_train_samples")
+    group.add_argument("--shuffle_seed", type=int, default=None,
+                       help=f"with --shuffle_train_dataset; default {SHUFFLE_SEED}")
+
+
+def check_dataset_args(args):
+    """Flag combinations refused while parsing: two data sources, or a flag that would be ignored."""
+    files = [f"--{name}" for name in ("data_dir", "train_file", "validation_file", "test_file")
+             if getattr(args, name) is not None]
+    if args.dataset_name and files:
+        raise UserError(f"--dataset_name and {files[0]} are two sources of data: pass one")
+    without_dataset = [f"--{name}" for name in ("dataset_config_name", "train_split_name", "validation_split_name",
+                                                "test_split_name") if getattr(args, name) is not None]
+    if without_dataset and not args.dataset_name:
+        raise UserError(f"{without_dataset[0]} needs --dataset_name")
+    for name, mode in (("max_train_samples", args.do_train), ("max_predict_samples", args.do_predict),
+                       ("max_eval_samples", args.do_train or args.do_eval or args.do_test)):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name} {value}: must be at least 1")
+        if value is not None and not mode:
+            raise UserError(f"--{name}: nothing of that kind is read in this run")
+    if args.shuffle_seed is not None and not args.shuffle_train_dataset:
+        raise UserError("--shuffle_seed needs --shuffle_train_dataset")
+    test_split = args.test_file or args.dataset_name or (args.data_dir and find_split_file(args.data_dir, "test"))
+    if args.do_predict and not (args.predict_file or test_split):
+        raise UserError("--do_predict needs --predict_file, or a test split to predict (run_classification.py's "
+                        "--test_file, --data_dir with a test file, --dataset_name)")
+
+
+def data_must_match(args):
+    """The data flags a resumed run must share with its checkpoint: another value changes the examples."""
+    return {"--max_train_samples": args.max_train_samples, "--max_eval_samples": args.max_eval_samples,
+            "--shuffle_train_dataset": args.shuffle_train_dataset,
+            "--shuffle_seed": (args.shuffle_seed or SHUFFLE_SEED) if args.shuffle_train_dataset else None}
 
 
 def read_labels_file(path, encoding="utf-8"):
@@ -288,7 +777,38 @@ def build_label_list(train_examples, labels_file=None, encoding="utf-8"):
         labels = read_labels_file(labels_file, encoding)
         check_known_labels(train_examples, labels, source=str(labels_file))
         return labels
+    check_label_spellings(train_examples)
     return sorted({label for example in train_examples for label in label_set(example)})
+
+
+def check_label_spellings(examples):
+    """Labels are strings, so '1' and '1.0' (or a JSON 1 and true) would be two classes: refused, naming the first
+    line of each. (A --labels_file that lists both says they are different classes.)"""
+    first_seen = {}
+    for example in examples:
+        for label in label_set(example):
+            first_seen.setdefault(label, example.where)
+    by_number = {}
+    for label, where in first_seen.items():
+        number = _label_number(label)
+        if number is not None and number in by_number:
+            other, other_where = by_number[number]
+            raise UserError(f"{other_where}: label '{other}' and {where}: label '{label}' are one number written two "
+                            "ways and would be two classes; write it one way (or, if they are different classes, "
+                            "list both in --labels_file)")
+        if number is not None:
+            by_number[number] = (label, where)
+
+
+def _label_number(label):
+    """The number a label spells ('1', '1.0', '1e0'; 'true' and 'false' as JSON writes booleans: 1 and 0), or None."""
+    if label.lower() in ("true", "false"):
+        return float(label.lower() == "true")
+    try:
+        number = float(label)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def check_known_labels(examples, labels, source="the train file"):
@@ -341,8 +861,11 @@ def build_collator(tokenizer, max_seq_len, pad_to_multiple_of=None, pad_to_max_l
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
 
-def label_targets(examples, labels, multi_label):
-    """Class ids (single-label) or multi-hot float rows (multi-label) in the id order of `labels`."""
+def label_targets(examples, labels, multi_label, regression=False):
+    """Class ids (single-label) or multi-hot float rows (multi-label) in the id order of `labels`; the numbers
+    themselves for regression."""
+    if regression:
+        return [float(e.label) for e in examples]
     label2id = {label: i for i, label in enumerate(labels)}
     if not multi_label:
         return [label2id[e.label] for e in examples]

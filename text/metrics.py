@@ -1,6 +1,14 @@
-"""The text classifier's loss, evaluation metrics and predictions, single-label (softmax, cross-entropy) and
-multi-label (sigmoid, binary cross-entropy) chosen in one place by `multi_label`; the confusion matrix files; and
-`--metric NAME_OR_PATH`, any Hugging Face `evaluate` module beside the built-in metrics.
+"""The text classifier's loss, evaluation metrics and predictions, single-label (softmax, cross-entropy),
+multi-label (sigmoid, binary cross-entropy) and regression (one output, mean squared error) chosen in one place by
+`multi_label` / `regression`; which validation metric selects the best model (`default_selection`); the confusion
+matrix files; and `--metric NAME_OR_PATH`, any Hugging Face `evaluate` module beside the built-in metrics.
+
+Class weights (--class_weights, single-label only) multiply each sample's cross-entropy by its class's weight, as
+torch's `cross_entropy(weight=...)` with `reduction="none"` does; the training loop then takes the mean over the
+step's samples (common/loop.py LossScale), which needs no collective and is the same on any number of processes. That
+is the mean of the weighted losses, sum(w_i * l_i) / N, not torch's reduction="mean" (sum(w_i * l_i) / sum(w_i)):
+that denominator would depend on which classes each step drew. With `balanced` weights both agree over an epoch
+(the weights of the training samples sum to N). The evaluation loss stays unweighted, comparable between runs.
 
 Metrics are computed locally (scikit-learn, torch): no metric hub, exact sample counts. Inputs are the outputs of
 `accelerator.gather_for_metrics`, so every sample is counted once on any number of processes (no duplicates padded
@@ -14,6 +22,8 @@ in seconds rather than after the run.
 Neighbours: text/data.py, text/model.py.
 """
 import csv
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,21 +34,88 @@ from common.runtime import UserError
 # scikit-learn and matplotlib are imported where used: together they add about a second to every process start.
 
 
-def training_loss(logits, targets, multi_label, label_smoothing=0.0):
-    """Loss per sample, (B,), of this process's share of the batch (logits (B, C); targets (B,) ids or (B, C)
-    multi-hot; multi-label: the mean over the C labels' binary cross-entropies)."""
+# The headline numbers of an evaluation (the eval events, the `eval_*`/`test_*` results), in this order, of those
+# evaluation_metrics computed: classification or regression.
+HEADLINE_SCORES = ("loss", "accuracy", "macro_f1", "micro_f1", "mse", "rmse", "mae", "pearson", "spearmanr", "samples")
+
+
+def training_loss(logits, targets, multi_label, label_smoothing=0.0, class_weights=None, regression=False):
+    """Loss per sample, (B,), of this process's share of the batch (logits (B, C); targets (B,) ids, (B, C)
+    multi-hot or (B,) numbers; multi-label: the mean over the C labels' binary cross-entropies; regression: the
+    squared error; class_weights (C,): each sample's cross-entropy times its class's weight)."""
+    if regression:
+        return F.mse_loss(logits.float().squeeze(-1), targets.float(), reduction="none")
     if multi_label:
         return F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none").mean(-1)
-    return F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing, reduction="none")
+    return F.cross_entropy(logits.float(), targets, weight=class_weights, label_smoothing=label_smoothing,
+                           reduction="none")
 
 
-def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5):
+@dataclass(frozen=True)
+class Selection:
+    """The validation metric that selects the best model."""
+    metric: str  # a key of evaluation_metrics' result
+    higher_is_better: bool
+
+    @property
+    def state_key(self):
+        """The training state's (and each checkpoint's) entry for the best value so far."""
+        return f"best_{self.metric}"
+
+    def improves(self, value, best):
+        """A strict improvement: of equal scores the first one stays selected."""
+        return best is None or (value > best if self.higher_is_better else value < best)
+
+
+def default_selection(regression):
+    """Classification: macro-F1 (rare classes count as much as frequent ones). Regression: the mean squared error,
+    the training loss itself and run_classification.py's default regression metric (Pearson and Spearman ignore the
+    predictions' scale and offset, so a model they prefer can be off by a constant)."""
+    return Selection("mse", higher_is_better=False) if regression else Selection("macro_f1", higher_is_better=True)
+
+
+def headline_scores(metrics):
+    """{name: value} of the HEADLINE_SCORES that `metrics` (evaluation_metrics' result) holds."""
+    return {key: metrics[key] for key in HEADLINE_SCORES if key in metrics}
+
+
+def check_task_args(args):
+    """Loss and metric flags that do not fit the task, refused while parsing (UserError)."""
+    for flag, value in (("--label_smoothing", args.label_smoothing), ("--labels_file", args.labels_file),
+                        ("--metric", args.metric), ("--class_weights", args.class_weights)):
+        if args.do_regression and value:
+            raise UserError(f"{flag} is for classes; --do_regression predicts a number (evaluated by mse, rmse, mae, "
+                            "pearson and spearmanr)")
+    if args.class_weights and args.multi_label:
+        raise UserError("--class_weights weighs single-label cross-entropy; --multi_label's binary cross-entropy is "
+                        "not weighted per class here")
+    if args.class_weights and not args.do_train:
+        raise UserError("--class_weights weighs the training loss: it needs --do_train")
+
+
+def regression_metrics(predictions, targets):
+    """Mean squared and absolute error, and the Pearson and Spearman correlations (scipy.stats; NaN when either
+    side is constant) of (N,) predictions and targets."""
+    from scipy.stats import pearsonr, spearmanr
+
+    predictions, targets = predictions.double().numpy(), targets.double().numpy()
+    mse = float(np.mean((predictions - targets) ** 2))
+    correlated = len(targets) > 1 and np.ptp(predictions) > 0 and np.ptp(targets) > 0
+    return {"loss": mse, "mse": mse, "rmse": math.sqrt(mse), "mae": float(np.mean(np.abs(predictions - targets))),
+            "pearson": float(pearsonr(predictions, targets).statistic) if correlated else math.nan,
+            "spearmanr": float(spearmanr(predictions, targets).statistic) if correlated else math.nan,
+            "samples": int(len(targets)), "report": None, "confusion_matrix": None}
+
+
+def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5, regression=False):
     """Accuracy, micro/macro F1, mean loss, the per-class report and the confusion matrix of gathered logits and
-    targets.
+    targets; for regression `regression_metrics` of the single output.
 
     Multi-label: a label is predicted when its sigmoid probability is at least `threshold`; `accuracy` is the
     exact-match (subset) accuracy, F1 is over every (sample, label) decision (micro) or averaged per label (macro);
     no confusion matrix (None)."""
+    if regression:
+        return regression_metrics(logits.squeeze(-1), targets)
     if multi_label:
         y_true = targets.numpy().astype(np.int64)  # (N, C)
         y_pred = (torch.sigmoid(logits) >= threshold).numpy().astype(np.int64)  # (N, C)
@@ -49,14 +126,27 @@ def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5):
     return {**classification_metrics(y_true, y_pred, labels), "loss": loss.item()}
 
 
-def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
-    """predictions.jsonl rows: the input, the predicted label(s) with their probability, every probability."""
-    probabilities = (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist()  # (N, C)
+def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regression=False):
+    """predictions.jsonl rows, one per input record in file order: its `line` (a file's; a dataset's rows are in
+    its order), the input, the label(s) the file gave (`label_given`), the predicted label(s) with their probability,
+    every probability; for regression the predicted number (`score`, as `pipeline()` names it). A skipped record (a
+    blank line) has a row saying why and no prediction; `logits` (N, C) are those of the N others, in order."""
+    outputs = iter(logits.squeeze(-1).tolist() if regression else  # (N,) numbers or (N, C) probabilities
+                   (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist())
     rows = []
-    for example, probs in zip(examples, probabilities):
-        row = {"text": example.text}
+    for example in examples:
+        row = {**({"line": example.line} if example.line is not None else {}), "text": example.text}
+        if example.skipped:
+            rows.append({**row, "skipped": example.skipped})
+            continue
         if example.text_pair is not None:
             row["text_pair"] = example.text_pair
+        if example.label is not None:
+            row["label_given"] = list(example.label) if isinstance(example.label, tuple) else example.label
+        if regression:
+            rows.append({**row, "score": next(outputs)})
+            continue
+        probs = next(outputs)
         ranked = sorted(range(len(labels)), key=probs.__getitem__, reverse=True)
         if multi_label:  # every label at or above the threshold, most probable first (possibly none)
             row["labels"] = {labels[i]: probs[i] for i in ranked if probs[i] >= threshold}
@@ -64,6 +154,8 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5):
             row.update(label=labels[ranked[0]], score=probs[ranked[0]])
         row["probabilities"] = dict(zip(labels, probs))
         rows.append(row)
+    if next(outputs, None) is not None:
+        raise ValueError(f"{len(logits)} predictions for {sum(not e.skipped for e in examples)} texts")
     return rows
 
 
@@ -118,8 +210,9 @@ def save_confusion_matrix(matrix, labels, csv_path, png_path, title="confusion m
     plt.close(fig)
 
 
-def load_metrics(names_or_paths, num_labels):
-    """The loaded modules, each checked on predictions = references = 0..num_labels-1."""
+def load_metrics(names_or_paths, num_labels, cache_dir=None):
+    """The loaded modules, each checked on predictions = references = 0..num_labels-1; hub modules are kept in
+    cache_dir (--cache_dir) when given."""
     if not names_or_paths:
         return []
     import evaluate  # a second of start-up, only for runs that ask for it
@@ -128,7 +221,7 @@ def load_metrics(names_or_paths, num_labels):
     for name in names_or_paths:
         try:
             # keep_in_memory: no cache file, so that several processes computing at once do not share a lock
-            modules.append(evaluate.load(name, keep_in_memory=True))
+            modules.append(evaluate.load(name, keep_in_memory=True, cache_dir=cache_dir and str(cache_dir)))
         except Exception as err:  # evaluate raises whatever its download or import raised
             raise UserError(f"--metric {name}: cannot load this evaluate module ({first_line(err)}); offline, "
                             "pass a local metric script or a folder <name>/ holding <name>.py") from None

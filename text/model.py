@@ -1,5 +1,6 @@
-"""The text classifier's model: loading it from any checkpoint layout users bring, the checks that it fits the
-text and the task, the reference repository's best.pt, gradient checkpointing, and AdamW's parameter groups.
+"""The text classifier's model: where its files come from (run_classification.py's --config_name, --tokenizer_name,
+--cache_dir, --model_revision, --token), loading it from any checkpoint layout users bring, the checks that it fits
+the text and the task, the reference repository's best.pt, gradient checkpointing, and AdamW's parameter groups.
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
@@ -16,6 +17,7 @@ Neighbours: text/data.py (tokenising), text/metrics.py, common/export.py (the ex
 """
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +27,60 @@ from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
 from common.export import load_torch_checkpoint
-from common.runtime import UserError
+from common.runtime import UserError, hf_bool
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
 
 
-def load_classifier(model_name_or_path, config, trust_remote_code=False):
-    """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised."""
+def add_model_source_args(group):
+    """Where the config, tokenizer and weights come from, with run_classification.py's flags."""
+    group.add_argument("--config_name", default=None,
+                       help="config.json from this hub id or directory instead of --model_name_or_path")
+    group.add_argument("--tokenizer_name", default=None,
+                       help="the tokenizer from this hub id or directory instead of --model_name_or_path")
+    group.add_argument("--cache_dir", type=Path, default=None,
+                       help="where hub downloads (model, config, tokenizer, --dataset_name) are kept; default: the "
+                            "Hugging Face cache")
+    group.add_argument("--model_revision", default=None,
+                       help="branch, tag or commit of the hub ids of the model, config and tokenizer (default main)")
+    group.add_argument("--token", default=None,
+                       help="Hugging Face access token for private or gated repositories; never printed or written "
+                            "(default: the one `hf auth login` saved)")
+    group.add_argument("--use_fast_tokenizer", type=hf_bool, nargs="?", const=True, default=True,
+                       help="only true: transformers 5 always loads the fast (Rust) tokenizer")
+
+
+def check_model_source_args(args):
+    """Refused while parsing: settings transformers would ignore."""
+    if not args.use_fast_tokenizer:
+        raise UserError("--use_fast_tokenizer false: transformers 5 always loads the fast (Rust `tokenizers`) "
+                        "tokenizer and ignores this setting; drop it")
+    sources = [args.model_name_or_path, args.config_name, args.tokenizer_name]
+    if args.model_revision and all(Path(source).is_dir() for source in sources if source):
+        raise UserError(f"--model_revision {args.model_revision}: a revision selects a version of a hub id, and "
+                        "the model, config and tokenizer all come from local directories")
+
+
+@contextmanager
+def loading(source, what):
+    """transformers' loading errors (a missing file, no network for a hub id) as one line naming the source."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        raise UserError(f"{source}: cannot load {what} ({str(err).strip().splitlines()[0]})") from None
+
+
+def hub_options(args):
+    """from_pretrained's download options: --cache_dir, --model_revision, --token."""
+    return {"cache_dir": args.cache_dir and str(args.cache_dir), "revision": args.model_revision, "token": args.token}
+
+
+def load_classifier(model_name_or_path, config, trust_remote_code=False, hub=None):
+    """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised;
+    hub: `hub_options`."""
     model, info = AutoModelForSequenceClassification.from_pretrained(
         model_name_or_path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
-        trust_remote_code=trust_remote_code, output_loading_info=True)
+        trust_remote_code=trust_remote_code, output_loading_info=True, **(hub or {}))
     mismatched = {key[0] if isinstance(key, tuple) else key for key in info.get("mismatched_keys", ())}
     new = sorted(set(info.get("missing_keys", ())) | mismatched)
     encoder = model.base_model_prefix + "."
@@ -75,14 +121,23 @@ def check_unk_rate(accelerator, tokenizer, dataset, source, limit=MAX_UNK_RATE):
     return rate
 
 
-def check_problem_type(model_name_or_path, multi_label):
+def problem_type(multi_label, regression=False):
+    """transformers' config.problem_type for this run's task."""
+    if regression:
+        return "regression"
+    return "multi_label_classification" if multi_label else "single_label_classification"
+
+
+def check_problem_type(model_name_or_path, multi_label, regression=False):
     """A trained model evaluated or used for prediction in the mode it was trained in (config.json problem_type)."""
     config_file = Path(model_name_or_path) / "config.json"
     saved = json.loads(config_file.read_text(encoding="utf-8")).get("problem_type") if config_file.is_file() else None
-    wanted = "multi_label_classification" if multi_label else "single_label_classification"
-    if saved in ("multi_label_classification", "single_label_classification") and saved != wanted:
-        flag = "drop --multi_label" if not saved.startswith("multi") else "pass --multi_label"
-        raise UserError(f"{config_file}: the model was trained for {saved}; {flag}")
+    wanted = problem_type(multi_label, regression)
+    flags = {"multi_label_classification": "--multi_label", "regression": "--do_regression"}
+    if saved in ("multi_label_classification", "single_label_classification", "regression") and saved != wanted:
+        advice = [f"drop {flags[wanted]}"] if wanted in flags else []
+        advice += [f"pass {flags[saved]}"] if saved in flags else []
+        raise UserError(f"{config_file}: the model was trained for {saved}; {'; '.join(advice)}")
 
 # The reference BERT cnews repository saved `best.pt` as {"state_dict": model.state_dict(), ...} for a module
 # holding `self.bert = BertModel(...)` and a `self.linear` head, `module.`-prefixed when trained under

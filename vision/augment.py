@@ -183,9 +183,12 @@ class BatchMixer:
         return mixed_inputs, mixed_targets
 
 
-def soft_cross_entropy(logits, soft_targets, label_smoothing=0.0):
-    """Mean cross-entropy over rows whose target weights sum to > 0 (placeholders are all-zero rows)."""
-    losses = F.cross_entropy(logits, soft_targets, label_smoothing=label_smoothing, reduction="none")
+def soft_cross_entropy(logits, soft_targets, label_smoothing=0.0, class_weights=None):
+    """Mean cross-entropy over rows whose target weights sum to > 0 (placeholders are all-zero rows). class_weights
+    (C,): torch's weighting of probability targets, -sum_c w_c * t_c * log p_c, so a mixed row weighs each of its
+    classes by its share."""
+    losses = F.cross_entropy(logits, soft_targets, weight=class_weights, label_smoothing=label_smoothing,
+                             reduction="none")
     readable = (soft_targets.sum(dim=1) > 0).float()
     return (losses * readable).sum() / readable.sum().clamp(min=1)
 

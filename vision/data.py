@@ -3,7 +3,9 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 
 - Every image decodes to 3-channel uint8 RGB (grayscale, palette, RGBA, CMYK alike), with TorchCodec's image
   decoders (torchcodec.decoders, which supersede torchvision.io's, deprecated since torchvision 0.29), with
-  torchvision.io where TorchCodec is absent or cannot load, and PIL for the formats neither reads.
+  torchvision.io where TorchCodec is absent or cannot load, and PIL for the formats neither reads. The pixels do not
+  depend on which is installed: stored orientation (EXIF not applied, as main.py's PIL loader), 16-bit images scaled
+  to 8 bits, float images refused (decode_rgb).
 - An unreadable file never raises inside a DataLoader worker (where one rank failing leaves the others
   hanging in a collective): the sample comes back as a placeholder with target `-1 - index`, which the
   training loop turns into a one-line error naming the file, or skips and counts (`--skip_bad_images`).
@@ -22,10 +24,11 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision import datasets
-from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
@@ -37,6 +40,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # What a decoder raises for a broken file (PIL raises SyntaxError for some broken PNGs).
 DECODE_ERRORS = (OSError, RuntimeError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+EXIF_ORIENTATION = 0x0112  # the EXIF tag; 1 (or none): stored upright
+
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")  # PIL's 16-bit grayscale
 
 DUMMY_CLASSES = 1000
 
@@ -60,34 +67,63 @@ def torchcodec_decoder():
     return decode
 
 
-def torchvision_decode(path):
-    """torchvision.io's decoder, the fallback where TorchCodec is absent (torchvision < 0.29 has no deprecation)."""
+def torchvision_decode(data):
+    """torchvision.io's decoder on a file's bytes, the fallback where TorchCodec is absent (torchvision < 0.29 has no
+    deprecation)."""
     with warnings.catch_warnings():
         # the deprecation points users to TorchCodec, which this module already prefers when it is installed
         warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
                                 category=DeprecationWarning)
-        return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+def stored_orientation(image):
+    """The EXIF orientation an opened PIL image's file declares, 1 (stored upright) without one; header only."""
+    return image.getexif().get(EXIF_ORIENTATION, 1) if "exif" in image.info else 1
 
 
 def decode_rgb(path):
-    """The image at `path` as a (3, H, W) uint8 RGB tensor; raises one of DECODE_ERRORS if unreadable."""
-    decode = torchcodec_decoder()
-    try:
-        image = decode(str(path), mode="RGB", output_dtype="auto") if decode else torchvision_decode(path)
-    except (RuntimeError, ValueError):  # BMP, TIFF, PPM or a broken file: let PIL decide
+    """The image at `path` as a (3, H, W) uint8 RGB tensor, the same pixels whichever decoder is installed; raises one
+    of DECODE_ERRORS if unreadable.
+
+    - Pixels as stored: an EXIF orientation is not applied, as main.py's and ImageFolder's PIL loader and
+      torchvision.io do not apply it. TorchCodec always applies it, so PIL decodes such files.
+    - 16 bits per channel (PNG, TIFF, PGM) become 8 as torchvision's to_dtype scales them (value >> 8), from every
+      decoder; PIL's own conversion would clip them at 255 (a 16-bit photo comes out almost white).
+    - Float and 32-bit integer pixels have no defined range: such a file is unreadable, and says why.
+    """
+    with open(path, "rb") as file:
+        data = file.read()
+    with Image.open(io.BytesIO(data)) as header:  # parses the header; the pixels only if PIL decodes them
         image = None
-    # 16-bit PNGs decode to uint16, animated GIF/WebP to (N, 3, H, W): PIL gives 8-bit RGB of the first frame
-    if image is None or image.dtype != torch.uint8 or image.ndim != 3:
-        with Image.open(path) as pil_image:
-            image = pil_to_tensor(pil_image.convert("RGB"))
-    return image
+        if stored_orientation(header) == 1:
+            decode = torchcodec_decoder()
+            try:
+                image = decode(data, mode="RGB", output_dtype="auto") if decode else torchvision_decode(data)
+            except (RuntimeError, ValueError):  # BMP, TIFF, PPM or a broken file: let PIL decide
+                image = None
+        if image is None or image.ndim != 3:  # animated GIF/WebP decode to (N, 3, H, W): PIL gives the first frame
+            image = pil_rgb(header)
+    return v2.functional.to_dtype(image, torch.uint8, scale=True) if image.dtype == torch.uint16 else image
+
+
+def pil_rgb(image):
+    """An opened PIL image as (3, H, W) RGB: PIL's own conversion, but 16-bit grayscale kept as uint16 to be scaled
+    (Pillow reads a 16-bit PGM as mode I, scaled to 0..65535)."""
+    if image.mode in SIXTEEN_BIT_MODES or (image.mode == "I" and image.format == "PPM"):
+        gray = torch.from_numpy(np.asarray(image).astype(np.uint16))  # (H, W)
+        return gray.expand(3, *gray.shape).contiguous()
+    if image.mode in ("F", "I"):
+        kind = "float" if image.mode == "F" else "32-bit integer"
+        raise ValueError(f"{kind} pixels (PIL mode {image.mode}) have no defined range; save the image with 8 or 16 "
+                         "bits per channel")
+    return pil_to_tensor(image.convert("RGB"))
 
 
 def describe_bad_image(path):
-    """Why `path` cannot be read, in one line (PIL's wording, which names the problem plainly)."""
+    """Why `path` cannot be read, in one line (PIL's wording where PIL tried last, which names the problem plainly)."""
     try:
-        with Image.open(path) as pil_image:
-            pil_image.convert("RGB")
+        decode_rgb(path)
     except DECODE_ERRORS as err:
         return f"{type(err).__name__}: {err}".splitlines()[0]
     return "cannot be decoded"

@@ -13,9 +13,10 @@ decodes and augments each EncodedBatch on the device and gives (images (B, 3, S,
 loader gives, whose batches it passes through unchanged.
 
 - The device decodes RGB and grayscale JPEGs. Other files (PNG and the other formats, CMYK JPEGs, which
-  nvJPEG does not decode, JPEGs with an EXIF orientation) are decoded in the worker with decode_rgb, as the CPU
-  loader decodes them, and travel as pixels. A JPEG that fails on the device is decoded again with decode_rgb in
-  the training process; a file that fails there too is unreadable, as in the CPU loader (target -1 - index).
+  nvJPEG does not decode, JPEGs with an EXIF orientation, which TorchCodec would rotate where decode_rgb keeps the
+  stored pixels) are decoded in the worker with decode_rgb, as the CPU loader decodes them, and travel as pixels.
+  A JPEG that fails on the device is decoded again with decode_rgb in the training process; a file that fails
+  there too is unreadable, as in the CPU loader (target -1 - index).
 - The same images: on the CPU this path gives the CPU loader's pixels bitwise (the same libjpeg, the same resize
   kernels; tests/test_device_decode.py). On a GPU, nvJPEG and the float resize kernels round differently:
   benchmarks/bench_gpu.py measures the difference and the GPU check bounds its mean as torchvision's nvJPEG test
@@ -36,9 +37,7 @@ from torchvision.transforms import v2
 
 from common.runtime import UserError
 
-from .data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, torchcodec_decoder
-
-EXIF_ORIENTATION = 0x0112  # the EXIF tag; 1 (or none): stored upright
+from .data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, stored_orientation, torchcodec_decoder
 RANDOM_STEPS = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.RandomErasing)
 BATCHED_STEPS = (v2.ToDtype, v2.Normalize)  # elementwise: one call on the stacked batch gives each image's result
 REPLAYABLE = RANDOM_STEPS + BATCHED_STEPS + (v2.Resize, v2.CenterCrop)
@@ -102,8 +101,7 @@ def read_encoded(path):
         data = file.read()
     try:
         with Image.open(io.BytesIO(data)) as header:  # parses the header only
-            if (header.format == "JPEG" and header.mode in ("L", "RGB")
-                    and header.getexif().get(EXIF_ORIENTATION, 1) == 1):
+            if header.format == "JPEG" and header.mode in ("L", "RGB") and stored_orientation(header) == 1:
                 return data, None, (3, header.height, header.width)
     except Exception:  # noqa: BLE001 - any header PIL cannot parse: decode_rgb decides, as in the CPU loader
         pass
