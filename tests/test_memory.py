@@ -14,7 +14,7 @@ import transformers
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from conftest import launch_cmd, read_json, read_jsonl, run, run_here
+from conftest import launch_cmd, one_thread, read_json, read_jsonl, run, run_here
 from safetensors.torch import load_file
 
 import train_resnet
@@ -27,13 +27,10 @@ SIMULATED = "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)"
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread in this process, as every process the suite launches has (OMP_NUM_THREADS=1): on a busy
-    2-core machine two threads spent most of their CPU time waiting for each other (20x the CPU time measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def in_one_thread():
+    """The in-process runs and models use one torch thread, as the launched runs (conftest's one_thread)."""
+    with one_thread():
+        yield
 
 
 def bert_args(text_data, out, *extra, config=TINY_BERT):

@@ -5,7 +5,7 @@ cache laid out as huggingface_hub lays it out (refs/main, snapshots/<revision>/m
 import pytest
 import torch
 import torchvision
-from conftest import run_here
+from conftest import one_thread, run_here
 from safetensors.torch import save_file
 
 import train_resnet
@@ -15,13 +15,10 @@ timm = pytest.importorskip("timm")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread in this process, as every process the suite launches has (OMP_NUM_THREADS=1): on a busy
-    2-core machine two threads spent most of their CPU time waiting for each other (20x the CPU time measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def in_one_thread():
+    """The in-process runs and models use one torch thread, as the launched runs (conftest's one_thread)."""
+    with one_thread():
+        yield
 
 
 def parse(*argv):
@@ -126,6 +123,10 @@ def test_drop_path_and_dropout(capsys):
     with pytest.raises(SystemExit):
         parse("-a", "resnet50", "--drop_path", "0.1")
     assert "torchvision's resnet50 takes no stochastic_depth_prob" in capsys.readouterr().err
+    for flag, value in (("--drop_path", "1.5"), ("--drop", "-0.1")):  # probabilities: refused before the model
+        with pytest.raises(SystemExit):
+            parse("-a", "timm:test_resnet", flag, value)
+        assert f"{flag} {float(value)}: must be in [0, 1)" in capsys.readouterr().err
 
 
 def test_pretrained_flag_forms(tmp_path, capsys):

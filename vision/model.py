@@ -66,6 +66,9 @@ def check_model_args(parser, args):
         parser.error("--pretrained [PATH] and --weights both name the starting weights: pass one of them")
     if args.pretrained not in (None, "DEFAULT") and not is_weights_file(args.pretrained):
         parser.error(f"--pretrained {args.pretrained}: PATH is a weights file ({', '.join(WEIGHT_FILE_SUFFIXES)})")
+    for flag, rate in (("--drop_path", args.drop_path), ("--drop", args.drop)):
+        if rate is not None and not 0 <= rate < 1:  # a probability; timm and torchvision take any float silently
+            parser.error(f"{flag} {rate}: must be in [0, 1)")
     args.weights = args.pretrained or args.weights
     weights_file = args.weights is not None and is_weights_file(args.weights)
     if args.arch.startswith("timm:"):
