@@ -29,25 +29,28 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from common.checkpoint import Checkpoints, agree_on_resume, replace_dir_atomically, resume_settings
+from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
+                               resume_settings)
 from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
 from common.loop import (CLASS_WEIGHTS_HELP, Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry,
                          PreemptionGuard, Throughput, epoch_batches, load_class_weights)
 from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
-                            loader_generator, loader_settings, maybe_data_parallel, print_run_summary, run_cli,
-                            run_info)
+                            hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
+                            nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
+                            run_cli, run_info)
 from text.data import (LengthGroupedSampler, add_dataset_args, add_padding_args, add_text_format_args, build_collator,
                        build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
-                       data_must_match, label_targets, read_dataset_splits, read_file_splits, read_predict_file,
-                       resolve_padding, select_examples, text_format, token_lengths, tokenize_examples,
-                       write_labels_file)
+                       data_must_match, fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
+                       read_predict_file, resolve_padding, select_examples, text_format, token_lengths,
+                       tokenize_examples, write_labels_file)
 from text.metrics import (Selection, check_task_args, compute_metrics, default_selection, evaluation_metrics,
                           headline_scores, load_metrics, prediction_rows, save_confusion_matrix, training_loss)
-from text.model import (add_model_source_args, check_model_source_args, check_problem_type, check_unk_rate,
-                        enable_gradient_checkpointing, hub_options, load_classifier, load_legacy_bert, loading,
-                        optimizer_groups, problem_type, saved_labels)
+from text.model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
+                        check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
+                        load_classifier, load_legacy_bert, loading, optimizer_groups, problem_type, saved_labels,
+                        trained_with, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -63,7 +66,9 @@ def parse_args(argv=None):
     data.add_argument("--predict_file", type=Path, help="texts to predict (docs/bert_data_formats.md); default: the "
                                                         "test split")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
-    data.add_argument("--max_seq_len", "--max_seq_length", type=int, default=512, help="tokens; longer are truncated")
+    data.add_argument("--max_seq_len", "--max_seq_length", type=positive_int, default=None,
+                      help="tokens; longer are truncated (default: 512 or the model's positions if fewer; without "
+                           "--do_train: the trained model's)")
     add_dataset_args(data)
     add_text_format_args(data)
     add_padding_args(data)
@@ -85,29 +90,35 @@ def parse_args(argv=None):
     modes.add_argument("--do_test", action="store_true", help="evaluate the best model once on the test file")
     modes.add_argument("--do_predict", action="store_true", help="write predictions.jsonl for --predict_file")
     train = parser.add_argument_group("training")
-    train.add_argument("--train_batch_size", type=int, default=32, help="GLOBAL samples per optimizer micro-step")
-    train.add_argument("--eval_batch_size", type=int, default=64, help="GLOBAL samples per evaluation batch")
-    train.add_argument("--learning_rate", type=float, default=3e-5, help="peak AdamW learning rate")
-    train.add_argument("--weight_decay", type=float, default=0.01, help="not applied to bias and LayerNorm")
+    train.add_argument("--train_batch_size", type=positive_int, default=32,
+                       help="GLOBAL samples per optimizer micro-step")
+    train.add_argument("--eval_batch_size", type=positive_int, default=64, help="GLOBAL samples per evaluation batch")
+    train.add_argument("--learning_rate", type=positive_float, default=3e-5, help="peak AdamW learning rate")
+    train.add_argument("--weight_decay", type=nonnegative_float, default=0.01, help="not applied to bias and LayerNorm")
     train.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear warmup")
-    train.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
+    train.add_argument("--max_grad_norm", type=nonnegative_float, default=1.0, help="0 disables clipping")
     train.add_argument("--label_smoothing", "--label_smoothing_factor", type=float, default=0.0,
                        help="training loss only (Trainer's label_smoothing_factor); eval loss stays plain")
     train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--num_train_epochs", type=int, default=3)
-    train.add_argument("--max_train_steps", "--max_steps", type=int, default=None, help="optimizer steps, not epochs")
+    train.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    train.add_argument("--num_train_epochs", type=positive_int, default=3)
+    train.add_argument("--max_train_steps", "--max_steps", type=positive_int, default=None,
+                       help="optimizer steps, not epochs")
     train.add_argument("--seed", type=int, default=42)
-    train.add_argument("--num_workers", "--dataloader_num_workers", type=int, default=0, help="DataLoader processes")
+    train.add_argument("--num_workers", "--dataloader_num_workers", type=nonnegative_int, default=0,
+                       help="DataLoader processes")
     output = parser.add_argument_group("output")
     output.add_argument("--output_dir", type=Path, default=Path("outputs/bert_cls"))
     output.add_argument("--overwrite_output_dir", action="store_true")
-    output.add_argument("--logging_steps", type=int, default=50, help="optimizer steps between log lines")
-    output.add_argument("--eval_steps", type=int, default=None, help="optimizer steps between evals; default per epoch")
-    output.add_argument("--checkpointing_steps", "--save_steps", type=int, default=None,
+    output.add_argument("--logging_steps", type=positive_int, default=50, help="optimizer steps between log lines")
+    output.add_argument("--eval_steps", type=positive_int, default=None,
+                        help="optimizer steps between evals; default per epoch")
+    output.add_argument("--checkpointing_steps", "--save_steps", type=positive_int, default=None,
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
-    output.add_argument("--save_total_limit", type=int, default=2, help="resumable checkpoints kept")
+    output.add_argument("--save_total_limit", type=nonnegative_int, default=2,
+                        help="resumable checkpoints kept (0: all)")
     output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
+    add_allow_data_change(output)
     output.add_argument("--metric", "--metric_name", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")
@@ -120,15 +131,8 @@ def parse_args(argv=None):
             check(args)
         except UserError as err:
             parser.error(str(err))
-    if not 0.0 <= args.label_smoothing < 1.0:
-        parser.error(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
-    if args.multi_label and args.label_smoothing:
-        parser.error("--label_smoothing applies to single-label cross-entropy, not to --multi_label")
-    if args.metric and args.multi_label:
-        parser.error("--metric passes one class id per sample to the evaluate module; with --multi_label use the "
-                     "built-in exact-match accuracy and micro/macro F1")
-    if not 0.0 < args.threshold < 1.0:
-        parser.error(f"--threshold {args.threshold}: must be in (0, 1)")
+    if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
+        use_model_settings(args, print)
     return args
 
 
@@ -153,6 +157,8 @@ def load_splits(args, checkpoint_labels, say=print):
     if checkpoint_labels and not args.do_train and labels != checkpoint_labels:
         raise UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} "
                         f"(trained with {checkpoint_labels})")
+    if labels is None:
+        raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     for split in ("validation", "test"):
         if split in examples and not args.do_regression:
             check_known_labels(examples[split], labels, source=f"the labels of the model ({', '.join(labels)})")
@@ -165,8 +171,9 @@ def load_splits(args, checkpoint_labels, say=print):
     return labels, examples
 
 
-def build_model(args, labels):
-    """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config."""
+def build_model(args, labels, say=print):
+    """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config; --max_seq_len fitted to
+    the model's positions."""
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     from_config = args.from_scratch or args.init_from_legacy  # legacy weights replace every pretrained one
@@ -182,10 +189,11 @@ def build_model(args, labels):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=remote, **hub)
     with loading(config_source, "config"):
         config = AutoConfig.from_pretrained(config_source, trust_remote_code=remote, **hub, **label_kwargs)
+        if from_config and args.config_overrides:
+            config.update_from_string(args.config_overrides)
+    args.max_seq_len = fit_max_seq_len(args.max_seq_len, config, config_source, say, remote)
     with loading(path, "model"):
         if from_config:
-            if args.config_overrides:
-                config.update_from_string(args.config_overrides)
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
         else:
             model = load_classifier(args.model_name_or_path, config, remote, hub)
@@ -247,14 +255,18 @@ def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=
     return metrics
 
 
-def save_best_model(accelerator, model, tokenizer, best_dir):
-    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically."""
+def save_best_model(accelerator, model, tokenizer, best_dir, settings):
+    """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, swapped in atomically;
+    with what it was trained with (`settings`, TRAINED_WITH; the tokenizer truncates at max_seq_len, in pipeline()
+    too)."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
+    tokenizer.model_max_length = settings["max_seq_len"]
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
     # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
     accelerator.on_main_process(bare.save_pretrained)(tmp, state_dict=state_dict, save_original_format=False)
     accelerator.on_main_process(tokenizer.save_pretrained)(tmp)
+    accelerator.on_main_process((tmp / TRAINED_WITH).write_text)(json.dumps(settings, indent=2) + "\n")
     accelerator.on_main_process(replace_dir_atomically)(tmp, best_dir)
     accelerator.wait_for_everyone()
 
@@ -295,7 +307,8 @@ def prepare_training(args, accelerator, model, loaders, log, must_match, resume=
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
-                              resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"])
+                              resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
+                              allow_data_change=args.allow_data_change)
     resume_path = agree_on_resume(accelerator, resume or args.resume_from_checkpoint, checkpoints.dir)
     selection = default_selection(args.do_regression)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, selection.state_key: None, "best_step": None}
@@ -404,7 +417,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
                     state.update({selection.state_key: score, "best_step": completed_steps})
                     best.keep(model)
                     with speed.pause("save"):
-                        save_best_model(accelerator, model, tokenizer, best_dir)
+                        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args))
                         accelerator.on_main_process(mark_selection)(best_dir, completed_steps)
             preempted = guard.should_stop()
             if due.checkpoint or preempted:
@@ -418,7 +431,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
             break
     bar.close()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
-        save_best_model(accelerator, model, tokenizer, best_dir)
+        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args))
     best_eval = select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir)
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds,
@@ -443,15 +456,18 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
             **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
 
 
-def evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained=None):
-    """--do_eval / --do_test on the selected model: `eval_*` / `test_*` results; the validation `trained` (this run's
-    TrainResult) measured last is reused when it was the selected model's (and no --metric module asks for more)."""
+def evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained=None, tag=""):
+    """--do_eval / --do_test on the selected model: `eval{tag}_*` / `test{tag}_*` results with the settings they used;
+    the validation `trained` (this run's TrainResult) measured last is reused when it was the selected model's (and no
+    --metric module asks for more)."""
     results, step = {}, trained.results["train_steps"] if trained else 0
-    for split, prefix in (("validation", "eval"), ("test", "test")):
-        if getattr(args, f"do_{prefix}") and split in prepared:
+    for split, mode in (("validation", "eval"), ("test", "test")):
+        prefix = mode + tag
+        if getattr(args, f"do_{mode}") and split in prepared:
             reuse = trained.best_eval if trained and split == "validation" and not metric_modules else None
             metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
-            results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir))
+            results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir),
+                           **{f"{prefix}_settings": trained_with(args)})
             log.log(f"best_model_{prefix}", step, {**headline_scores(metrics), **metrics["extra"]})
     return results
 
@@ -467,6 +483,9 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    hold_output_dir(accelerator, args.output_dir)
+    check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
+    results_tag = use_model_settings(args, accelerator.print)  # "" unless evaluating with other settings than trained
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
@@ -474,22 +493,21 @@ def main(args):
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path),
                                    accelerator.print)
-    if labels is None:
-        raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     predict_examples = examples.pop("predict", None)
     metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
     train_ids = label_targets(examples["train"], labels, multi_label=False) if args.class_weights else None
     class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
     if class_weights:
         accelerator.print(class_weights.line())
-    tokenizer, model = build_model(args, labels)
+    tokenizer, model = build_model(args, labels, accelerator.print)
     must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
                   "regression": args.do_regression, "class_weights": class_weights and class_weights.by_label,
                   "model": {k: getattr(model.config, k, None) for k in
                             ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
                   # another value would change which samples each step sees (or the inputs themselves)
                   "--train_batch_size": args.train_batch_size, **data_must_match(args),
-                  "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len}
+                  "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len,
+                  DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train"))}
     model = maybe_data_parallel(model, args)
     retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
                              args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
@@ -522,17 +540,18 @@ def main(args):
     else:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         model, prepared = prepare_for_inference(accelerator, model, loaders)
-    results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained))
+    results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained,
+                                           results_tag))
     if args.do_predict:
         write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
     if args.do_train:
         log.write_json("all_results.json", results)
     else:  # an evaluation of a trained output_dir adds to its results, never drops them
-        for prefix in ("eval", "test"):
-            if getattr(args, f"do_{prefix}"):
-                log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
-                                                          if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
-        log.merge_results(results)
+        prefixes = [mode + results_tag for mode in ("eval", "test") if getattr(args, f"do_{mode}")]
+        for prefix in prefixes:
+            log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
+                                                      if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
+        log.merge_results(results, tuple(f"{prefix}_" for prefix in prefixes))
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()
     return results

@@ -34,22 +34,24 @@ import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from common.checkpoint import (Checkpoints, agree_on_resume, check_compatible, load_checkpoint_weights,
-                               read_training_state, resume_settings)
+from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
+                               load_checkpoint_weights, read_training_state, resume_settings)
 from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
 from common.loop import (CLASS_WEIGHTS_HELP, Cadence, HealthCheck, LossMeter, LossScale, OutOfMemoryRetry,
                          PreemptionGuard, Throughput, epoch_batches, load_class_weights)
 from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
-                            launched_world_size, loader_generator, loader_settings, maybe_data_parallel,
-                            print_run_summary, run_cli, run_info)
-from vision.augment import (RepeatedAugmentationSampler, add_augment_args, add_mixing_args, build_mixer,
-                            dominant_labels, resolve_augment_args, soft_cross_entropy, train_transform, val_transform)
+                            hold_output_dir, launched_world_size, loader_generator, loader_settings,
+                            maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info)
+from vision.augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_augment_args, add_mixing_args,
+                            build_mixer, dominant_labels, eval_image_settings, image_settings, recorded_image_settings,
+                            resolve_augment_args, resolve_image_sizes, soft_cross_entropy, train_transform,
+                            val_transform)
 from vision.data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
-                         build_dummy_datasets, topk_hits)
+                         build_dummy_datasets, fingerprint_images, topk_hits)
 from vision.device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
 from vision.model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
-                          is_weights_file)
+                          is_weights_file, weights_file_fields)
 from vision.optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, update_ema)
 from vision.references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
@@ -65,8 +67,8 @@ def parse_args(argv=None):
     data = parser.add_argument_group("data")
     data.add_argument("data", nargs="?", type=Path, help="ImageFolder root holding train/<class>/ and val/<class>/")
     data.add_argument("--data-path", "--data_path", type=Path, dest="data_path", help="torchvision's: the same")
-    data.add_argument("-j", "--workers", type=int, default=4, help="DataLoader worker processes per process")
-    data.add_argument("--dummy", nargs="?", type=int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
+    data.add_argument("-j", "--workers", type=nonnegative_int, default=4, help="DataLoader workers per process")
+    data.add_argument("--dummy", nargs="?", type=positive_int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
                       help="random images instead of data (main.py's FakeData); default: ImageNet's count")
     data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
     data.add_argument("--decode_on_device", "--decode-on-device", action="store_true",
@@ -79,27 +81,28 @@ def parse_args(argv=None):
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
     train = parser.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=90)
-    train.add_argument("--start-epoch", type=int, default=0, help="epochs already done (schedule starts there)")
-    train.add_argument("-b", "--batch-size", "--batch_size", type=int, default=256,
+    train.add_argument("--epochs", type=positive_int, default=90)
+    train.add_argument("--start-epoch", type=nonnegative_int, default=0, help="epochs done (the schedule starts there)")
+    train.add_argument("-b", "--batch-size", "--batch_size", type=positive_int, default=256,
                        help="GLOBAL images per step, split over processes (torchvision's per-process --batch-size: "
                             "see docs/resnet_recipes.md)")
     train.add_argument("--label_smoothing", "--label-smoothing", type=float, default=0.0, help="training loss only")
     train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
+    train.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="batches per optimizer step")
     train.add_argument("--seed", type=int, default=42, help="model init, shuffling and augmentation")
     output = parser.add_argument_group("output")
     output.add_argument("--output_dir", "--output-dir", type=Path, default=Path("outputs/resnet"))
     output.add_argument("--overwrite_output_dir", action="store_true")
-    output.add_argument("-p", "--print-freq", type=int, default=10, help="optimizer steps between log lines")
-    output.add_argument("--checkpointing_steps", type=int, default=None,
+    output.add_argument("-p", "--print-freq", type=positive_int, default=10, help="optimizer steps between log lines")
+    output.add_argument("--checkpointing_steps", type=positive_int, default=None,
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
-    output.add_argument("--save_total_limit", type=int, default=2, help="resumable checkpoints kept (0: all)")
+    output.add_argument("--save_total_limit", type=nonnegative_int, default=2, help="checkpoints kept (0: all)")
     output.add_argument("--resume", default=None, metavar="PATH",
                         help="'latest' or checkpoints/step_N (exact resume), or a .pth/.pth.tar file (main.py's, "
                              "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
     output.add_argument("-e", "--evaluate", "--test-only", "--test_only", action="store_true",
-                        help="evaluate --resume's (or --weights) weights on val/, no training")
+                        help="evaluate --resume's (or --weights) weights on val/, no training, at the model's sizes")
+    add_allow_data_change(output)
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
         add_group(parser)
     add_replaced_flags(parser)
@@ -117,7 +120,7 @@ def parse_args(argv=None):
     try:
         # -b is GLOBAL, but torchvision's per-process -b in a torchvision command (one naming --model/--data-path)
         args.batch_size, args.batch_size_note = global_batch_size(argv, args.batch_size, launched_world_size())
-        resolve_augment_args(args)
+        resolve_augment_args(args, sizes_from_model=args.evaluate)
     except UserError as err:
         parser.error(str(err))
     if not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
@@ -266,7 +269,7 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
                 f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best Acc@1 {state['best_acc1']:.3f} "
                 f"(epoch {state['best_epoch']}){ema_text}")
-    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch)
+    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, **image_settings(args))
     export_weights(accelerator, training.model, args,
                    {**fields, "acc1": metrics["acc1"], "best_acc1": state["best_acc1"]}, is_best,
                    ema.module.state_dict() if ema else None)
@@ -323,8 +326,9 @@ def prepare_training(args, accelerator, model, data, log, must_match, legacy, re
         accelerator.register_for_checkpointing(ema)  # saved and restored with the resumable checkpoints
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
-                              resume_settings(args, RESUMABLE_FLAGS),
-                              exports=["model_best.pth", "model_best_ema.pth", "checkpoint_ema.pth"])
+                              resume_settings(args, {**RESUMABLE_FLAGS, **EVAL_IMAGE_FLAGS}),
+                              exports=["model_best.pth", "model_best_ema.pth", "checkpoint_ema.pth"],
+                              allow_data_change=args.allow_data_change)
     # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
              "best_acc1": -1.0, "best_epoch": None, "best_ema_acc1": -1.0}
@@ -436,6 +440,7 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, a
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    hold_output_dir(accelerator, args.output_dir)
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.batch_size, "--batch-size")
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
@@ -449,6 +454,11 @@ def main(args):
     resuming = resume_dir is not None or args.resume == "latest"
     if not args.evaluate:
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming else None)
+    legacy = load_torch_checkpoint(args.resume) if legacy_file else None
+    if args.evaluate:  # at the sizes the model was trained with, unless given; the tag names other ones
+        fields = legacy or (read_training_state(resume_dir) if resume_dir else weights_file_fields(args.weights))
+        results_tag = resolve_image_sizes(args, recorded_image_settings(fields),
+                                          args.resume if legacy_file else resume_dir or args.weights, accelerator.print)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
     class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
@@ -461,10 +471,9 @@ def main(args):
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps,
                   "--train_crop_size": args.train_crop_size,
                   "--opt": args.opt,  # another optimizer cannot take the checkpoint's state
-                  "model_ema": args.model_ema}  # an EMA in the checkpoint must be restored into an EMA
-    legacy = None
+                  "model_ema": args.model_ema,  # an EMA in the checkpoint must be restored into an EMA
+                  DATA_KEY: fingerprint_images(data.train_set)}
     if legacy_file:
-        legacy = load_torch_checkpoint(args.resume)
         check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
         load_weights(model, legacy["state_dict"], args.resume)
         accelerator.print(f"Loaded {args.resume} (epoch {legacy.get('epoch')}, best_acc1 {legacy.get('best_acc1')})")
@@ -483,9 +492,11 @@ def main(args):
         if resume_dir is not None:
             load_checkpoint_weights(accelerator, resume_dir)
         metrics = evaluate(accelerator, model, val_loader, args)
-        results.update({f"eval_{k}": v for k, v in metrics.items()})
-        log.write_json("eval_results.json", {**results, "weights": str(args.resume or args.weights)})
-        log.merge_results(results)
+        prefix = "eval" + results_tag
+        results.update({f"{prefix}_{k}": v for k, v in metrics.items()},
+                       **{f"{prefix}_settings": eval_image_settings(args)})
+        log.write_json(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
+        log.merge_results(results, (f"{prefix}_",))
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming)
         weights = class_weights and class_weights.tensor(accelerator.device)
@@ -497,7 +508,7 @@ def main(args):
             log.write_json("all_results.json", {**results, "preempted": True})
             log.end()
             return results
-        results.update({f"eval_{k}": v for k, v in trained.metrics.items()})
+        results.update({f"eval_{k}": v for k, v in trained.metrics.items()}, eval_settings=eval_image_settings(args))
         log.write_json("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2))
     log.end()

@@ -1,16 +1,17 @@
 """Code shared by train_bert_cls.py and train_resnet.py, in three packages by concern. The module map:
 
 common/ (both scripts)
-  runtime.py     the Accelerator and the launches refused because they would go wrong silently, DataLoader
-                 settings, the --help look, UserError and run_cli (one-line errors, exit status 2)
+  runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
+                 an output directory: its lock), DataLoader settings, the --help look and the parser's number
+                 checks, UserError and run_cli (one-line errors, exit status 2)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
                  epoch_batches; micro-batches and the retry after an out-of-memory error (--auto_find_batch_size:
                  Attempt, OutOfMemoryRetry)
   checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest), agreeing on the one to resume
-                 from, what a resume must match and may change
+                 from, what a resume must match (the training data's fingerprint too) and may change
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
-                 on every rank, PyTorch files read without running code
+                 on every rank, PyTorch files read without running code, the settings an export carries
   outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers,
                  secrets such as --token masked), console lines, progress bar, training curves, the output
                  directory's policy

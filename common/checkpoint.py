@@ -9,9 +9,15 @@ An --output_dir on each node's own disk (not shared) gets a complete copy on eve
 save_on_each_node): `Checkpoints` finds out which it is when a run starts (`output_dir_is_shared`).
 Every function that calls save_state/load_state, or takes a decision all ranks must share, runs on every process.
 
+The training data belong to what a resume must match: `must_match[DATA_KEY]` is `data_fingerprint`'s record of the
+training file as read (example count and a SHA-256 of the examples in order), and a resume whose data differ stops with
+one line naming the file, because the checkpoint's position in the epoch (batches done, sampler order) would skip or
+repeat examples of the new data; `allow_data_change` (the scripts' --allow_data_change) resumes anyway, saying so.
+
 Neighbours: common/loop.py (when a checkpoint is due), common/export.py (the exported weights beside the
 checkpoints), common/outputs.py (the output directory's other files).
 """
+import hashlib
 import json
 import os
 import re
@@ -27,6 +33,8 @@ from accelerate.utils import broadcast_object_list, gather_object
 from .runtime import UserError
 
 STATE_FILE = "training_state.json"
+
+DATA_KEY = "training_data"  # must_match's entry for data_fingerprint
 
 _NAME = re.compile(r"^step_(\d+)$")
 
@@ -129,12 +137,43 @@ def read_training_state(path):
         raise UserError(f"{Path(path) / STATE_FILE}: unreadable checkpoint state ({err})") from None
 
 
+def add_allow_data_change(group):
+    """The flag that resumes on changed training data (`Checkpoints(allow_data_change=...)`)."""
+    group.add_argument("--allow_data_change", action="store_true",
+                       help="resume although the training data differ from the checkpoint's (its epoch may then skip "
+                            "or repeat examples)")
+
+
+def data_fingerprint(source, records):
+    """must_match[DATA_KEY]: `records` (one string per training example, in the order read) as their count and
+    SHA-256; `source`: the file or directory they came from, named in messages."""
+    records = list(records)
+    digest = hashlib.sha256("".join(record + "\n" for record in records).encode("utf-8"))
+    return {"source": str(source), "examples": len(records), "sha256": digest.hexdigest()}
+
+
+def check_same_data(saved, current, path, allow_change, say):
+    """A resume on other training data than the checkpoint's: one line naming the file, refused unless
+    `allow_change`, then said with `say`. Nothing to compare when either side has no fingerprint."""
+    if not saved or not current or (saved["examples"], saved["sha256"]) == (current["examples"], current["sha256"]):
+        return
+    change = (f"{saved['examples']} -> {current['examples']} examples" if saved["examples"] != current["examples"]
+              else f"the same {current['examples']} examples in count, other contents (SHA-256 {saved['sha256'][:12]} "
+                   f"-> {current['sha256'][:12]})")
+    what = f"{current['source']}: the training data differ from those of {Path(path)} ({change})"
+    if not allow_change:
+        raise UserError(f"{what}; resuming would skip or repeat examples of the checkpoint's epoch. Pass "
+                        "--allow_data_change if the change is intended")
+    say(f"{what}; resuming as --allow_data_change asks: the resumed epoch may skip or repeat examples")
+
+
 def check_compatible(saved, expected, path):
     """A checkpoint from another model, label set or batch layout must not be loaded silently.
 
-    Keys starting with `--` are flags: the message names the flag and both values."""
+    Keys starting with `--` are flags: the message names the flag and both values. The training data (DATA_KEY) are
+    compared apart, by check_same_data."""
     for key, value in expected.items():
-        if key in saved and saved[key] != value:
+        if key in saved and key != DATA_KEY and saved[key] != value:
             if key.startswith("--"):
                 raise UserError(f"{key} {value!r}: {Path(path)} was trained with {key} {saved[key]!r}; resume with "
                                 "the same value (another value would change which samples each step sees)")
@@ -152,17 +191,19 @@ def check_precision(accelerator, path):
 
 class Checkpoints:
     """The run's resumable checkpoints in output_dir/checkpoints: `save` one at a step, `restore` a run from one,
-    `latest`. `must_match`: what a resumed run must share with the checkpoint (model, labels, batch layout); keys
-    starting with `--` are flags, named in the error. `settings`: the flags a resumed run may change (named, then
-    applied). `exports`: files in output_dir that an abandoned branch's best model replaced (start_new_branch).
+    `latest`. `must_match`: what a resumed run must share with the checkpoint (model, labels, batch layout, the
+    training data's fingerprint under DATA_KEY); keys starting with `--` are flags, named in the error.
+    `settings`: the flags a resumed run may change (named, then applied). `exports`: files in output_dir that an
+    abandoned branch's best model replaced (start_new_branch). `allow_data_change`: resume on changed training data.
 
     Constructing it is a collective: every rank finds out whether output_dir is one disk shared by the nodes or each
     node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
 
-    def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=()):
+    def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), allow_data_change=False):
         self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
         self.dir = self.output_dir / "checkpoints"
         self.must_match, self.settings, self.exports = must_match, settings, exports
+        self.allow_data_change = allow_data_change
         shared = output_dir_is_shared(accelerator, self.dir)
         accelerator.project_configuration.save_on_each_node = not shared
         if not shared:
@@ -215,7 +256,7 @@ class Checkpoints:
         state = dict(fresh_state)
         if path is not None:
             command_line = _hyperparameters(optimizer)
-            state = load_checkpoint(self.accelerator, path, self.must_match)
+            state = load_checkpoint(self.accelerator, path, self.must_match, self.allow_data_change)
             if start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports):
                 state.update({k: v for k, v in fresh_state.items() if k.startswith("best_")})
             _apply_hyperparameters(optimizer, scheduler, command_line)
@@ -269,10 +310,11 @@ def output_dir_is_shared(accelerator, checkpoint_dir):
     return shared
 
 
-def load_checkpoint(accelerator, path, expected):
+def load_checkpoint(accelerator, path, expected, allow_data_change=False):
     """Restore everything a checkpoint holds, after checking it belongs to this run; return its training state."""
     state = read_training_state(path)
     check_compatible(state, expected, path)  # before load_state, whose size-mismatch error is a traceback
+    check_same_data(state.get(DATA_KEY), expected.get(DATA_KEY), path, allow_data_change, accelerator.print)
     check_precision(accelerator, path)
     accelerator.wait_for_everyone()
     accelerator.load_state(str(path))

@@ -8,6 +8,11 @@ weights with no error (transformers reports every weight MISSING and initialises
 `export_state_dict`, which also refuses to return anything a fresh model would not load.
 Every function that gathers or broadcasts weights runs on every process (collectives under FSDP/DeepSpeed).
 
+An export carries what it was trained with that an evaluation needs (BERT's max_seq_len and label mode, ResNet's
+image sizes and resampling), and `settings_from_model` makes those the defaults of a later evaluation: a flag the
+user gives is used, and when it differs from the model's it is named in one line and the results go under a name
+that says so (`eval_max_seq_len_64_*`), so that they never pass for the training's.
+
 Neighbours: common/checkpoint.py (resumable checkpoints), vision/references.py (main.py's .pth layout),
 text/model.py (the Hugging Face export's loading).
 """
@@ -182,3 +187,27 @@ def load_weights(model, state_dict, source):
     except RuntimeError as err:  # "Error(s) in loading state_dict for ResNet:\n\tsize mismatch for fc.weight ..."
         detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
         raise UserError(f"{source}: weights do not fit this model ({detail})") from None
+
+
+def settings_from_model(args, defaults, recorded, source, say, flags=None):
+    """Flags whose default a trained model supplies (None in the parser until here): for each `dest` of `defaults`,
+    the command line's value, else the one the model `recorded` ({dest: value} it was trained with; empty for a
+    model that records none), else `defaults[dest]`. `say` gets one line for the values taken from the model and one
+    for the given values that differ from it; those make the returned tag ("_max_seq_len_64", "" when none), which
+    goes into the results' names. `flags`: {dest: the flag as the user gave it}, `--dest` where not given."""
+    differ, taken = [], []
+    for dest, default in defaults.items():
+        given, trained = getattr(args, dest), recorded.get(dest)
+        flag = (flags or {}).get(dest, f"--{dest}")
+        if given is None:
+            setattr(args, dest, trained if trained is not None else default)
+            if trained is not None:
+                taken.append(f"{flag} {trained}")
+        elif trained is not None and given != trained:
+            differ.append((dest, flag, given, trained))
+    if taken:
+        say(f"{source} was trained with {', '.join(taken)}: evaluating with the same")
+    if differ:
+        say("; ".join(f"{flag} {given} differs from the model's {trained} (trained with): evaluating with {given}"
+                      for _, flag, given, trained in differ))
+    return "".join(f"_{dest}_{given}" for dest, _, given, _ in differ)

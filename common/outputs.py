@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .checkpoint import complete_checkpoints
-from .runtime import UserError
+from .runtime import MASK, SECRET_ARGS, UserError, public_command, release_output_dirs
 
 
 class RunLog:
@@ -75,10 +75,12 @@ class RunLog:
             (self.output_dir / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
     def merge_results(self, results, prefixes=("eval_", "test_")):
-        """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process): the
-        training results there are kept, and the run information stays that of the training run."""
+        """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
+        `merge_results`, which names in one line the numbers it keeps because they were measured with other
+        settings."""
         if self.accelerator.is_main_process:
-            merge_results(self.output_dir / "all_results.json", results, prefixes)
+            for line in merge_results(self.output_dir / "all_results.json", results, prefixes):
+                self.console(line)
 
     def write_jsonl(self, name, rows):
         if self.accelerator.is_main_process:
@@ -93,32 +95,18 @@ class RunLog:
         return [e for e in events if e.get("event") == event]
 
     def end(self):
-        """Last call of a run, on every rank: a barrier (exits without one crashed ~1 in 10 gloo runs), then
-        the trackers' end_training, which destroys the process group."""
+        """Last call of a run, on every rank: a barrier (exits without one crashed ~1 in 10 gloo runs), the output
+        directory's lock released (every rank has written what it writes), then the trackers' end_training, which
+        destroys the process group."""
         self.accelerator.wait_for_everyone()
+        release_output_dirs()
         if self.accelerator.log_with:
             self.accelerator.end_training()
-
-
-SECRET_ARGS = ("token",)  # arguments whose values are never written or printed (--token)
-MASK = "***"
 
 
 def public_args(args):
     """vars(args) with the SECRET_ARGS masked."""
     return {k: MASK if k in SECRET_ARGS and v is not None else v for k, v in vars(args).items()}
-
-
-def public_command(argv):
-    """The command line with the values of the SECRET_ARGS flags masked (`--token X` and `--token=X`)."""
-    flags = {f"--{name}" for name in SECRET_ARGS}
-    words = list(argv)
-    for i, word in enumerate(words):
-        if word in flags and i + 1 < len(words):
-            words[i + 1] = MASK
-        elif word.split("=", 1)[0] in flags and "=" in word:
-            words[i] = f"{word.split('=', 1)[0]}={MASK}"
-    return " ".join(words)
 
 
 def provenance(args):
@@ -234,12 +222,23 @@ def clear_previous_run(output_dir):
 
 
 def merge_results(path, results, prefixes=("eval_", "test_")):
-    """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
-    the training results there are kept, and the run information stays that of the training run."""
+    """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process): the
+    training results there are kept, and the run information stays that of the training run. Each prefix's
+    `{prefix}settings` entry says what its numbers were measured with (max_seq_len, image sizes, ...): numbers that
+    all_results.json holds for other settings than this run's are never replaced (this run's are in its own results
+    file). Returns one line per prefix kept that way."""
     path = Path(path)
+    kept = []
     if not path.is_file():
         merged = dict(results)
     else:
         merged = json.loads(path.read_text())
-        merged.update({k: v for k, v in results.items() if k.startswith(prefixes)})
+        for prefix in prefixes:
+            settings = f"{prefix}settings"
+            if (any(k.startswith(prefix) for k in results) and settings in merged
+                    and merged[settings] != results.get(settings)):
+                kept.append(prefix)
+        merged.update({k: v for k, v in results.items() if k.startswith(prefixes) and not k.startswith(tuple(kept))})
     path.write_text(json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
+    return [f"{path}: keeps its {prefix}* numbers, measured with {merged[f'{prefix}settings']} (this evaluation: "
+            f"{results.get(f'{prefix}settings')}, in its own {prefix}results.json)" for prefix in kept]

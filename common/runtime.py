@@ -4,12 +4,27 @@ would go wrong silently, the DataLoader settings, the command-line look, and use
 What the hardware is (CPU, 1 GPU, N GPUs, N machines, precision) comes from the launcher and
 accelerate_configs/*.yaml; the flags here only cover what a config file cannot say.
 
+Flags: every count, interval and size is checked by the parser itself (`positive_int`, `nonnegative_int`,
+`positive_float`, `nonnegative_float` as argparse types), so `--logging_steps 0` is one line naming the flag, not a
+ZeroDivisionError an hour later.
+
 Errors: a problem with the user's input is a `UserError`, which `run_cli` turns into one line on stderr and exit
 status 2, no traceback. Under a multi-process launch every rank usually meets the same bad input: the line is
 printed once, by each machine's first process, and every rank writes it into the error file torch's elastic agent
 gives it (TORCHELASTIC_ERROR_FILE), so that the launcher's failure summary, the last thing `accelerate launch` and
 `torchrun` print, ends with this line instead of "To enable traceback see ...". The launcher's own traceback above
 that summary is its business: it exits 1 there, the processes exit 2.
+
+One run per output directory (`hold_output_dir`): the main process creates OUTPUT_DIR/.lock atomically (O_CREAT |
+O_EXCL) before anything is written, holding its host, PID, start time and command; a second run on the directory
+stops with one line naming the holder, having written nothing. Every node's local main process then does the same
+on its own disk: on a shared disk it finds the main process's lock (the same job token) and leaves it; on a node-local
+disk it takes that node's own lock. A lock whose holder is gone is taken over with one line: on this host, a PID that
+no longer runs (or now runs another program: its start time differs); anywhere, an earlier attempt of this same
+requeued Slurm job. Another host's lock cannot be checked from here: the run refuses and says which file to remove
+once that run is over. The locks are released at the end of the
+run (RunLog.end), and by `run_cli` whatever way the run ends (errors, SIGTERM's preemption path), together with the
+directories created only to hold them.
 
 DataLoaders: pin_memory on CUDA (batches land in page-locked memory, so the copy to the GPU overlaps compute; the
 Accelerator's `non_blocking=True` needs it), and persistent workers (started once per loader, not again every
@@ -22,7 +37,10 @@ common/outputs.py.
 import argparse
 import datetime
 import json
+import math
 import os
+import secrets
+import socket
 import sys
 import time
 import warnings
@@ -31,7 +49,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
-                              parse_flag_from_env)
+                              broadcast_object_list, gather_object, parse_flag_from_env)
 from tqdm.auto import tqdm
 
 
@@ -40,7 +58,8 @@ class UserError(Exception):
 
 
 def run_cli(main, args):
-    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2."""
+    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2. The output directory's lock is
+    released however the run ends."""
     try:
         return main(args)
     except UserError as err:
@@ -49,6 +68,8 @@ def run_cli(main, args):
             tqdm.write(line, file=sys.stderr)  # on its own line even under a progress bar
         record_for_launcher(line)
         sys.exit(2)
+    finally:
+        release_output_dirs()
 
 
 def record_for_launcher(line):
@@ -65,7 +86,41 @@ def record_for_launcher(line):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the module docstring's layout (its commands) and shows every flag's default."""
+    """--help keeps the module docstring's layout (its commands) and shows every flag's default; a flag whose default
+    is None (decided later: by the device, the data or the trained model) says in its own help what it will be."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _number(text, kind, accept, what):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not accept(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")  # argparse prefixes the flag
+    return value
+
+
+def positive_int(text):
+    """argparse type of counts, intervals and sizes: an integer >= 1."""
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
+
+
+def nonnegative_int(text):
+    """argparse type of counts where 0 means none (or all, as --save_total_limit says): an integer >= 0."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text):
+    """argparse type of learning rates and timeouts: a finite number > 0."""
+    return _number(text, float, lambda v: v > 0, "a number > 0")
+
+
+def nonnegative_float(text):
+    """argparse type of weight decays, norms and alphas where 0 switches the thing off: a finite number >= 0."""
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")
 
 
 def hf_bool(value):
@@ -98,7 +153,7 @@ def add_runtime_args(parser):
                        help="default: whatever the launcher / accelerate config says")
     group.add_argument("--dist_backend", choices=["nccl", "gloo"], default=None,
                        help="process-group backend; default nccl on GPU, gloo on CPU and on Windows")
-    group.add_argument("--ddp_timeout", type=float, default=300.0,
+    group.add_argument("--ddp_timeout", type=positive_float, default=300.0,
                        help="seconds a collective waits for a missing rank before the job fails")
     group.add_argument("--data_parallel", action="store_true",
                        help="legacy single-process nn.DataParallel over all visible GPUs (slower than DDP)")
@@ -277,3 +332,194 @@ def check_sharding_applies(accelerator):
             raise UserError(f"the accelerate config asks for {wanted.value} (distributed_type: {wanted.value}), "
                             f"which does not run {'on CPU (--cpu)' if accelerator.device.type == 'cpu' else 'here'}: "
                             f"this run would be plain {got}. Use accelerate_configs/cpu_ddp.yaml on CPU, or GPUs")
+
+
+SECRET_ARGS = ("token",)  # arguments whose values are never written or printed (--token)
+MASK = "***"
+
+
+def public_command(argv):
+    """The command line with the values of the SECRET_ARGS flags masked (`--token X` and `--token=X`): what
+    run_config.json and the output directory's lock record."""
+    flags = {f"--{name}" for name in SECRET_ARGS}
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word in flags and i + 1 < len(words):
+            words[i + 1] = MASK
+        elif word.split("=", 1)[0] in flags and "=" in word:
+            words[i] = f"{word.split('=', 1)[0]}={MASK}"
+    return " ".join(words)
+
+
+LOCK_NAME = ".lock"
+_held_locks = []  # [(lock path, token, directories created to hold it)] of this process, released at the end
+
+
+def hold_output_dir(accelerator, output_dir):
+    """One run per output directory (the module header): the main process's lock first, then each node's local main
+    process's on a disk of its own; a refusal stops every rank at once with the same line. A collective."""
+    decision = [None]  # ("ok", this job's token) or ("error", the refusal)
+    if accelerator.is_main_process:
+        decision = [_claim_or_refusal(Path(output_dir), secrets.token_hex(8))]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(decision)
+    kind, token = decision[0]
+    if kind == "error":
+        raise UserError(token)
+    if accelerator.num_processes == 1:
+        return
+    problem = None
+    if accelerator.is_local_main_process and not accelerator.is_main_process:
+        # finds the main process's lock on a shared disk (the same token); takes this node's on a disk of its own
+        kind, refusal = _claim_or_refusal(Path(output_dir), token)
+        problem = f"{refusal} (node {socket.gethostname()})" if kind == "error" else None
+    problems = [p for p in gather_object([problem]) if p]
+    if problems:
+        raise UserError(problems[0])
+
+
+def _claim_or_refusal(output_dir, token):
+    try:
+        _claim(output_dir, token)
+        return "ok", token
+    except UserError as err:
+        return "error", str(err)
+
+
+def release_output_dirs():
+    """Remove the locks this process holds, and the directories created only to hold them when nothing else was
+    written there. Called at the end of a run (RunLog.end) and by run_cli however the run ends; safe to repeat."""
+    while _held_locks:
+        path, token, created = _held_locks.pop()
+        if _read_lock(path, wait=0).get("token") == token:
+            path.unlink(missing_ok=True)
+        _remove_empty(created)
+
+
+def _remove_empty(directories):
+    """Remove `directories` (outermost first in the list), innermost first, as long as they are empty: a run refused
+    before writing anything leaves no directory behind."""
+    for directory in reversed(directories):
+        try:
+            directory.rmdir()
+        except OSError:
+            break
+
+
+def _claim(output_dir, token):
+    """Create output_dir/.lock for this job (`token`), taking over a stale one; leave one that holds `token` (this
+    job's, seen on a shared disk); raise UserError naming a live holder."""
+    path = output_dir / LOCK_NAME
+    created = [d for d in (output_dir, *output_dir.parents) if not d.exists()][::-1]
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file of that name, no permission
+        raise UserError(f"{output_dir}: cannot create the output directory ({err.strerror or err})") from None
+    for _ in range(5):  # each round: create, or judge the holder (and take a stale lock over)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder.get("token") == token:
+                return
+            if not _is_stale(holder):
+                _remove_empty(created)
+                raise UserError(_refusal(output_dir, path, holder))
+            print(f"{path}: taking over the lock of a run that is no longer running ({_describe_holder(holder)})",
+                  flush=True)
+            _remove_stale(path, holder)
+            continue
+        except OSError as err:  # a directory that is not writable
+            raise UserError(f"{path}: cannot create the run's lock ({err.strerror or err})") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": public_command(sys.argv),
+                       "token": token, **_slurm_attempt()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _held_locks.append((path, token, created))
+        return
+    raise UserError(f"{path}: could not take the lock (other runs keep taking it over); try again")
+
+
+def _read_lock(path, wait=2.0):
+    """A lock's contents; a lock being written (empty for an instant) is read again until `wait` seconds passed."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return {"unreadable": True}
+            time.sleep(0.1)
+
+
+def _process_start(pid):
+    """The process's start time in clock ticks after boot (Linux), which tells a PID reused by another program: "ended"
+    for a zombie (a container without an init process may never reap it), None where /proc does not say."""
+    try:
+        state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return "ended" if state == "Z" else int(fields[18])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _slurm_attempt():
+    """The Slurm job and its attempt (SLURM_RESTART_COUNT grows with each requeue), where Slurm started this run."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return {"slurm_job_id": job, "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))} if job else {}
+
+
+def _is_stale(holder):
+    """Whether a lock's holder is certainly gone: an earlier attempt of this requeued Slurm job (Slurm requeues a job
+    once all of it has ended), or, on this host, a PID that runs no more (or runs another program)."""
+    ours = _slurm_attempt()
+    if ours and holder.get("slurm_job_id") == ours["slurm_job_id"]:
+        return holder.get("slurm_restart_count", 0) < ours["slurm_restart_count"]
+    if holder.get("unreadable") or holder.get("host") != socket.gethostname():
+        return False  # another host's processes cannot be checked from here
+    pid = holder.get("pid")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # it runs, under another user
+    except (TypeError, OverflowError):
+        return False
+    now = _process_start(pid)
+    return now == "ended" or (now is not None and holder.get("pid_start") not in (None, now))
+
+
+def _remove_stale(path, holder):
+    """Move the stale lock aside and delete it, unless another run replaced it in the meantime (then put that back)."""
+    aside = path.with_name(f"{path.name}.stale-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # another run took it over first
+    if _read_lock(aside, wait=0) == holder:
+        aside.unlink()
+        return
+    try:
+        os.link(aside, path)  # the new holder's lock goes back where it was
+    except FileExistsError:
+        pass
+    aside.unlink()
+
+
+def _describe_holder(holder):
+    if holder.get("unreadable"):
+        return "unreadable lock file"
+    return (f"host {holder.get('host')}, PID {holder.get('pid')}, started {holder.get('started')}: "
+            f"{holder.get('command')}")
+
+
+def _refusal(output_dir, path, holder):
+    if not holder.get("unreadable") and holder.get("host") == socket.gethostname():
+        return (f"{output_dir}: another run is using this directory ({_describe_holder(holder)}); wait for it to "
+                "end, or pass another --output_dir")
+    return (f"{output_dir}: locked by a run on another machine ({_describe_holder(holder)}), which cannot be checked "
+            f"from here; pass another --output_dir, or, if that run is over, remove {path}")

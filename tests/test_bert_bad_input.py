@@ -2,10 +2,14 @@
 
 The first test runs `python train_bert_cls.py` as users do; the other 1-process cases run the same command line in
 this process (conftest.run_here: the script's run_cli(main, parse_args()), without a fresh interpreter's start-up)."""
+import re
 import shutil
 
 import pytest
 from conftest import ACCELERATE, free_port, launch, run, run_here
+
+import train_bert_cls
+from text.model import position_limit
 
 SCRIPT = "train_bert_cls.py"
 
@@ -121,4 +125,37 @@ def test_multi_process_launch_without_cpu_flag_on_a_cpu_machine(text_data, tmp_p
                 "--data_dir", text_data, "--do_train", *small_args(text_data, tmp_path / "o")], check=False)
     assert proc.returncode != 0
     assert "without a GPU but without --cpu" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--logging_steps", "0"), ("--gradient_accumulation_steps", "0"),
+                                        ("--max_seq_len", "0"), ("--train_batch_size", "0"), ("--eval_steps", "0"),
+                                        ("--checkpointing_steps", "0"), ("--num_train_epochs", "0"),
+                                        ("--max_train_steps", "-3"), ("--save_total_limit", "-1"),
+                                        ("--num_workers", "-1"), ("--learning_rate", "0"), ("--pad_to_multiple_of", "0"),
+                                        ("--max_grad_norm", "nan")])
+def test_counts_and_intervals_are_checked_by_the_parser(text_data, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_bert_cls.parse_args(["--model_name_or_path", str(text_data / "model"), "--do_train", flag, value])
+    assert exit_info.value.code == 2
+    assert re.search(rf"error: argument {flag}(/\S+)?: must be ", capsys.readouterr().err)
+
+
+def test_max_seq_len_above_the_models_positions_is_refused_before_training(text_data, tmp_path):
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--do_train",
+                             *small_args(text_data, tmp_path / "o", "--max_seq_len", "600")], check=False)
+    assert_one_line_error(proc, "--max_seq_len 600:", str(text_data / "model"), "takes at most 512 tokens")
+    assert not (tmp_path / "o").exists()
+    # RoBERTa numbers its positions after the padding index: 514 rows take 512 tokens; rotary positions have no limit
+    from transformers import ModernBertConfig, RobertaConfig
+
+    tiny = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    assert position_limit(RobertaConfig(max_position_embeddings=514, pad_token_id=1, **tiny)) == 512
+    assert position_limit(ModernBertConfig(**tiny)) is None
+
+
+def test_do_test_with_a_base_model_asks_for_a_labels_file(text_data, tmp_path):
+    proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", text_data / "model", "--data_dir", text_data, "--do_test",
+                             "--output_dir", tmp_path / "o"], check=False)
+    assert_one_line_error(proc, str(text_data / "model"), "no label mapping", "pass --labels_file")
     assert not (tmp_path / "o").exists()

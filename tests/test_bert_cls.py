@@ -1,6 +1,7 @@
 """train_bert_cls.py end to end through the real launcher, 1 and 2 CPU processes, on a tiny fixture."""
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -11,8 +12,9 @@ SCRIPT = "train_bert_cls.py"
 
 
 def bert_args(data, out, *extra, epochs=5):
+    # 16 tokens cut most headlines (up to 24 tokens with [CLS] and [SEP]): an evaluation at another length differs
     return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch",
-            "--max_seq_len", "64", "--train_batch_size", "16", "--eval_batch_size", "16",
+            "--max_seq_len", "16", "--train_batch_size", "16", "--eval_batch_size", "16",
             "--learning_rate", "2e-3", "--num_train_epochs", str(epochs), "--logging_steps", "10",
             "--output_dir", out, *extra]
 
@@ -78,6 +80,9 @@ def test_outputs_load_anywhere(trained, text_data):
     labels = sorted({line.split("\t")[0] for line in (text_data / "train.txt").read_text().splitlines()})
     assert [config["id2label"][str(i)] for i in range(len(labels))] == labels  # sorted, deterministic
     assert (out / "labels.txt").read_text().split() == labels
+    # what it was trained with travels with it; the tokenizer (and so pipeline()) truncates at the training's length
+    assert read_json(best / "trained_with.json") == {"max_seq_len": 16, "multi_label": False}
+    assert read_json(best / "tokenizer_config.json")["model_max_length"] == 16
     from safetensors.torch import load_file
 
     keys = load_file(best / "model.safetensors").keys()
@@ -110,9 +115,11 @@ def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):
     predict_file = tmp_path / "texts.txt"
     predict_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
     pred_out = tmp_path / "pred"
-    launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--data_dir", text_data, "--do_test",
-                    "--do_predict", "--predict_file", predict_file, "--eval_batch_size", "16",
-                    "--max_seq_len", "64", "--output_dir", pred_out], num_processes=2)
+    # the second command users run, without the training's --max_seq_len: the model's 16, not the default 512
+    proc = launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--data_dir", text_data, "--do_test",
+                           "--do_predict", "--predict_file", predict_file, "--eval_batch_size", "16",
+                           "--output_dir", pred_out], num_processes=2)
+    assert f"{out / 'best_model'} was trained with --max_seq_len 16: evaluating with the same" in proc.stdout
     rows = read_jsonl(pred_out / "predictions.jsonl")
     assert [(r["line"], r["text"]) for r in rows] == list(enumerate(lines, start=1))
     assert rows[1] == {"line": 2, "text": "", "skipped": "blank line"}
@@ -131,7 +138,7 @@ def test_labelled_predict_file_predicts_on_its_texts(trained, text_data, tmp_pat
     with the given labels exactly as often as the training run's test accuracy says."""
     out, _ = trained[1]
     proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--do_predict", "--predict_file",
-                             text_data / "test.txt", "--max_seq_len", "64", "--output_dir", tmp_path / "pred"])
+                             text_data / "test.txt", "--output_dir", tmp_path / "pred"])
     assert "every line is 'label<TAB>text' with a label of the model" in proc.stdout
     rows = read_jsonl(tmp_path / "pred" / "predictions.jsonl")
     given = [line.split("\t", 1) for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()]
@@ -167,6 +174,24 @@ def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
     assert [r["line"] for r in read_jsonl(tmp_path / "pred" / "predictions.jsonl")] == [1, 2, 3, 4, 5]
 
 
+def test_evaluation_with_other_settings_keeps_the_training_numbers(trained, text_data, tmp_path):
+    """Evaluating into the training's output directory at another --max_seq_len: named in one line, and its numbers
+    go under names that say so; all_results.json's training numbers and the per-class files stay the training's."""
+    out = tmp_path / "out"
+    shutil.copytree(trained[1][0], out, ignore=shutil.ignore_patterns("checkpoints"))
+    training, report = read_json(out / "all_results.json"), (out / "test_report.json").read_text()
+    proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--data_dir", text_data,
+                             "--do_test", "--max_seq_len", "8", "--output_dir", out])
+    assert "--max_seq_len 8 differs from the model's 16 (trained with): evaluating with 8" in proc.stdout
+    merged = read_json(out / "all_results.json")
+    assert {k: merged[k] for k in training} == training and training["test_settings"] == {
+        "max_seq_len": 16, "multi_label": False}
+    other = read_json(out / "test_max_seq_len_8_results.json")
+    assert other["test_max_seq_len_8_settings"] == {"max_seq_len": 8, "multi_label": False}
+    assert merged["test_max_seq_len_8_accuracy"] == other["test_max_seq_len_8_accuracy"]
+    assert (out / "test_report.json").read_text() == report and (out / "test_max_seq_len_8_report.json").is_file()
+
+
 def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
     """The reference's best.pt (DataParallel `module.` keys, bert.* + linear.* head) gives the same test accuracy."""
     import torch
@@ -178,7 +203,7 @@ def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
     torch.save({"state_dict": legacy, "epoch": 3, "best_acc": 0.9}, tmp_path / "best.pt")
     test_out = tmp_path / "legacy_test"
     launch(SCRIPT, ["--model_name_or_path", text_data / "model", "--init_from_legacy", tmp_path / "best.pt",
-                    "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test", "--max_seq_len", "64",
+                    "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test", "--max_seq_len", "16",
                     "--eval_batch_size", "16", "--output_dir", test_out])
     assert read_json(test_out / "all_results.json")["test_accuracy"] == pytest.approx(
         read_json(out / "all_results.json")["test_accuracy"])

@@ -1,10 +1,12 @@
-"""Nothing lost: a killed or preempted BERT run resumes into exactly the run that would have happened."""
+"""Nothing lost: a killed or preempted BERT run resumes into exactly the run that would have happened; a second run
+on its directory, or a resume on other training data, is refused."""
+import re
 import shutil
 import signal
 
 import pytest
-from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json, start,
-                      wait_for)
+from conftest import (assert_same_curve, assert_same_weights, descendants, kill_job, launch, launch_cmd, read_json,
+                      run_here, start, wait_for)
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
@@ -60,10 +62,18 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, t
     out = tmp_path / "preempted"
     job = start(launch_cmd(SCRIPT, resume_args(text_data, out), num_processes=2), tmp_path / "preempted.log")
     wait_for(complete(out, 20), job)
+    # a second run on the directory, started while the job holds it: one line naming the holder, nothing written
+    # (the curve and the weights below are exactly the uninterrupted run's)
+    second = run_here(SCRIPT, ["--cpu", *resume_args(text_data, out, "--resume_from_checkpoint", "latest")],
+                      check=False)
+    refusal = re.search(rf"error: {out}: another run is using this directory \(host \S+, PID (\d+)", second.stderr)
+    assert second.returncode == 2 and refusal, second.stderr[-2000:]
+    assert int(refusal.group(1)) in descendants(job.pid) and job.poll() is None  # the job's main process holds it
     kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
     job.wait(timeout=60)
     log = (tmp_path / "preempted.log").read_text()
     assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    assert not (out / ".lock").exists()  # the first run ended as a preempted run does, and let go
     results = read_json(out / "all_results.json")
     assert results["preempted"] is True
     assert checkpoint_steps(out)[-1] == results["train_steps"] < STEPS
@@ -103,3 +113,23 @@ def test_resume_refuses_another_label_set(twenty_steps, text_data, tmp_path):
                                       "--resume_from_checkpoint", "latest"), check=False)
     assert proc.returncode != 0
     assert "error: " in proc.stderr and "training_state.json: checkpoint has labels=" in proc.stderr
+
+
+def test_resume_on_changed_training_data_is_refused_unless_allowed(twenty_steps, text_data, tmp_path):
+    """The training file lost most of its lines since the checkpoint: resuming would skip the rest of the epoch."""
+    out = tmp_path / "out"
+    shutil.copytree(twenty_steps, out)
+    shorter = tmp_path / "train.txt"
+    shorter.write_text("".join((text_data / "train.txt").read_text(encoding="utf-8").splitlines(keepends=True)[:300]),
+                       encoding="utf-8")
+    args = ["--cpu", *resume_args(text_data, out, "--train_file", shorter, "--max_train_steps", "30",
+                                  "--resume_from_checkpoint", "latest")]
+    proc = run_here(SCRIPT, args, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert f"{shorter}: the training data differ from those of {out / 'checkpoints' / 'step_20'} (800 -> 300 " \
+           "examples)" in errors[0] and "--allow_data_change" in errors[0]
+    assert checkpoint_steps(out) == [10, 20]
+    proc = run_here(SCRIPT, [*args, "--allow_data_change"])
+    assert "(800 -> 300 examples); resuming as --allow_data_change asks" in proc.stdout
+    assert checkpoint_steps(out)[-1] == 30

@@ -1,5 +1,6 @@
 """Nothing lost at the edges: nodes without a shared disk, going back to an earlier checkpoint, changed settings on
 resume, short accumulation windows, FSDP/DeepSpeed configs that cannot apply, finished runs."""
+import json
 import shutil
 import subprocess
 import time
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from test_resnet import main_here
 
 from common.checkpoint import check_precision
+from common.outputs import merge_results
 from common.demo_data import write_digits_imagefolder, write_text_classification_data
 from common.runtime import UserError
 
@@ -173,6 +175,21 @@ def test_finished_run_is_not_restarted_by_latest_and_test_only_results_merge(acc
     assert after["test_samples"] == 40 and read_json(out / "test_results.json")["test_samples"] == 40
 
 
+def test_merged_results_keep_numbers_measured_with_other_settings(tmp_path):
+    """all_results.json's eval_* numbers stay when an evaluation merged into it used other settings (its own numbers
+    are in its results file); with the same settings they are replaced, as an evaluation of the same model is."""
+    path = tmp_path / "all_results.json"
+    training = {"train_steps": 63, "eval_acc1": 88.4, "eval_settings": {"val_crop_size": 16, "val_resize": 16}}
+    path.write_text(json.dumps(training))
+    lines = merge_results(path, {"num_processes": 2, "eval_acc1": 8.7,
+                                 "eval_settings": {"val_crop_size": 224, "val_resize": 256}})
+    assert read_json(path) == training
+    assert lines == [f"{path}: keeps its eval_* numbers, measured with {training['eval_settings']} (this evaluation: "
+                     "{'val_crop_size': 224, 'val_resize': 256}, in its own eval_results.json)"]
+    assert merge_results(path, {"eval_acc1": 88.5, "eval_settings": training["eval_settings"]}) == []
+    assert read_json(path) == {**training, "eval_acc1": 88.5}
+
+
 def test_fsdp_config_with_cpu_is_refused(uneven_text, tmp_path):
     proc = run([*ACCELERATE, "--config_file", "accelerate_configs/fsdp.yaml", "--num_processes", "2",
                 "--main_process_port", free_port(), SCRIPT, "--cpu",
@@ -201,6 +218,12 @@ def test_resnet_rollback_changed_settings_and_finished_runs(digits, tmp_path, ca
     main_here(resnet_args(digits, out, "--epochs", "3", "--checkpointing_steps", "4", "--save_total_limit", "0"))
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4", "step_8"]  # none at the finished step 9
+    fewer = tmp_path / "fewer"  # one training image less: the checkpoint's place in its epoch means other images
+    shutil.copytree(digits, fewer)
+    sorted((fewer / "train" / "3").iterdir())[0].unlink()
+    with pytest.raises(UserError, match=rf"{fewer / 'train'}: the training data differ from those of \S+step_8 "
+                                        r"\(120 -> 119 examples\); .*Pass --allow_data_change"):
+        main_here(resnet_args(fewer, out, "--epochs", "3", "--resume", "latest"))
     with pytest.raises(UserError, match=r"--gradient_accumulation_steps 3: \S+step_8 was trained with "
                                         r"--gradient_accumulation_steps 1"):
         main_here(resnet_args(digits, out, "--epochs", "3", "--resume", "latest", "--gradient_accumulation_steps", "3"))

@@ -1,13 +1,19 @@
-"""Faults around a run: a dead rank, a diverging loss, a taken port, legacy DataParallel."""
+"""Faults around a run: a dead rank, a diverging loss, a taken port, legacy DataParallel, two runs on one directory."""
+import json
 import os
 import signal
 import socket
+import sys
 import time
+from types import SimpleNamespace
 
+import pytest
 import torch
-from conftest import (ACCELERATE, FAKE_GPU, descendants, launch, launch_cmd, read_json, run, run_here, start,
-                      wait_for)
+from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, descendants, free_port, launch, launch_cmd, read_json,
+                      run, run_here, start, wait_for)
 from safetensors.torch import load_file
+
+from common.runtime import UserError, hold_output_dir, release_output_dirs
 
 SCRIPT = "train_bert_cls.py"
 
@@ -86,3 +92,115 @@ def test_data_parallel_with_a_multi_process_launch_is_an_error(text_data, tmp_pa
                   num_processes=2, check=False)
     assert proc.returncode != 0
     assert "--data_parallel (single-process nn.DataParallel) cannot be combined" in proc.stderr
+
+
+# ---- one run per output directory (common/runtime.py hold_output_dir) ----
+
+ONE_PROCESS = SimpleNamespace(num_processes=1, is_main_process=True, is_local_main_process=True)
+
+
+def test_output_dir_lock_refuses_a_live_holder_and_takes_over_a_gone_one(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "new" / "out"
+    monkeypatch.setattr(sys, "argv", ["train_bert_cls.py", "--token", "hf_SECRET", "--output_dir", str(out)])
+    hold_output_dir(ONE_PROCESS, out)
+    holder = json.loads((out / ".lock").read_text())
+    assert holder["host"] == socket.gethostname() and holder["pid"] == os.getpid()
+    assert holder["command"] == f"train_bert_cls.py --token *** --output_dir {out}"  # never the token
+    with pytest.raises(UserError, match=rf"{out}: another run is using this directory \(host \S+, PID {os.getpid()}, "):
+        hold_output_dir(ONE_PROCESS, out)  # this process still runs: a live holder
+    release_output_dirs()
+    assert not (tmp_path / "new").exists()  # created only to hold the lock, and nothing else was written
+
+    out.mkdir(parents=True)
+    (out / ".lock").write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "started": "2026-01-01 00:00:00",
+                                           "command": "train_resnet.py /data/imagenet"}))
+    with pytest.raises(UserError, match=rf"locked by a run on another machine \(host gpu-node-7, PID 4242, .*\), "
+                                        rf"which cannot be checked from here; .*remove {out / '.lock'}"):
+        hold_output_dir(ONE_PROCESS, out)
+    assert (out / ".lock").is_file() and out.is_dir()  # the refused run removed nothing
+
+    # this host, but the PID now runs another program (another start time): the holder is gone
+    holder = {**holder, "pid_start": -1, "token": "gone"}
+    (out / ".lock").write_text(json.dumps(holder))
+    hold_output_dir(ONE_PROCESS, out)
+    assert f"{out / '.lock'}: taking over the lock of a run that is no longer running" in capsys.readouterr().out
+    assert json.loads((out / ".lock").read_text())["token"] != "gone"
+    release_output_dirs()
+    assert not (out / ".lock").exists() and out.is_dir()  # it existed before: kept
+
+
+def test_output_dir_lock_of_an_earlier_attempt_of_a_requeued_slurm_job_is_taken_over(tmp_path, monkeypatch):
+    """A job Slurm requeued (the same SLURM_JOB_ID, a higher SLURM_RESTART_COUNT) after its node went down left a lock
+    from another host: taken over. Another step of this attempt, or another job, keeps its lock."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7741")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    out = tmp_path / "out"
+    out.mkdir()
+    for holder, taken_over in (({"slurm_job_id": "7741", "slurm_restart_count": 1}, False),  # this attempt's
+                               ({"slurm_job_id": "7740", "slurm_restart_count": 0}, False),  # another job
+                               ({"slurm_job_id": "7741", "slurm_restart_count": 0}, True)):  # the earlier attempt
+        (out / ".lock").write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, **holder}))
+        if taken_over:
+            hold_output_dir(ONE_PROCESS, out)
+            assert json.loads((out / ".lock").read_text())["slurm_restart_count"] == 1
+            release_output_dirs()
+        else:
+            with pytest.raises(UserError, match="locked by a run on another machine"):
+                hold_output_dir(ONE_PROCESS, out)
+
+
+LOCK_CHECK = """
+import json, os, sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, sys.argv[1])
+from accelerate import PartialState
+from accelerate.utils import gather_object
+
+from common.runtime import UserError, hold_output_dir, release_output_dirs
+
+state = PartialState(cpu=True)
+rank = state.process_index
+node = SimpleNamespace(num_processes=2, is_main_process=rank == 0, is_local_main_process=True)  # 2 machines
+base = Path(sys.argv[2])
+pids = gather_object([os.getpid()])
+
+own = base / f"node{rank}"  # each node's own disk: each node's process holds its own lock
+hold_output_dir(node, own)
+assert json.loads((own / ".lock").read_text())["pid"] == os.getpid()
+release_output_dirs()
+assert not own.exists()
+
+shared = base / "shared"  # one disk seen by both: the main process's lock only, left alone by node 1
+hold_output_dir(node, shared)
+assert json.loads((shared / ".lock").read_text())["pid"] == pids[0]
+state.wait_for_everyone()
+release_output_dirs()
+state.wait_for_everyone()
+assert not (shared / ".lock").exists()
+
+busy = base / ("free" if rank == 0 else "busy")  # node 1's disk holds another live run's lock: every rank stops
+try:
+    hold_output_dir(node, busy)
+    raise AssertionError("not refused")
+except UserError as err:
+    assert "busy: another run is using this directory" in str(err) and "(node " in str(err), err
+release_output_dirs()
+assert rank == 1 or not (base / "free").exists()  # the main process's own lock went with the refusal
+print(f"rank {rank} ok", flush=True)
+"""
+
+
+def test_output_dir_lock_on_node_local_and_shared_disks(tmp_path):
+    """Two "machines" of one process each (torchrun, gloo): on node-local disks every node locks its own copy; on a
+    shared one only the main process locks; a node whose disk holds another run's lock stops the whole job."""
+    busy = tmp_path / "busy"
+    hold_output_dir(ONE_PROCESS, busy)  # another live run (this test process) holds node 1's directory
+    script = tmp_path / "lock_check.py"
+    script.write_text(LOCK_CHECK)
+    try:
+        proc = run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), script, ROOT, tmp_path])
+    finally:
+        release_output_dirs()
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout

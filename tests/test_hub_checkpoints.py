@@ -2,20 +2,23 @@
 
 The layouts are built here (tests/checkpoint_layouts.py): bert-base-chinese's pytorch_model.bin with
 LayerNorm gamma/beta names and MLM + NSP heads, sharded safetensors with an index and tokenizer.json only,
-and an ELECTRA discriminator through the Auto classes.
+and an ELECTRA discriminator through the Auto classes. A mistyped local path is never taken for a hub id.
 """
+import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, finetune_args,
                                 sharded_bert_layout, vocab_size)
-from conftest import assert_same_weights, launch, read_json, read_jsonl
+from conftest import assert_same_weights, launch, read_json, read_jsonl, run_here
 from launch_options import default_config, launch_with_config, launch_with_precision
 from safetensors.torch import load_file
 
 import train_bert_cls
 from common.runtime import UserError
+from text.model import check_hub_ids_or_paths
 
 SCRIPT = "train_bert_cls.py"
 LAYOUTS = {"bin_gamma_beta": bert_base_chinese_layout, "sharded_tokenizer_json": sharded_bert_layout,
@@ -49,6 +52,17 @@ def test_encoder_starts_from_the_checkpoint_and_only_the_head_is_new(layouts, te
     different = [key for key in loaded if key not in new and not torch.equal(loaded[key], checkpoint[key])]
     assert not different, f"not the checkpoint's values: {different[:3]}"
     assert len(tokenizer) == vocab_size(text_data / "model")
+
+
+def test_max_seq_len_defaults_to_the_positions_of_a_smaller_model(layouts, text_data):
+    """These layouts have 64 positions: without --max_seq_len the run takes 64, not the default 512 (which would
+    stop at the first text longer than 64 tokens), and says so."""
+    args = train_bert_cls.parse_args(["--model_name_or_path", str(layouts["electra"]), "--data_dir", str(text_data),
+                                      "--do_train"])
+    said = []
+    train_bert_cls.build_model(args, labels_of(text_data), said.append)
+    assert args.max_seq_len == 64 and said == [
+        f"--max_seq_len 64: the most {layouts['electra']} takes (its learned position embeddings), not the default 512"]
 
 
 def test_checkpoint_of_another_architecture_is_refused(layouts, text_data, tmp_path):
@@ -123,8 +137,68 @@ def test_export_of_a_gamma_beta_checkpoint_uses_the_models_names(layouts, text_d
     tokenizer, model = build(text_data, layouts["bin_gamma_beta"])
     try:
         accelerator = Accelerator(cpu=True)
-        train_bert_cls.save_best_model(accelerator, accelerator.prepare(model), tokenizer, tmp_path / "best_model")
+        train_bert_cls.save_best_model(accelerator, accelerator.prepare(model), tokenizer, tmp_path / "best_model",
+                                       {"max_seq_len": 64, "multi_label": False})
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert load_file(tmp_path / "best_model" / "model.safetensors").keys() == model.state_dict().keys()
     load_model(model, tmp_path / "best_model" / "model.safetensors")  # strict
+
+
+@pytest.fixture
+def network_guard(monkeypatch):
+    """Hub access switched on for this process (no HF_HUB_OFFLINE), and every connection recorded and refused."""
+    import socket
+
+    import huggingface_hub.constants
+
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args[:2])
+        raise OSError("no network in this test")
+
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+def test_a_mistyped_local_path_is_an_error_without_network_access(text_data, tmp_path, network_guard):
+    """`tests/` is a directory here, so `tests/no_such_model` is a mistyped path, not the hub repo of that name."""
+    from huggingface_hub import get_session
+
+    with pytest.raises(Exception):
+        get_session().head("https://huggingface.co/api/models/bert-base-chinese")
+    assert network_guard, "the guard must see what the hub client sends"  # it would have seen the hub lookups
+    network_guard.clear()
+    proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", "tests/no_such_model", "--data_dir", text_data,
+                             "--do_train", "--output_dir", tmp_path / "out"], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and errors == [
+        "error: --model_name_or_path tests/no_such_model: no such file or directory (a local path, since tests/ is a "
+        "local directory)"], proc.stderr[-2000:]
+    assert network_guard == [] and not (tmp_path / "out").exists()
+
+
+def test_hub_ids_and_paths_are_told_apart_without_the_network(tmp_path, monkeypatch, network_guard):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d" / "model").mkdir(parents=True)
+
+    def flags(**given):
+        return SimpleNamespace(**{"model_name_or_path": "m", "config_name": None, "tokenizer_name": None,
+                                  "dataset_name": None, "metric": [], **given})
+
+    for hub_id in ("hfl/chinese-bert-wwm-ext", "bert-base-chinese", "d/model", str(tmp_path / "d")):
+        check_hub_ids_or_paths(flags(model_name_or_path=hub_id, tokenizer_name=hub_id, metric=["accuracy", hub_id]))
+    for path, reason in (("d/modle", "d/ is a local directory"), ("./model", "it is written as a path"),
+                         ("../model", "it is written as a path"), ("~/no_such_model", "it is written as a path"),
+                         (str(tmp_path / "no_such_model"), "it is written as a path"),
+                         ("a/b/c", "a hub id has at most one '/'"), ("my model", "it is not of a hub id's form")):
+        for flag in ("--model_name_or_path", "--tokenizer_name", "--config_name", "--dataset_name", "--metric"):
+            given = {flag[2:]: [path] if flag == "--metric" else path}
+            with pytest.raises(UserError, match=f"{flag} {re.escape(path)}: no such file or directory .*{reason}"):
+                check_hub_ids_or_paths(flags(**given))
+    assert network_guard == []

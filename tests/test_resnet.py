@@ -15,7 +15,7 @@ from PIL import Image
 
 import train_resnet
 from common.demo_data import write_digits_imagefolder
-from common.runtime import UserError
+from common.runtime import UserError, release_output_dirs
 from common.export import load_torch_checkpoint, strip_module_prefix
 from vision.references import check_legacy_compatible
 
@@ -96,6 +96,8 @@ def test_exports_load_into_plain_torchvision(trained, digits_data, suffix):
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(best["state_dict"])  # strict: no `module.` prefix, nothing missing
     assert best["arch"] == "resnet18" and best["class_to_idx"] == {str(d): d for d in range(10)}
+    assert {k: best[k] for k in ("train_crop_size", "val_crop_size", "val_resize", "interpolation")} == {
+        "train_crop_size": 16, "val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
     assert best["best_acc1"] == best["acc1"] == results["best_acc1"] and best["epoch"] == results["best_epoch"]
     last = torch.load(out / f"checkpoint{suffix}.pth", weights_only=True)
     assert last["epoch"] == EPOCHS and last["acc1"] == results["eval_acc1"]
@@ -116,18 +118,41 @@ def test_exports_load_into_plain_torchvision(trained, digits_data, suffix):
         evals[best["epoch"] - 1][f"{suffix[1:]}_acc5".lstrip("_")], abs=1e-4)
 
 
-def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path):
+def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path, capsys):
+    """The second command users run: `-e --resume model_best.pth` without the training's size flags evaluates at the
+    sizes the model was trained with (16 px, not 224/256), in a second process, on 2 processes."""
     out = trained[1]
-    launch(SCRIPT, [digits_data, *FAST, "-e", "--resume", out / "model_best.pth", "--output_dir", tmp_path],
-           num_processes=2)
+    proc = launch(SCRIPT, [digits_data, "-j", "0", "-e", "--resume", out / "model_best.pth", "--output_dir", tmp_path],
+                  num_processes=2)
+    assert "was trained with --image_size 16, --val_resize 16, --interpolation bilinear: evaluating with the same" \
+        in proc.stdout
     evaluated = read_json(tmp_path / "eval_results.json")
     assert evaluated["eval_samples"] == 449 and evaluated["num_processes"] == 2
     assert evaluated["eval_acc1"] == pytest.approx(read_json(out / "all_results.json")["best_acc1"], abs=1e-9)
+    assert evaluated["eval_settings"] == {"val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
     # our own checkpoints evaluate too: `latest` is step_60 of the run, written beside its all_results.json
-    main_here(["--cpu", digits_data, *FAST, "-e", "--resume", "latest", "--output_dir", out])
+    main_here(["--cpu", digits_data, "-j", "0", "-e", "--resume", "latest", "--output_dir", out])
     evaluated = read_json(out / "eval_results.json")
     assert evaluated["eval_samples"] == 449 and evaluated["eval_acc1"] > 40
-    assert read_json(out / "all_results.json")["train_steps"] == STEPS  # the training results are left alone
+    training = read_json(out / "all_results.json")
+    assert training["train_steps"] == STEPS  # the training results are left alone
+    # other sizes than the training's: named, and their numbers never pass for the training's
+    capsys.readouterr()
+    main_here(["--cpu", digits_data, "-j", "0", "-e", "--resume", out / "model_best.pth", "--val_resize", "20",
+               "--output_dir", out])
+    assert "--val_resize 20 differs from the model's 16 (trained with): evaluating with 20" in capsys.readouterr().out
+    merged = read_json(out / "all_results.json")
+    assert {k: merged[k] for k in training} == training  # the training's numbers and their eval_settings
+    other = read_json(out / "eval_val_resize_20_results.json")
+    assert other["eval_val_resize_20_settings"] == {"val_crop_size": 16, "val_resize": 20, "interpolation": "bilinear"}
+    assert merged["eval_val_resize_20_acc1"] == other["eval_val_resize_20_acc1"]
+    # the export as starting weights (--weights PATH) of an evaluation: the same sizes, the same number
+    main_here(["--cpu", digits_data, "-j", "0", "-e", "--weights", out / "model_best.pth", "--output_dir",
+               tmp_path / "weights"])
+    assert f"{out / 'model_best.pth'} was trained with --image_size 16, --val_resize 16, --interpolation bilinear" \
+        in capsys.readouterr().out
+    assert read_json(tmp_path / "weights" / "eval_results.json")["eval_acc1"] == pytest.approx(training["best_acc1"],
+                                                                                              abs=1e-9)
 
 
 def same_run(reference, resumed, stopped_at=None):
@@ -168,11 +193,17 @@ def test_sigkill_then_resume_latest_is_exact(trained, digits_data, tmp_path):
     out = tmp_path / "killed"
     job = start(launch_cmd(SCRIPT, train_args(digits_data, out), num_processes=2), tmp_path / "job.log")
     wait_for(lambda: (out / "checkpoints" / "step_20" / "training_state.json").exists(), job)
+    # a second run on the running job's directory stops before writing anything, naming the holder
+    with pytest.raises(UserError, match=rf"{out}: another run is using this directory \(host \S+, PID \d+"):
+        main_here(train_args(digits_data, out, "--cpu", "--resume", "latest"))
+    assert job.poll() is None  # it was refused while the job held the directory
     kill_job(job, signal.SIGKILL)
     job.wait()
     assert not (out / "checkpoints" / f"step_{STEPS}").exists()
-    launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"), num_processes=2)
+    proc = launch(SCRIPT, train_args(digits_data, out, "--resume", "latest"), num_processes=2)
+    assert f"{out / '.lock'}: taking over the lock of a run that is no longer running" in proc.stdout
     same_run(trained[2], out)
+    assert not (out / ".lock").exists()
 
 
 def main_py_checkpoint(path, best):
@@ -273,6 +304,23 @@ def test_main_py_distribution_flag_prints_the_mapping(capsys):
         assert f"  {flag} " in stderr
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["-p", "0"], "-p/--print-freq"), (["--lr_step_epochs", "0"], "--lr_step_epochs/--lr-step-size"),
+    (["--lr", "0", "--lr_scheduler", "cosine"], "--lr/--learning-rate"), (["--image_size", "0"], "--image_size"),
+    (["--val_resize", "-8"], "--val_resize/--val_resize_size/--val-resize-size"), (["-b", "0"], None),
+    (["--epochs", "0"], "--epochs"), (["-j", "-1"], "-j/--workers"), (["--model_ema_steps", "0"], None),
+    (["--ra_reps", "0"], "--ra_reps/--ra-reps"), (["--gradient_accumulation_steps", "0"], None),
+    (["--save_total_limit", "-1"], None), (["--checkpointing_steps", "0"], None), (["--dummy", "0"], None),
+    (["--wd=-1e-4"], "--wd/--weight-decay/--weight_decay"), (["--mixup_alpha", "inf"], None)])
+def test_counts_and_intervals_are_checked_by_the_parser(argv, flag, capsys):
+    """Each a ZeroDivisionError or RuntimeError after start-up before; now the parser's one line naming the flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_resnet.parse_args(["--dummy", *argv])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "error: argument " in stderr and ": must be " in stderr and (flag or argv[0]) in stderr, stderr
+
+
 def test_classification_loss_ignores_unreadable_images():
     logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [5.0, -5.0]])
     targets = torch.tensor([0, 0, -3])  # the third image was unreadable
@@ -319,11 +367,13 @@ def small_args(data, out, *extra):
 
 
 def main_here(argv):
-    """The script's main() in this process (no start-up cost), for one process; restores what it changes."""
+    """The script's main() in this process (no start-up cost), for one process; restores what it changes and, as
+    run_cli does, releases the output directory's lock however main() ended."""
     sigterm = signal.getsignal(signal.SIGTERM)  # PreemptionGuard installs its own handler
     try:
         return train_resnet.main(train_resnet.parse_args([str(a) for a in argv]))
     finally:
+        release_output_dirs()
         signal.signal(signal.SIGTERM, sigterm)
         AcceleratorState._reset_state(reset_partial_state=True)
 

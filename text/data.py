@@ -41,6 +41,9 @@ each sorted by length), made to fit this project's exactness rules:
 A batch then holds samples of similar length drawn from one megabatch (50 global batches of the shuffled data)
 instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
 
+The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
+checkpoint, so that a resume on changed data is refused (common/checkpoint.py).
+
 Neighbours: text/model.py (the model and tokenizer), text/metrics.py (loss, metrics, predictions).
 """
 import ast
@@ -62,7 +65,8 @@ from datasets.exceptions import DatasetsError
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
-from common.runtime import UserError, hf_bool
+from common.checkpoint import data_fingerprint
+from common.runtime import UserError, hf_bool, positive_int
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
 
@@ -134,11 +138,13 @@ def add_text_format_args(group):
                        help="csv/json field of the second sentence: a sentence-pair task (LCQMC, AFQMC, OCNLI)")
     group.add_argument("--label_column", "--label_column_name", default="label",
                        help="csv/json field of the label(s)")
-    group.add_argument("--multi_label", action="store_true",
-                       help="several labels per text (sigmoid + binary cross-entropy)")
+    group.add_argument("--multi_label", action="store_true", default=None,
+                       help="several labels per text (sigmoid + binary cross-entropy); evaluating a trained model: "
+                            "its own label mode")
     group.add_argument("--label_separator", default=",", help="with --multi_label: between labels in a label field")
-    group.add_argument("--threshold", type=float, default=0.5,
-                       help="with --multi_label: probability from which a label is predicted")
+    group.add_argument("--threshold", type=float, default=None,
+                       help="with --multi_label: probability from which a label is predicted (default: 0.5; "
+                            "evaluating a trained model: the model's)")
     group.add_argument("--do_regression", type=hf_bool, nargs="?", const=True, default=False,
                        help="the label is a number (STS-B, ratings): one output, mean squared error")
     group.add_argument("--encoding", default="utf-8", help="of every input file, e.g. gb18030 (GBK), big5")
@@ -830,7 +836,7 @@ COMPILE_PAD_MULTIPLE = 32  # at 512 tokens: at most 16 lengths per batch size to
 
 def add_padding_args(group):
     padding = group.add_mutually_exclusive_group()
-    padding.add_argument("--pad_to_multiple_of", type=int, default=None,
+    padding.add_argument("--pad_to_multiple_of", type=positive_int, default=None,
                          help=f"tokens; default: none on CPU, {CUDA_PAD_MULTIPLE} on CUDA, "
                               f"{COMPILE_PAD_MULTIPLE} under torch.compile (bounds the shapes it compiles)")
     padding.add_argument("--pad_to_max_length", action="store_true",
@@ -902,6 +908,14 @@ def tokenize_examples(tokenizer, examples, targets, max_seq_len):
     """`tokenize` for Examples: texts, and sentence pairs when the examples have them."""
     pairs = [e.text_pair for e in examples] if examples[0].text_pair is not None else None
     return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs)
+
+
+def fingerprint_examples(path, examples):
+    """The training file's fingerprint for its checkpoints (common/checkpoint.py data_fingerprint): its examples as
+    read (text, pair, labels), in order; None without training examples."""
+    if examples is None:
+        return None
+    return data_fingerprint(path, (json.dumps([e.text, e.text_pair, e.label], ensure_ascii=False) for e in examples))
 
 
 def token_lengths(dataset):

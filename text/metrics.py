@@ -91,6 +91,15 @@ def check_task_args(args):
                         "not weighted per class here")
     if args.class_weights and not args.do_train:
         raise UserError("--class_weights weighs the training loss: it needs --do_train")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        raise UserError(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
+    if args.multi_label and args.label_smoothing:
+        raise UserError("--label_smoothing applies to single-label cross-entropy, not to --multi_label")
+    if args.metric and args.multi_label:
+        raise UserError("--metric passes one class id per sample to the evaluate module; with --multi_label use the "
+                        "built-in exact-match accuracy and micro/macro F1")
+    if args.threshold is not None and not 0.0 < args.threshold < 1.0:  # None: the trained model's, or 0.5
+        raise UserError(f"--threshold {args.threshold}: must be in (0, 1)")
 
 
 def regression_metrics(predictions, targets):

@@ -13,9 +13,22 @@ ignoring `vocab_file=` and mapping every Chinese character to [UNK]), so it stay
 vectorised pass over the tokenised column, on the main process only, while the other processes wait for its verdict
 and stop with it.
 
+Hub id or path (`check_hub_ids_or_paths`, for --model_name_or_path, --config_name, --tokenizer_name, --dataset_name
+and --metric): a value that names nothing on the local disk is a hub id only if it has
+the hub's form (NAME or ORG/NAME, huggingface_hub's validate_repo_id) and ORG is not a local directory; anything else
+(`./x`, `../x`, `~/x`, `/x`, `a/b/c`, `d/modle` where `d/` is a local directory) is a path that does not exist: one
+line, before transformers could go to the hub for it.
+
+What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
+max_seq_len, the label mode and, for multi-label, the threshold, which evaluation-only runs use unless given
+(`use_model_settings`, common/export.py settings_from_model). A small JSON beside the weights rather than config.json:
+the config describes the architecture, and transformers copies it into every model built from this one, where a
+training's settings would then pass for that model's own.
+
 Neighbours: text/data.py (tokenising), text/metrics.py, common/export.py (the export and checkpoint files).
 """
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +39,13 @@ import torch
 from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
-from common.export import load_torch_checkpoint
+from common.export import load_torch_checkpoint, on_meta_device, settings_from_model
 from common.runtime import UserError, hf_bool
+
+TRAINED_WITH = "trained_with.json"
+# the flags' defaults where no trained model supplies them; --max_seq_len's waits for the config (fit_max_seq_len)
+MODEL_SETTINGS = {"max_seq_len": None, "threshold": 0.5}
+DEFAULT_MAX_SEQ_LEN = 512  # the reference's, and BERT's positions
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
 
@@ -207,3 +225,96 @@ def optimizer_groups(model, weight_decay):
         {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
         {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
     ]
+
+
+HUB_OR_PATH_FLAGS = ("--model_name_or_path", "--config_name", "--tokenizer_name", "--dataset_name", "--metric")
+
+
+def check_hub_ids_or_paths(args, flags=HUB_OR_PATH_FLAGS):
+    """The values of the hub-or-path flags that name nothing local and are no hub id: one line, without any network
+    access (header). A flag not given (None, or an empty list) has nothing to check."""
+    for flag in flags:
+        value = getattr(args, flag[2:])
+        for item in value if isinstance(value, list) else [value] if value is not None else []:
+            _check_hub_id_or_path(flag, str(item))
+
+
+def _check_hub_id_or_path(flag, value):
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(value).expanduser().exists():
+        return
+    namespace = value.split("/")[0] if value.count("/") == 1 else None
+    reason = None
+    if value.startswith((".", "~")) or os.path.isabs(value) or (os.altsep and os.altsep in value) or "\\" in value:
+        reason = "it is written as a path"
+    elif value.count("/") > 1:
+        reason = "a hub id has at most one '/'"
+    elif namespace and Path(namespace).is_dir():
+        reason = f"{namespace}/ is a local directory"
+    else:
+        try:
+            validate_repo_id(value)
+        except HFValidationError:
+            reason = "it is not of a hub id's form (NAME or ORG/NAME)"
+    if reason:
+        raise UserError(f"{flag} {value}: no such file or directory (a local path, since {reason})")
+
+
+def position_limit(config, trust_remote_code=False):
+    """The most tokens the model takes: the rows of its learned position table, less the rows before the first position
+    of models that number positions after the padding index (RoBERTa); None for a model without such a table
+    (relative or rotary positions). Read from the model built on the meta device: no weights, no memory."""
+    model = on_meta_device(lambda: AutoModelForSequenceClassification.from_config(
+        config, trust_remote_code=trust_remote_code))
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
+            return module.num_embeddings - (module.padding_idx + 1 if module.padding_idx is not None else 0)
+    return None
+
+
+def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
+    """--max_seq_len for this model, before any text is tokenised: a value given (or the trained model's) above the
+    model's positions is refused (a longer batch would stop training with a tensor-size error at the first long
+    text); none given, DEFAULT_MAX_SEQ_LEN, or the model's limit where it is lower (said in one line)."""
+    limit = position_limit(config, trust_remote_code)
+    if max_seq_len is None:
+        if limit is not None and limit < DEFAULT_MAX_SEQ_LEN:
+            say(f"--max_seq_len {limit}: the most {source} takes (its learned position embeddings), not the default "
+                f"{DEFAULT_MAX_SEQ_LEN}")
+            return limit
+        return DEFAULT_MAX_SEQ_LEN
+    if limit is not None and max_seq_len > limit:
+        raise UserError(f"--max_seq_len {max_seq_len}: {source} takes at most {limit} tokens (its learned position "
+                        f"embeddings); pass --max_seq_len {limit} or less")
+    return max_seq_len
+
+
+def trained_with(args):
+    """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
+    return {"max_seq_len": args.max_seq_len, "multi_label": args.multi_label,
+            **({"threshold": args.threshold} if args.multi_label else {})}
+
+
+def recorded_settings(model_name_or_path):
+    """A local model's TRAINED_WITH, else its label mode from config.json's problem_type; {} for a base model."""
+    model_dir = Path(model_name_or_path)
+    if (model_dir / TRAINED_WITH).is_file():
+        return json.loads((model_dir / TRAINED_WITH).read_text(encoding="utf-8"))
+    config_file = model_dir / "config.json"
+    problem_type = (json.loads(config_file.read_text(encoding="utf-8")).get("problem_type")
+                    if config_file.is_file() else None)
+    return {"multi_label": problem_type == "multi_label_classification"} if problem_type else {}
+
+
+def use_model_settings(args, say):
+    """--max_seq_len, --threshold and --multi_label: given, else (a run without --do_train, which evaluates or predicts
+    with a trained model) the model's, else the defaults (--max_seq_len's once the config is read: fit_max_seq_len).
+    Returns settings_from_model's results tag."""
+    recorded = {} if args.do_train else recorded_settings(args.model_name_or_path)
+    if args.multi_label is None:
+        args.multi_label = bool(recorded.get("multi_label", False))
+        if args.multi_label and args.metric:
+            raise UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes one "
+                            "class id per sample; use the built-in exact-match accuracy and micro/macro F1")
+    return settings_from_model(args, MODEL_SETTINGS, recorded, args.model_name_or_path, say)

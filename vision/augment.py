@@ -14,6 +14,11 @@ process, torchvision's; exact only for the same process count). With both alphas
 or CutMix per group. Unreadable-image placeholders (target < 0) are never mixed into anything: a group holding one
 stays unmixed, and the placeholder's target row is all zeros, which the loss and the accuracy skip.
 
+Image sizes: a model is evaluated at the sizes it was trained with. Its exports and checkpoints record them
+(`image_settings`), and `-e` takes them from the model it evaluates unless --image_size, --val_crop_size,
+--val_resize or --interpolation are given (`resolve_image_sizes`); training runs use the flags and torchvision's
+defaults (224 and 256 pixels, bilinear).
+
 Neighbours: vision/data.py, vision/optim.py.
 """
 import torch
@@ -21,24 +26,32 @@ import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
-from common.runtime import UserError
+from common.export import settings_from_model
+from common.runtime import UserError, nonnegative_float, positive_int
 
 from .data import IMAGENET_MEAN, IMAGENET_STD
 
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the last three: AutoAugment policies
 
+# torchvision's defaults of the image settings, which a model's exports record: {args attribute: default}
+IMAGE_DEFAULTS = {"train_crop_size": 224, "val_crop_size": 224, "val_resize": 256, "interpolation": "bilinear"}
+# the validation's part of them, which a resumed run may change (named) and which results record: {flag: attribute}
+EVAL_IMAGE_FLAGS = {"--val_crop_size": "val_crop_size", "--val_resize": "val_resize",
+                    "--interpolation": "interpolation"}
+
 
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
     group = parser.add_argument_group("augmentation (torchvision's presets; timm's names in docs/resnet_recipes.md)")
-    group.add_argument("--image_size", type=int, default=224,
-                       help="pixels: default of --train_crop_size and --val_crop_size")
-    group.add_argument("--train_crop_size", "--train-crop-size", type=int, default=None,
+    group.add_argument("--image_size", type=positive_int, default=None,
+                       help="pixels: default of --train_crop_size and --val_crop_size (default: 224; -e: the model's)")
+    group.add_argument("--train_crop_size", "--train-crop-size", type=positive_int, default=None,
                        help="pixels: RandomResizedCrop output (default --image_size)")
-    group.add_argument("--val_crop_size", "--val-crop-size", type=int, default=None,
+    group.add_argument("--val_crop_size", "--val-crop-size", type=positive_int, default=None,
                        help="pixels: validation center crop (default --image_size)")
-    group.add_argument("--val_resize", "--val_resize_size", "--val-resize-size", type=int, default=256,
-                       dest="val_resize", help="pixels: shorter side before the validation center crop")
+    group.add_argument("--val_resize", "--val_resize_size", "--val-resize-size", type=positive_int, default=None,
+                       dest="val_resize", help="pixels: shorter side before the validation center crop (default: 256; "
+                                               "-e: the model's)")
     group.add_argument("--crop_scale", type=float, default=0.08,
                        help="smallest fraction of the image area a training crop covers (timm's --scale)")
     group.add_argument("--crop_ratio", type=float, nargs=2, default=(3 / 4, 4 / 3), metavar=("MIN", "MAX"),
@@ -51,27 +64,61 @@ def add_augment_args(parser):
     group.add_argument("--augmix_severity", "--augmix-severity", type=int, default=3, help="AugMix severity")
     group.add_argument("--random_erase", "--random-erase", type=float, default=0.0,
                        help="probability of RandomErasing (after normalisation)")
-    group.add_argument("--interpolation", choices=["bilinear", "bicubic", "nearest"], default="bilinear",
+    group.add_argument("--interpolation", choices=["bilinear", "bicubic", "nearest"], default=None,
                        help="resampling of crops and resizes (auto-augment's rotations and shears: bilinear "
-                            "for bicubic)")
+                            "for bicubic); default: bilinear; -e: the model's")
     group.add_argument("--ra_sampler", "--ra-sampler", action="store_true",
                        help="repeated augmentation: each image --ra_reps times per batch, differently augmented")
-    group.add_argument("--ra_reps", "--ra-reps", type=int, default=3, help="copies per image with --ra_sampler")
+    group.add_argument("--ra_reps", "--ra-reps", type=positive_int, default=3,
+                       help="copies per image with --ra_sampler")
     return group
 
 
-def resolve_augment_args(args):
-    """Fill the crop sizes from --image_size and check ranges (before anything starts)."""
-    args.train_crop_size = args.train_crop_size or args.image_size
-    args.val_crop_size = args.val_crop_size or args.image_size
+def resolve_augment_args(args, sizes_from_model=False):
+    """Fill the image sizes from --image_size and the defaults, unless `sizes_from_model` (-e: resolve_image_sizes
+    does it once the model is known), and check ranges (before anything starts)."""
+    if not sizes_from_model:
+        args.image_size = args.image_size or IMAGE_DEFAULTS["train_crop_size"]
+        for key, default in IMAGE_DEFAULTS.items():
+            setattr(args, key, getattr(args, key) or (args.image_size if key.endswith("crop_size") else default))
     for name in ("hflip", "random_erase"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UserError(f"--{name} {getattr(args, name)}: a probability, between 0 and 1")
     if not 0.0 < args.crop_scale <= 1.0 or not 0.0 < args.crop_ratio[0] <= args.crop_ratio[1]:
         raise UserError(f"--crop_scale {args.crop_scale} / --crop_ratio {args.crop_ratio}: need 0 < scale <= 1 "
                         "and 0 < MIN <= MAX")
-    if args.ra_sampler and args.ra_reps < 1:
-        raise UserError(f"--ra_reps {args.ra_reps}: at least 1")
+
+
+def image_settings(args):
+    """The image sizes and resampling a model is trained with, recorded beside its weights."""
+    return {key: getattr(args, key) for key in IMAGE_DEFAULTS}
+
+
+def eval_image_settings(args):
+    """The settings a validation's numbers depend on, recorded with them (`eval_settings`)."""
+    return {key: getattr(args, key) for key in EVAL_IMAGE_FLAGS.values()}
+
+
+def recorded_image_settings(checkpoint):
+    """What a model was trained with: the fields of this project's .pth exports, or a training_state.json's
+    --train_crop_size and resumable settings; {} for files that record none (main.py's, torchvision's)."""
+    settings = checkpoint.get("settings", {})
+    found = {"train_crop_size": checkpoint.get("train_crop_size", checkpoint.get("--train_crop_size")),
+             **{key: checkpoint.get(key, settings.get(flag)) for flag, key in EVAL_IMAGE_FLAGS.items()}}
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def resolve_image_sizes(args, recorded, source, say):
+    """-e: the validation sizes and resampling given, else those the evaluated model `recorded`, else the defaults;
+    returns the results tag (common/export.py settings_from_model) naming the given values that differ."""
+    flags = {"val_crop_size": "--val_crop_size" if args.val_crop_size else "--image_size"}
+    args.val_crop_size = args.val_crop_size or args.image_size
+    tag = settings_from_model(args, {key: IMAGE_DEFAULTS[key] for key in EVAL_IMAGE_FLAGS.values()}, recorded,
+                              source, say, flags)
+    args.train_crop_size = args.train_crop_size or args.image_size or recorded.get("train_crop_size",
+                                                                                    args.val_crop_size)
+    args.image_size = args.image_size or args.val_crop_size
+    return tag
 
 
 def train_transform(args):
@@ -137,9 +184,9 @@ class RepeatedAugmentationSampler(Sampler):
 
 def add_mixing_args(parser):
     group = parser.add_argument_group("batch mixing (torchvision's MixUp/CutMix; timm's names in the docs)")
-    group.add_argument("--mixup_alpha", "--mixup-alpha", "--mixup", type=float, default=0.0,
+    group.add_argument("--mixup_alpha", "--mixup-alpha", "--mixup", type=nonnegative_float, default=0.0,
                        help="MixUp Beta(alpha, alpha); 0: off")
-    group.add_argument("--cutmix_alpha", "--cutmix-alpha", "--cutmix", type=float, default=0.0,
+    group.add_argument("--cutmix_alpha", "--cutmix-alpha", "--cutmix", type=nonnegative_float, default=0.0,
                        help="CutMix Beta(alpha, alpha); 0: off. Both set: one of the two per group")
     group.add_argument("--mixup_mode", "--mixup-mode", choices=["pair", "batch"], default="pair",
                        help="pair: each 2 images mixed together (exact for any process count); batch: each "

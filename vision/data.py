@@ -15,6 +15,10 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 - `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
+- `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (common/checkpoint.py
+  data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count. Hashing every
+  image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed, renamed or moved between
+  classes change the list, an image edited in place under its own name does not.
 
 Neighbours: vision/augment.py (the transforms), vision/device_decode.py (decoding on the training device).
 """
@@ -32,6 +36,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
+from common.checkpoint import data_fingerprint
 from common.runtime import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -304,3 +309,12 @@ def topk_hits(logits, targets, ks=(1, 5)):
     maxk = min(max(ks), logits.shape[1])
     hits = logits.topk(maxk, dim=1).indices.eq(targets.view(-1, 1))  # (N, maxk)
     return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in ks])
+
+
+def fingerprint_images(dataset):
+    """The training set's fingerprint for its checkpoints (module header): an ImageFolder's (relative path, class)
+    list, or --dummy's image count."""
+    if not hasattr(dataset, "samples"):  # FakeImages: each image a function of its index
+        return data_fingerprint("--dummy", (str(index) for index in range(len(dataset))))
+    skip = len(os.path.join(dataset.root, ""))  # ImageFolder's paths are os.path.join(root, class, file)
+    return data_fingerprint(dataset.root, (f"{path[skip:]}\t{target}" for path, target in dataset.samples))

@@ -12,7 +12,8 @@ Starting weights (--pretrained [PATH], --weights NAME|PATH):
   that silently keeps random weights (timm's own file loading turns strict off when the head changes, so it is not
   used for files).
 A head trained for another number of classes is replaced by a new one for the data's classes, said in one line; with
--e that would evaluate a random head, so it is refused.
+-e that would evaluate a random head, so it is refused. `-e --weights OUT/model_best.pth` evaluates at the image
+sizes that export records (weights_file_fields), as `-e --resume` does.
 
 Gradient checkpointing keeps only each block's input in the forward pass and recomputes the rest in the backward
 pass (torch.utils.checkpoint, non-reentrant: the variant that works under DDP, and it replays the forward's random
@@ -192,6 +193,14 @@ def read_weights_file(path):
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path}: not a safetensors file ({err})") from None
     return load_torch_checkpoint(path)["state_dict"]
+
+
+def weights_file_fields(weights):
+    """What a PyTorch weights file of --weights/--pretrained records beside its weights (this script's exports: the
+    image sizes it was trained with, which -e repeats); {} for safetensors files, weights names and none."""
+    if weights is None or not is_weights_file(weights) or str(weights).endswith(".safetensors"):
+        return {}
+    return load_torch_checkpoint(weights) if Path(weights).is_file() else {}  # a missing one: build_model's error
 
 
 def load_weights_file(model, path, heads, num_classes, evaluate, print_fn):

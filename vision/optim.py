@@ -16,7 +16,7 @@ import torch
 from accelerate.utils import broadcast
 from torch.optim.swa_utils import AveragedModel
 
-from common.runtime import UserError
+from common.runtime import UserError, nonnegative_float, positive_float, positive_int
 
 NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
                torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)  # torchvision's list
@@ -27,25 +27,29 @@ SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannea
 def add_optim_args(parser):
     group = parser.add_argument_group("optimisation (torchvision's names)")
     group.add_argument("--opt", choices=["sgd", "sgd_nesterov", "adamw", "rmsprop"], default="sgd")
-    group.add_argument("--lr", "--learning-rate", type=float, default=0.1, help="peak learning rate")
-    group.add_argument("--momentum", type=float, default=0.9, help="sgd, sgd_nesterov, rmsprop")
-    group.add_argument("--wd", "--weight-decay", "--weight_decay", type=float, default=1e-4, dest="weight_decay")
-    group.add_argument("--norm_weight_decay", "--norm-weight-decay", type=float, default=None,
+    # > 0: the cosine schedule is a fraction of --lr (lr_lambda), and a learning rate of 0 trains nothing
+    group.add_argument("--lr", "--learning-rate", type=positive_float, default=0.1, help="peak learning rate")
+    group.add_argument("--momentum", type=nonnegative_float, default=0.9, help="sgd, sgd_nesterov, rmsprop")
+    group.add_argument("--wd", "--weight-decay", "--weight_decay", type=nonnegative_float, default=1e-4,
+                       dest="weight_decay")
+    group.add_argument("--norm_weight_decay", "--norm-weight-decay", type=nonnegative_float, default=None,
                        help="weight decay of normalisation layers' weights and biases (default: --wd)")
-    group.add_argument("--bias_weight_decay", "--bias-weight-decay", type=float, default=None,
+    group.add_argument("--bias_weight_decay", "--bias-weight-decay", type=nonnegative_float, default=None,
                        help="weight decay of every parameter named 'bias' (default: --wd)")
     group.add_argument("--lr_scheduler", "--lr-scheduler", choices=list(SCHEDULERS), default="step",
                        help="step|steplr: x--lr_gamma every --lr_step_epochs (main.py); "
                             "cosine|cosineannealinglr: to --lr_min at the last step")
-    group.add_argument("--lr_step_epochs", "--lr-step-size", type=int, default=30, help="epochs between decays")
+    group.add_argument("--lr_step_epochs", "--lr-step-size", type=positive_int, default=30,
+                       help="epochs between decays")
     group.add_argument("--lr_gamma", "--lr-gamma", type=float, default=0.1, help="factor of each 'step' decay")
-    group.add_argument("--lr_min", "--lr-min", type=float, default=0.0, help="last learning rate of 'cosine'")
-    group.add_argument("--warmup_epochs", "--lr_warmup_epochs", "--lr-warmup-epochs", type=float, default=0.0,
-                       dest="warmup_epochs", help="epochs of warmup")
+    group.add_argument("--lr_min", "--lr-min", type=nonnegative_float, default=0.0,
+                       help="last learning rate of 'cosine'")
+    group.add_argument("--warmup_epochs", "--lr_warmup_epochs", "--lr-warmup-epochs", type=nonnegative_float,
+                       default=0.0, dest="warmup_epochs", help="epochs of warmup")
     group.add_argument("--lr_warmup_method", "--lr-warmup-method", choices=["linear", "constant"], default="linear")
     group.add_argument("--lr_warmup_decay", "--lr-warmup-decay", type=float, default=0.01,
                        help="warmup starts at this fraction of --lr (torchvision's default)")
-    group.add_argument("--clip_grad_norm", "--clip-grad-norm", type=float, default=None,
+    group.add_argument("--clip_grad_norm", "--clip-grad-norm", type=positive_float, default=None,
                        help="largest global L2 norm of the gradients")
     return group
 
@@ -118,7 +122,7 @@ def add_ema_args(parser):
     group = parser.add_argument_group("model EMA (torchvision's --model-ema; timm's --model-ema too)")
     group.add_argument("--model_ema", "--model-ema", action="store_true",
                        help="keep an exponential moving average of the weights, evaluated and exported beside them")
-    group.add_argument("--model_ema_steps", "--model-ema-steps", type=int, default=32,
+    group.add_argument("--model_ema_steps", "--model-ema-steps", type=positive_int, default=32,
                        help="optimizer steps between EMA updates")
     group.add_argument("--model_ema_decay", "--model-ema-decay", type=float, default=0.99998,
                        help="decay per update before torchvision's adjustment for batch, steps and epochs")

@@ -7,7 +7,8 @@ references/classification/train.py: their flags, their batch-size convention and
   command which one it is, and the run summary says so.
 - main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
   prefix of DataParallel/DDP) load with `weights_only=True` (common/export.py), and the exports written here have
-  the same layout minus the prefix, so main.py, torchvision and this project read each other's files.
+  the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
+  image settings they were trained with (vision/augment.py image_settings), which `-e` evaluates at.
 
 Neighbours: vision/optim.py, common/export.py.
 """
