@@ -34,8 +34,8 @@ from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agr
 from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
 from common.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
-                         PreemptionGuard, Selection, Throughput, add_selection_args, check_selection_args,
-                         epoch_batches, load_class_weights, resolve_selection)
+                         OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
+                         check_selection_args, epoch_batches, load_class_weights, resolve_selection)
 from common.outputs import RunLog, check_output_dir, format_step_line, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
@@ -50,11 +50,13 @@ from text.metrics import (SELECTION_HELP, check_task_args, compute_metrics, defa
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
 from text.model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
-                        check_problem_type, check_unk_rate, fit_max_seq_len, hub_options, load_classifier,
-                        load_legacy_bert, loading, model_card, optimizer_groups, problem_type, saved_labels,
+                        check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
+                        load_classifier, load_legacy_bert, loading, model_card, optimizer_groups, problem_type,
+                        saved_labels,
                         trained_with, use_model_settings)
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def parse_args(argv=None):
@@ -65,8 +67,7 @@ def parse_args(argv=None):
     data.add_argument("--train_file", type=Path, help=".txt/.tsv (label TAB text), .csv or .json(l) (label, text)")
     data.add_argument("--validation_file", type=Path)
     data.add_argument("--test_file", type=Path)
-    data.add_argument("--predict_file", type=Path, help="texts to predict (docs/bert_data_formats.md); default: the "
-                                                        "test split")
+    data.add_argument("--predict_file", type=Path, help="texts to predict (docs/bert_data_formats.md); default: test")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
     data.add_argument("--max_seq_len", "--max_seq_length", type=positive_int, default=None,
                       help="tokens; longer are truncated (default: 512 or the model's positions if fewer; without "
@@ -203,6 +204,8 @@ def build_model(args, labels, say=print):
             model = load_classifier(args.model_name_or_path, config, remote, hub)
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model, args.model_name_or_path)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
     if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
         raise UserError(f"{tokenizer_source}: tokenizer has {len(tokenizer)} tokens but the model expects "
@@ -285,6 +288,16 @@ RESUMABLE_FLAGS = {"--learning_rate": "learning_rate", "--weight_decay": "weight
 
 
 @dataclass
+class Task:
+    """What main resolved before training that the loop needs."""
+    labels: list  # names in id order
+    must_match: dict  # what a resumed checkpoint must agree with
+    selection: Selection  # the validation metric that selects the best model, and early stopping
+    metric_modules: list  # --metric's evaluate modules
+    class_weights: torch.Tensor | None  # (C,) --class_weights
+
+
+@dataclass
 class Training:
     """What the training loop works with, prepared for this launch (prepare_training)."""
     model: torch.nn.Module
@@ -298,9 +311,10 @@ class Training:
     selection: Selection  # the validation metric that selects the best model
 
 
-def prepare_training(args, accelerator, model, loaders, log, must_match, selection, resume_path):
-    """AdamW and its warmup schedule, prepared with the loaders, then restored from --resume_from_checkpoint's
-    `resume_path` (agree_on_resume's); prints the run summary."""
+def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
+    """AdamW and its warmup schedule, prepared with the loaders, then restored from `resume_path`
+    (--resume_from_checkpoint as agree_on_resume found it, or a checkpoint an earlier attempt of this launch saved);
+    prints the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
@@ -313,10 +327,10 @@ def prepare_training(args, accelerator, model, loaders, log, must_match, selecti
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, loaders["train"], scheduler)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
-    checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
+    checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
                               allow_data_change=args.allow_data_change)
-    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **selection.fresh_state()}
+    fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
     cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
@@ -329,7 +343,8 @@ def prepare_training(args, accelerator, model, loaders, log, must_match, selecti
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
         "resume_step": state["completed_steps"],
     })
-    return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence, selection)
+    return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence,
+                    task.selection)
 
 
 def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
@@ -364,12 +379,11 @@ class TrainResult:
     best_eval: dict | None  # the selected model's validation metrics, when they are the last ones measured
 
 
-def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection, metric_modules,
-          resume_path, class_weights=None):
-    """The training loop, from agree_on_resume's `resume_path`; class_weights: (C,) --class_weights."""
-    training = prepare_training(args, accelerator, model, loaders, log, must_match, selection, resume_path)
-    model, optimizer, scheduler, state, cadence = (training.model, training.optimizer, training.scheduler,
-                                                   training.state, training.cadence)
+def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
+    """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
+    training = prepare_training(args, accelerator, model, loaders, log, task, attempt.resume)
+    model, optimizer, scheduler, state, cadence, selection = (training.model, training.optimizer, training.scheduler,
+                                                              training.state, training.cadence, training.selection)
     best_dir = args.output_dir / "best_model"
     guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
     meter = LossMeter(accelerator.device)
@@ -382,24 +396,24 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
-
     model.train()
     for epoch in range(state["epoch"], cadence.epochs):
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
         for batch in speed.epoch(batches):
             with accelerator.accumulate(model):
-                logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-                losses = training_loss(logits, batch["labels"], args.multi_label, args.label_smoothing,  # (B,)
-                                       class_weights, args.do_regression)
-                # a mean over the real samples of the whole optimizer step, padding and short windows included
-                loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch)
-                accelerator.backward(loss)
+                for offset, part in attempt.micro_batches(model, batch):  # the batch, or its micro-batches
+                    logits = model(**{k: v for k, v in part.items() if k != "labels"}).logits
+                    losses = training_loss(logits, part["labels"], args.multi_label, args.label_smoothing,  # (b,)
+                                           task.class_weights, args.do_regression)
+                    # a mean over the real samples of the whole optimizer step, padding and short windows included
+                    loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch, offset)
+                    accelerator.backward(loss)
+                    meter.update(local_mean, local_real)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            meter.update(local_mean, local_real)
             samples_seen += loss_scale.real_in_batch(batches_in_epoch)
             batches_in_epoch += 1
             if not accelerator.sync_gradients:
@@ -416,8 +430,8 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
             if due.evaluate and training.eval_loader is not None:
                 health.check(completed_steps)
                 with speed.pause("eval") as evaluation:
-                    metrics = evaluate(accelerator, model, training.eval_loader, labels, "validation", args,
-                                       metric_modules)
+                    metrics = evaluate(accelerator, model, training.eval_loader, task.labels, "validation", args,
+                                       task.metric_modules)
                 log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - start_time)
                 last_eval = (completed_steps, metrics)
                 if selection.update(state, metrics, completed_steps):  # a new best model, kept and exported
@@ -426,8 +440,7 @@ def train(args, accelerator, model, tokenizer, loaders, labels, log, must_match,
                         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log,
                                         {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps)
                 stopped_at = completed_steps if selection.should_stop(state) else None
-            # stopping early ends the run: no resume needed
-            preempted = guard.should_stop(completed_steps) and stopped_at is None
+            preempted = guard.should_stop(completed_steps) and stopped_at is None  # a run that stops early ends
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
@@ -487,13 +500,28 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
                       f"texts) to {args.output_dir / 'predictions.jsonl'}, one row per input record")
 
 
+def write_results(log, args, results, results_tag):
+    """A training run's all_results.json (and the model card, now with the test results); an evaluation of a trained
+    output_dir writes its own {eval,test}{results_tag}_results.json and adds to all_results.json, never replacing
+    numbers measured with other settings (results_tag: use_model_settings's)."""
+    if args.do_train:
+        log.write_json("all_results.json", results)
+        log.write_model_card(args.output_dir / "best_model" / "README.md", results)
+        return
+    prefixes = [mode + results_tag for mode in ("eval", "test") if getattr(args, f"do_{mode}")]
+    for prefix in prefixes:
+        log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
+                                                  if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
+    log.merge_results(results, tuple(f"{prefix}_" for prefix in prefixes))
+
+
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
     results_tag = use_model_settings(args, accelerator.print)  # "" unless evaluating with other settings than trained
     set_seed(args.seed)
-    check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
+    per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
     resume_path = None
     if args.do_train:  # the checkpoint to resume from, its files checked before anything is built or written
@@ -521,6 +549,8 @@ def main(args):
                   DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")),
                   **selection.must_match()}
     model = maybe_data_parallel(model, args)
+    retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
+                             args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
     padding = resolve_padding(args, accelerator)
     loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
     if "train" in loaders:
@@ -536,9 +566,11 @@ def main(args):
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint,
                   card=model_card(args, labels, examples, results))
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
-        trained = train(args, accelerator, model, tokenizer, loaders, labels, log, must_match, selection,
-                        metric_modules, resume_path, class_weights and class_weights.tensor(accelerator.device))
-        results.update(trained.results)
+        task = Task(labels, must_match, selection, metric_modules,
+                    class_weights and class_weights.tensor(accelerator.device))
+        trained = retry.run(lambda attempt: train(args, accelerator, model, tokenizer, loaders, log, task, attempt),
+                            resume=resume_path)
+        results.update(trained.results, **retry.results)
         if results["stopped_early"]:
             accelerator.print(f"stopped early at step {results['stopped_early_at_step']}: "
                               f"{results['stopped_early_reason']}")
@@ -557,15 +589,7 @@ def main(args):
                                            results_tag))
     if args.do_predict:
         write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
-    if args.do_train:
-        log.write_json("all_results.json", results)
-        log.write_model_card(args.output_dir / "best_model" / "README.md", results)  # now with the test results
-    else:  # an evaluation of a trained output_dir adds to its results, never drops them
-        prefixes = [mode + results_tag for mode in ("eval", "test") if getattr(args, f"do_{mode}")]
-        for prefix in prefixes:
-            log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
-                                                      if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
-        log.merge_results(results, tuple(f"{prefix}_" for prefix in prefixes))
+    write_results(log, args, results, results_tag)
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()
     return results

@@ -39,8 +39,8 @@ from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agr
                                load_checkpoint_weights, read_training_state, resume_settings)
 from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
 from common.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
-                         PreemptionGuard, Selection, Throughput, add_selection_args, check_selection_args,
-                         epoch_batches, load_class_weights)
+                         OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
+                         check_selection_args, epoch_batches, load_class_weights)
 from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, launched_world_size, loader_generator, loader_settings,
@@ -52,13 +52,14 @@ from vision.augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_a
 from vision.data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
                          build_dummy_datasets, fingerprint_images, topk_hits)
 from vision.device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
+from vision.model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
+                          is_weights_file, weights_file_fields)
 from vision.optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, update_ema)
 from vision.references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
                                export_main_py_checkpoints, global_batch_size, model_card)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
-AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
 VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
 TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
 
@@ -80,9 +81,7 @@ def parse_args(argv=None):
     model = parser.add_argument_group("model")
     model.add_argument("-a", "--arch", "--model", default="resnet18",
                        help="any torchvision classification model name, or timm:NAME for a timm model")
-    model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
-    model.add_argument("--weights", default=None,
-                       help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2")
+    add_model_args(model)  # --pretrained [PATH], --weights NAME|PATH, --drop_path, --drop
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
     train = parser.add_argument_group("training")
@@ -115,6 +114,9 @@ def parse_args(argv=None):
     add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
+    if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
+            and not is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data
+        args.data, args.pretrained = Path(args.pretrained), "DEFAULT"
     if args.data and args.data_path and args.data != args.data_path:
         parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
     args.data = args.data or args.data_path
@@ -126,15 +128,11 @@ def parse_args(argv=None):
         resolve_augment_args(args, sizes_from_model=args.evaluate)
     except UserError as err:
         parser.error(str(err))
-    if args.pretrained and args.weights:
-        parser.error("--pretrained means --weights DEFAULT: pass one of them")
-    args.weights = "DEFAULT" if args.pretrained else args.weights
-    if args.arch.startswith("timm:"):
-        check_timm_model(parser, args)
-    elif args.arch not in MODEL_NAMES:
+    if not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
         close = difflib.get_close_matches(args.arch, MODEL_NAMES, n=3)
         parser.error(f"--arch {args.arch}: not a torchvision classification model"
                      + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}"))
+    check_model_args(parser, args)  # and --weights from --pretrained
     if args.evaluate and args.model_ema:
         parser.error("--evaluate/--test-only evaluates one model: for the EMA, --resume checkpoint_ema.pth or "
                      "model_best_ema.pth (its own export), without --model_ema")
@@ -144,17 +142,6 @@ def parse_args(argv=None):
         parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
     check_selection_args(parser, args, not args.evaluate, VALIDATION_METRICS, TIMM_METRIC_NAMES)  # val/ always there
     return args
-
-
-def check_timm_model(parser, args):
-    """-a timm:NAME: timm is optional; its weights come from the Hub, so --weights/--pretrained are refused."""
-    try:
-        import timm
-    except ImportError:
-        parser.error(f"-a {args.arch}: timm is not installed (pip install timm)")
-    if args.arch[len("timm:"):] not in timm.list_models() or args.weights:
-        parser.error(f"-a {args.arch}: not a timm model (timm.list_models())" if not args.weights else
-                     f"-a {args.arch}: --weights/--pretrained name torchvision weights; timm models start random")
 
 
 @dataclass
@@ -188,29 +175,10 @@ def build_dataloaders(accelerator, args):
     return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
 
 
-def build_model(args, num_classes):
-    """A torchvision (or timm) model; with --weights, torchvision's weights and, for another class count, a new head."""
-    if args.arch.startswith("timm:"):
-        import timm
-        return timm.create_model(args.arch[len("timm:"):], pretrained=False, num_classes=num_classes)
-    kwargs = {"aux_logits": False} if args.arch in AUX_HEAD_MODELS else {}
-    if not args.weights:
-        return torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
-    flag = "--pretrained" if args.pretrained else f"--weights {args.weights}"
-    try:
-        model = torchvision.models.get_model(args.arch, weights=args.weights, **kwargs)
-    except (KeyError, ValueError) as err:  # no such enum, or weights of another architecture
-        raise UserError(f"{flag}: not weights of torchvision's {args.arch} ({err})") from None
-    except (OSError, RuntimeError) as err:  # URLError offline, a broken file in the cache
-        raise UserError(f"{flag}: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
-                        f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
-    head_name, head = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1]
-    if head.out_features != num_classes and args.evaluate:
-        raise UserError(f"{flag}: its head predicts {head.out_features} classes, the data has {num_classes}; "
-                        "a new head would be random: evaluate a model trained on these classes (--resume PATH)")
-    if head.out_features != num_classes:
-        model.set_submodule(head_name, torch.nn.Linear(head.in_features, num_classes))
-    return model
+def build_model(args, num_classes, print_fn=print):
+    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
+    new head, and --drop_path/--drop (vision/model.py)."""
+    return build_image_model(args, num_classes, print_fn)
 
 
 def place_model(model, args):
@@ -219,6 +187,8 @@ def place_model(model, args):
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if args.gradient_checkpointing:  # after SyncBatchNorm replaced the BatchNorm layers that it adjusts
+        enable_gradient_checkpointing(model, args.arch)
     return maybe_data_parallel(model, args)
 
 
@@ -325,6 +295,15 @@ def plot_curves(log, args, steps_per_epoch):
 
 
 @dataclass
+class Task:
+    """What main resolved before training that the loop needs."""
+    must_match: dict  # what a resumed checkpoint must agree with
+    selection: Selection  # the validation metric that selects model_best.pth, and early stopping
+    class_weights: torch.Tensor | None  # (C,) --class_weights
+    legacy: dict | None  # a main.py-layout checkpoint (--resume FILE) to start from
+
+
+@dataclass
 class Training:
     """What the training loop works with, prepared for this launch (prepare_training)."""
     model: torch.nn.Module
@@ -340,9 +319,10 @@ class Training:
     selection: Selection  # which validation metric selects model_best.pth, and early stopping
 
 
-def prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection):
-    """Optimizer, schedule, EMA and batch mixing, prepared, then restored from --resume (or started at main.py's
-    epoch); prints the run summary."""
+def prepare_training(args, accelerator, model, data, log, task, resume_dir):
+    """Optimizer, schedule, EMA and batch mixing, prepared, then restored from `resume_dir` (--resume's checkpoint, or
+    one an earlier attempt of this launch saved) or started at a main.py checkpoint's epoch; prints the run summary."""
+    legacy, must_match, selection = task.legacy if resume_dir is None else None, task.must_match, task.selection
     steps_per_epoch = math.ceil(len(data.train_loader) / args.gradient_accumulation_steps)
     total_steps = args.epochs * steps_per_epoch
     start_epoch = legacy.get("epoch", args.start_epoch) if legacy else args.start_epoch  # main.py: epochs done
@@ -394,12 +374,11 @@ class TrainResult:
     preempted: bool  # stopped on SIGTERM after saving a checkpoint
 
 
-def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection, class_weights=None):
-    """The training loop."""
-    training = prepare_training(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection)
-    model, optimizer, scheduler, ema, mixer, state, cadence = (
-        training.model, training.optimizer, training.scheduler, training.ema, training.mixer, training.state,
-        training.cadence)
+def train(args, accelerator, model, data, log, task, attempt):
+    """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
+    training = prepare_training(args, accelerator, model, data, log, task, attempt.resume)
+    model, optimizer, scheduler, selection = training.model, training.optimizer, training.scheduler, task.selection
+    ema, mixer, state, cadence = training.ema, training.mixer, training.state, training.cadence
     guard, meter = PreemptionGuard(accelerator, training.checkpoints.latest), LossMeter(accelerator.device)
     speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
     counts = ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
@@ -409,7 +388,6 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, s
     completed_steps, images_seen, preempted, last_metrics, stopped_at = state["completed_steps"], 0, False, None, None
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     state["start_time"] = start_time = time.perf_counter()
-
     model.train()
     for epoch in range(state["epoch"], args.epochs):
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
@@ -421,17 +399,19 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, s
             if args.channels_last:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(model):
-                logits = model(inputs)  # (B, C), B = this process's share of the batch
-                loss = (soft_cross_entropy(logits, soft_targets, args.label_smoothing, class_weights) if mixer
-                        else classification_loss(logits, targets, args.label_smoothing, class_weights))
-                # accelerate divides by the full accumulation count, also in an epoch's shorter last window
-                accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch))
+                for _, (images, labels, soft_labels) in attempt.micro_batches(  # the batch, or its micro-batches
+                        model, (inputs, targets, soft_targets if mixer else None)):
+                    logits = model(images)  # (b, C), b = this process's share of the batch, or a micro-batch of it
+                    loss = (soft_cross_entropy(logits, soft_labels, args.label_smoothing, task.class_weights) if mixer
+                            else classification_loss(logits, labels, args.label_smoothing, task.class_weights))
+                    # accelerate divides by the full accumulation count, also in an epoch's shorter last window
+                    accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch) * len(labels) / len(targets))
+                    meter.update(loss, counts.add(logits, labels))  # the loss is a mean over the readable images
                 if args.clip_grad_norm and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            meter.update(loss, counts.add(logits, targets))  # the loss is a mean over the readable images
             batches_in_epoch += 1
             images_seen += args.batch_size
             if not accelerator.sync_gradients:
@@ -452,11 +432,10 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, s
                 health.check(completed_steps, parameters=True)
                 with speed.pause("eval"):
                     last_metrics = end_of_epoch(accelerator, training, args, log, epoch + 1, completed_steps,
-                                                must_match["class_to_idx"])
+                                                task.must_match["class_to_idx"])
                     accelerator.on_main_process(plot_curves)(log, args, cadence.steps_per_epoch)
                 stopped_at = completed_steps if selection.should_stop(state) else None
-            # stopping early ends the run: no resume needed
-            preempted = guard.should_stop(completed_steps) and stopped_at is None
+            preempted = guard.should_stop(completed_steps) and stopped_at is None  # a run that stops early ends
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
@@ -470,9 +449,8 @@ def train(args, accelerator, model, data, log, must_match, legacy, resume_dir, s
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": speed.startup_seconds,
-               "train_runtime": runtime, "train_images_per_second": images_seen / runtime,
-               "train_steps": completed_steps, "train_skipped_images": counts.skipped_total,
+    results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime, "train_steps": completed_steps,
+               "train_images_per_second": images_seen / runtime, "train_skipped_images": counts.skipped_total,
                selection.best_key: selection.best(state), **selection.results(state, stopped_at, ema=bool(ema))}
     return TrainResult(model, last_metrics, results, preempted)
 
@@ -481,7 +459,7 @@ def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
     hold_output_dir(accelerator, args.output_dir)
     set_seed(args.seed)
-    check_global_batch(accelerator, args.batch_size, "--batch-size")
+    per_device_batch = check_global_batch(accelerator, args.batch_size, "--batch-size")
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
     if args.resume not in (None, "latest") and not Path(args.resume).exists():
@@ -497,15 +475,15 @@ def main(args):
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming else None)
     legacy = load_torch_checkpoint(args.resume) if legacy_file else None
     if args.evaluate:  # at the sizes the model was trained with, unless given; the tag names other ones
-        recorded = recorded_image_settings(legacy or (read_training_state(resume_dir) if resume_dir else {}))
-        results_tag = resolve_image_sizes(args, recorded, args.resume if legacy_file else resume_dir,
-                                          accelerator.print)
+        fields = legacy or (read_training_state(resume_dir) if resume_dir else weights_file_fields(args.weights))
+        results_tag = resolve_image_sizes(args, recorded_image_settings(fields),
+                                          args.resume if legacy_file else resume_dir or args.weights, accelerator.print)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
     class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
     if class_weights:
         accelerator.print(class_weights.line())
-    model = build_model(args, len(class_to_idx))
+    model = build_model(args, len(class_to_idx), accelerator.print)
     must_match = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
                   "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
                   # another value would change what each step sees
@@ -522,13 +500,13 @@ def main(args):
     elif args.evaluate and resume_dir is not None:  # loaded by load_state once prepared (any FSDP/DeepSpeed layout)
         check_compatible(read_training_state(resume_dir), {"arch": args.arch, "class_to_idx": class_to_idx}, resume_dir)
     model = place_model(model, args)
-
+    retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
+                             args.output_dir / "checkpoints", args.auto_find_batch_size and not args.evaluate)
     log = RunLog(accelerator, args.output_dir)
     results = run_info(accelerator, args.batch_size)
     if args.evaluate:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        # with a loader: DeepSpeed refuses a model alone
-        model, val_loader = accelerator.prepare(model, data.val_loader)
+        model, val_loader = accelerator.prepare(model, data.val_loader)  # with a loader: DeepSpeed wants one
         if resume_dir is not None:
             load_checkpoint_weights(accelerator, resume_dir)
         metrics = evaluate(accelerator, model, val_loader, args)
@@ -540,9 +518,10 @@ def main(args):
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming,
                   card=model_card(args, class_to_idx, data.train_set, data.val_set, results))
-        trained = train(args, accelerator, model, data, log, must_match, legacy, resume_dir, selection,
-                        class_weights and class_weights.tensor(accelerator.device))
-        results.update(trained.results)
+        task = Task(must_match, selection, class_weights and class_weights.tensor(accelerator.device), legacy)
+        trained = retry.run(lambda attempt: train(args, accelerator, model, data, log, task, attempt),
+                            resume=resume_dir)
+        results.update(trained.results, **retry.results)
         if results["stopped_early"]:
             accelerator.print(f"stopped early at step {results['stopped_early_at_step']}: "
                               f"{results['stopped_early_reason']}")

@@ -7,7 +7,8 @@ common/ (both scripts)
                  stopping all of them (a failure to write: a full disk)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
-                 epoch_batches; Selection (the best model's metric and early stopping)
+                 epoch_batches; Selection (the best model's metric and early stopping); micro-batches and the retry
+                 after an out-of-memory error (--auto_find_batch_size: Attempt, OutOfMemoryRetry)
   checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest; modules such as the EMA as
                  safetensors), agreeing on the one to resume from and checking its files, what a resume must match
                  (the training data's fingerprint too) and may change
@@ -22,16 +23,19 @@ text/ (train_bert_cls.py)
   data.py        text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
                  --max_*_samples cuts, tokenising, padding, length-grouped sampling
   model.py       where the model's files come from (--config_name, --tokenizer_name, hub options), loading the
-                 classifier from any checkpoint layout, tokenizer and task checks, best.pt, AdamW groups
+                 classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient checkpointing,
+                 AdamW groups
   metrics.py     loss, metrics and predictions, single-label, multi-label and regression; the selection metric;
                  confusion matrix; --metric modules
 vision/ (train_resnet.py)
   data.py        ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k
   augment.py     torchvision's training/validation presets, repeated augmentation, MixUp/CutMix
   optim.py       torchvision's optimizer, weight-decay groups and schedule; the model EMA
+  model.py       the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local
+                 files) with a new head for the data's classes, drop path, gradient checkpointing
   references.py  main.py's and torchvision's flags, batch-size convention and .pth checkpoint files
   device_decode.py  --decode_on_device: JPEGs decoded and augmented on the training device
 
 Dependencies point one way: text/ and vision/ use common/, never each other; within common/, runtime.py is used by
-all, and outputs.py uses checkpoint.py.
+all, and outputs.py and loop.py use checkpoint.py.
 """

@@ -4,10 +4,11 @@ and `optimizer.step()`.
 One optimizer step, as both scripts' `train()` take it:
 1. `epoch_batches` gives the epoch's batches (after a resume, those after the checkpoint's position), and
    `Throughput.epoch` iterates them, timing the wait for each batch.
-2. Inside `accelerator.accumulate(model)`: forward, the per-sample losses (each times its class's weight with
-   --class_weights: `ClassWeights`), and `LossScale` turns them into the loss to backward, so that the step's
-   gradient is the mean over exactly the real samples it saw (an epoch's last, short batch and accumulation window
-   included), on any number of processes. Then backward, clipping when the gradients are synchronised,
+2. Inside `accelerator.accumulate(model)`: for each micro-batch of this process's share (`Attempt.micro_batches`:
+   the whole share, unless --auto_find_batch_size split it), forward, the per-sample losses (each times its class's
+   weight with --class_weights: `ClassWeights`), and `LossScale` turns them into the loss to backward, so that the
+   step's gradient is the mean over exactly the real samples it saw (an epoch's last, short batch and accumulation
+   window included), on any number of processes. Then clipping when the gradients are synchronised,
    `optimizer.step()`, `scheduler.step()`, `zero_grad`.
 3. `LossMeter.update` adds the batch's loss to per-rank sums on the device (no `.item()`, which is a device sync).
 4. Once the gradients were synchronised (the last micro-batch of the window), the step counts: `Throughput.step`
@@ -20,12 +21,22 @@ EarlyStoppingCallback, with their flags: add_selection_args) says whether the mo
 the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
 Every method that reduces over ranks is a collective: every rank calls it at the same points.
 
+Out of device memory (--auto_find_batch_size, `OutOfMemoryRetry`): the run is not over. Every process drops what the
+failed attempt built, puts the model, random generators and loss scaler back as they were when training started, and
+trains again from the newest checkpoint the failed attempt saved (else from where the launch started), with each
+process's share of a batch cut into micro-batches of half the size: twice the accumulation. The loader's batches, the
+accumulation windows, the loss of each sample, the schedule and the checkpoints' positions are those of the command
+line, so the run trains the same samples in the same steps as with a smaller -b and more accumulation.
+
 Neighbours: common/checkpoint.py (what a step's checkpoint writes), common/outputs.py (the log line),
 common/runtime.py (the Accelerator).
 """
+import contextlib
 import json
 import math
+import random
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +46,10 @@ from typing import NamedTuple
 import numpy as np
 import psutil
 import torch
+from accelerate.utils import DistributedType, find_batch_size, slice_tensors
+from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
+from .checkpoint import complete_checkpoints
 from .runtime import Interrupted, UserError, hf_bool
 
 
@@ -116,19 +130,21 @@ class LossScale:
         end = min(start + self.accumulation, self.batches_per_epoch)
         return sum(self.real_in_batch(i) for i in range(start, end))
 
-    def local_real(self, index, local_batch_size):
-        """How many of this process's samples of batch `index` are real: its share is the global positions
-        [rank * b, rank * b + b) and the padding comes after the real samples."""
+    def local_real(self, index, local_batch_size, offset=0):
+        """How many of `local_batch_size` samples from position `offset` of this process's share of batch `index` are
+        real: its share is the global positions [rank * b, rank * b + b) and the padding comes after the real
+        samples."""
         share = self.global_batch // self.accelerator.num_processes
-        first = self.accelerator.process_index * share
+        first = self.accelerator.process_index * share + offset
         return max(0, min(local_batch_size, self.real_in_batch(index) - first))
 
-    def loss(self, per_sample_losses, index):
-        """(loss to backward, mean over this process's real samples, their count) for batch `index`.
+    def loss(self, per_sample_losses, index, offset=0):
+        """(loss to backward, mean over this process's real samples, their count) for batch `index`, or for its
+        micro-batch starting at position `offset` of this process's share.
 
         DDP averages the gradient over the P processes and accelerate divides by the accumulation count N, so
         the sum of the real losses is scaled by P * N / (real samples in the step)."""
-        real = self.local_real(index, per_sample_losses.shape[0])
+        real = self.local_real(index, per_sample_losses.shape[0], offset)
         mask = torch.arange(per_sample_losses.shape[0], device=per_sample_losses.device) < real
         total = (per_sample_losses * mask).sum()
         scale = self.accelerator.num_processes * self.accumulation / self.window_real(index)
@@ -551,3 +567,172 @@ class Selection:
                 **({f"best_ema_{self.metric}": state.get(f"best_ema_{self.metric}")} if ema else {}),
                 "stopped_early": stopped, "stopped_early_at_step": stopped_at_step,
                 "stopped_early_reason": self.stop_reason(state) if stopped else None}
+def is_out_of_memory(error):
+    """An out-of-memory error of the device (torch.OutOfMemoryError, or a message accelerate's
+    should_reduce_batch_size recognises: CUDA, XPU, MPS, HPU, the CPU allocator), or another process's
+    (OutOfMemoryOnAnotherRank)."""
+    return isinstance(error, (torch.OutOfMemoryError, OutOfMemoryOnAnotherRank)) or should_reduce_batch_size(error)
+
+
+class OutOfMemoryOnAnotherRank(RuntimeError):
+    """Raised on the processes that did not run out of memory in a training forward pass when another one did."""
+
+
+class Attempt:
+    """One attempt at training (OutOfMemoryRetry.run): each process runs its share of every batch as micro-batches
+    of at most `micro_batch_size` samples, and it starts from `resume`: the launch's own checkpoint to resume from, or
+    one an earlier attempt saved (None: from the start)."""
+
+    def __init__(self, accelerator, micro_batch_size, resume=None):
+        self.accelerator, self.micro_batch_size, self.resume = accelerator, micro_batch_size, resume
+
+    def micro_batches(self, model, batch):
+        """(offset, part) for this process's `batch` (tensors, or a tuple or dict of them): the whole batch at offset 0,
+        or its consecutive micro-batches, each yielded while its forward and backward run; all but the last run under
+        `accelerator.no_sync(model)`, so that DDP all-reduces the gradients once per batch, as with the whole batch.
+        `offset` is the position of the part's first sample in the batch."""
+        size = find_batch_size(batch)
+        for start in range(0, size, self.micro_batch_size):
+            last = start + self.micro_batch_size >= size
+            part = batch if start == 0 and last else slice_tensors(batch, slice(start, start + self.micro_batch_size))
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                yield start, part
+
+
+def _rng_states():
+    """Every random generator a training step may draw from (dropout, drop path, augmentation in this process)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_states(states):
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class OutOfMemoryRetry:
+    """--auto_find_batch_size (the Trainer's name): a training step that runs out of device memory does not end the
+    run. `run(train)` calls train(Attempt) and, after an out-of-memory error, again with half the per-device
+    micro-batch (rounded up), until it fits or one sample does not; each retry prints one line.
+
+    Before a retry every process releases what the failed attempt prepared (accelerator.free_memory, which also resets
+    its accumulation counter, and the gradients), and puts back what it changed: the model's weights, the random
+    generators and the fp16 loss scale as they were when training started (a CPU copy of the weights, kept from the
+    start), or, when the attempt saved a checkpoint, restores that one (the newest). accelerate's
+    find_executable_batch_size retries the same way; here the batch that gets smaller is the micro-batch inside each
+    process's share, not the loader's.
+
+    Several processes: the error may hit one of them only, and all must retry together. A forward hook on the model
+    (always_call: it also runs when the forward raised) ends every training forward pass with a one-number all-reduce
+    of "did I run out?" (one small collective and a device sync per micro-batch, on several processes only); when one
+    ran out, the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward pass
+    or the optimizer step cannot be agreed on (the others wait inside DDP's gradient all-reduce): that process stops
+    with one line and the launcher ends the others. Under FSDP and DeepSpeed the forward pass itself runs collectives
+    (and DeepSpeed counts micro-batches itself), so the flag is refused there. An out-of-memory error while evaluating
+    stops with one line too: the evaluation batches are not split.
+    """
+
+    def __init__(self, accelerator, model, per_device_batch, accumulation_steps, checkpoint_dir, enabled):
+        if enabled and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise UserError(f"--auto_find_batch_size: not under {accelerator.distributed_type.value}, whose forward "
+                            "pass runs collectives (an out-of-memory error on one process cannot be agreed on); pass "
+                            "a smaller batch or --gradient_checkpointing")
+        self.accelerator, self.model, self.enabled = accelerator, model, enabled
+        self.per_device_batch, self.accumulation_steps = per_device_batch, accumulation_steps
+        self.checkpoint_dir = checkpoint_dir
+        self.micro_batch_size, self.retries = per_device_batch, 0
+        self.agreed = self.while_evaluating = False  # what the forward hook saw of the last error
+
+    @property
+    def results(self):
+        """all_results.json's record of what was found (with --auto_find_batch_size)."""
+        return {"per_device_micro_batch_size": self.micro_batch_size,
+                "out_of_memory_retries": self.retries} if self.enabled else {}
+
+    def run(self, train, resume=None):
+        """train(attempt) -> its result; with --auto_find_batch_size, again after each out-of-memory error. The first
+        attempt starts from `resume` (the checkpoint the launch resumes from, if the script passes it this way)."""
+        attempt = Attempt(self.accelerator, self.per_device_batch, resume)
+        if not self.enabled:
+            return train(attempt)
+        start = self._snapshot()
+        hook = self.model.register_forward_hook(self._agree_after_forward, always_call=True)
+        try:
+            while True:
+                saved_before = set(complete_checkpoints(self.checkpoint_dir))
+                self.agreed = self.while_evaluating = False
+                try:
+                    return train(attempt)
+                except Exception as error:
+                    if not is_out_of_memory(error):
+                        raise
+                    self._check_retriable(error)
+                # out of the except block: the failed attempt's frames and tensors can be freed
+                saved = [p for p in complete_checkpoints(self.checkpoint_dir) if p not in saved_before]
+                attempt = self._next_attempt(attempt, saved[-1] if saved else attempt.resume, start)
+        finally:
+            hook.remove()
+
+    def _agree_after_forward(self, module, args, output):
+        """The model's forward hook: on several processes, every training forward pass ends with all of them agreeing
+        whether one ran out of memory in it."""
+        failed = sys.exc_info()[1] if output is None else None  # always_call: runs while the forward's error is raised
+        out_of_memory = failed is not None and is_out_of_memory(failed)
+        if not (module.training and torch.is_grad_enabled()):  # evaluation: every process skips it alike
+            self.while_evaluating |= out_of_memory
+            return
+        if self.accelerator.num_processes == 1:
+            return
+        flag = torch.tensor(float(out_of_memory), device=self.accelerator.device)
+        if self.accelerator.reduce(flag, reduction="sum").item() > 0:
+            self.agreed = True
+            if not out_of_memory:
+                raise OutOfMemoryOnAnotherRank("another process ran out of memory in this training step")
+
+    def _check_retriable(self, error):
+        rank = self.accelerator.process_index
+        if self.while_evaluating:
+            raise UserError(f"out of memory while evaluating (process {rank}): --auto_find_batch_size splits the "
+                            "training batches only; evaluate with a smaller batch") from None
+        if self.accelerator.num_processes > 1 and not self.agreed:
+            raise UserError(f"out of memory on process {rank} in the backward pass or the optimizer step, where the "
+                            "other processes wait in a collective: on several processes --auto_find_batch_size "
+                            "retries an error in the forward pass only; pass a smaller batch or "
+                            "--gradient_checkpointing") from None
+        if self.micro_batch_size == 1:
+            raise UserError("out of memory at a per-device micro-batch of 1 sample (--auto_find_batch_size): the "
+                            "model does not fit; try --gradient_checkpointing or bf16") from None
+
+    def _next_attempt(self, attempt, resume, start):
+        smaller = math.ceil(self.micro_batch_size / 2)
+        steps = math.ceil(self.per_device_batch / smaller) * self.accumulation_steps
+        self.accelerator.print(f"out of memory at per-device batch {self.micro_batch_size}: retrying with {smaller} x "
+                               f"{steps} accumulation steps" + (f" from {resume}" if resume else ""), flush=True)
+        self._release()
+        self._restore(start)
+        self.micro_batch_size, self.retries = smaller, self.retries + 1
+        return Attempt(self.accelerator, smaller, resume)
+
+    def _snapshot(self):
+        scaler = self.accelerator.scaler
+        return {"weights": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+                "rng": _rng_states(), "scaler": scaler.state_dict() if scaler is not None else None}
+
+    def _restore(self, start):
+        self.model.load_state_dict(start["weights"])
+        _set_rng_states(start["rng"])
+        if start["scaler"] is not None:
+            self.accelerator.scaler.load_state_dict(start["scaler"])
+
+    def _release(self):
+        """Drop every reference the failed attempt left: the accelerator's prepared objects (and its accumulation
+        count), the objects it registered for checkpoints (accelerate has no public way to unregister them: the next
+        attempt registers its own), the gradients; then the device's cached blocks."""
+        self.accelerator.free_memory()
+        self.accelerator._custom_objects.clear()
+        for parameter in self.model.parameters():
+            parameter.grad = None
+        clear_device_cache(garbage_collection=True)

@@ -264,6 +264,13 @@ def add_runtime_args(parser):
                        help=f"experiment trackers, one or more of {', '.join(REPORT_TO)} (Trainer's names; 'all': "
                             "every one accelerate finds installed); default: none")
     group.add_argument("--with_tracking", action="store_true", help="the same as --report_to tensorboard")
+    memory = parser.add_argument_group("memory (what is trained stays the same with or without these)")
+    memory.add_argument("--gradient_checkpointing", "--grad_checkpointing", "--grad-checkpointing", action="store_true",
+                        help="keep fewer activations and recompute them in the backward pass: less device memory, "
+                             "about one more forward pass of compute (the Trainer's and timm's flag)")
+    memory.add_argument("--auto_find_batch_size", action="store_true",
+                        help="on an out-of-memory error, train again with half the per-device micro-batch and twice "
+                             "the accumulation: the same global batch, samples and steps (common/loop.py)")
     return group
 
 

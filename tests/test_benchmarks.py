@@ -1,7 +1,8 @@
 """The benchmarks' command lines: --help shows every flag benchmarks/README.md promises, with defaults, and a
 missing data root is one line on stderr and exit status 2, not a traceback. Every CPU benchmark but the two that run
 whole training commands (bench_memory, bench_vs_trainer) also runs --quick end to end on the suite's tiny data laid
-out like the real data: each arm must report a rate (its size is not checked: nothing here is a measurement)."""
+out like the real data (bench_checkpointing on its built-in models): each arm must report a rate (its size is not
+checked: nothing here is a measurement)."""
 import importlib
 import sys
 
@@ -14,7 +15,7 @@ from conftest import ACCELERATE, ROOT, free_port, read_json, run
 BENCHMARKS = ROOT / "benchmarks"
 # name -> does it read real data (--data_root) and run interleaved rounds (--rounds); benchmarks/README.md's table
 FLAGS = {"bench_bert_input": True, "bench_overhead": True, "bench_ddp_scaling": True, "bench_cpu_precision": True,
-         "bench_memory": False}
+         "bench_memory": False, "bench_checkpointing": False}
 
 
 def benchmark(name):
@@ -127,3 +128,18 @@ def test_ddp_scaling_quick_on_two_processes(data_root, tmp_path):
     assert list(arms) == ["1p g64", "2p g64 DDP defaults (bucket 25 MB)"]
     ddp = arms["2p g64 DDP defaults (bucket 25 MB)"]
     assert ddp["gradient_relative_error"] < 1e-5 and ddp["efficiency"] > 0
+
+
+def test_checkpointing_quick(tmp_path):
+    """Both workloads, both arms: a rate each, and a peak memory of a step from the profiler's memory timeline. The
+    tiny BERT's step needs less with checkpointing (allocated bytes are counted, not timed: the same on every run)."""
+    output, threads = tmp_path / "r.json", torch.get_num_threads()
+    try:
+        benchmark("bench_checkpointing").main(["--quick", "--output", str(output)])
+    finally:
+        torch.set_num_threads(threads)
+    workloads = read_json(output)["workloads"]
+    assert len(workloads) == 2 and len(median_rates(workloads)) == 4 and all(r > 0 for r in median_rates(workloads))
+    peaks = [w["peak_step_bytes"] for w in workloads.values()]
+    assert all(peak["plain"] > 0 and peak["--gradient_checkpointing"] > 0 for peak in peaks)
+    assert peaks[0]["--gradient_checkpointing"] < peaks[0]["plain"]

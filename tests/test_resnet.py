@@ -152,6 +152,13 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_data, tmp_path, c
     other = read_json(out / "eval_val_resize_20_results.json")
     assert other["eval_val_resize_20_settings"] == {"val_crop_size": 16, "val_resize": 20, "interpolation": "bilinear"}
     assert merged["eval_val_resize_20_acc1"] == other["eval_val_resize_20_acc1"]
+    # the export as starting weights (--weights PATH) of an evaluation: the same sizes, the same number
+    main_here(["--cpu", digits_data, "-j", "0", "-e", "--weights", out / "model_best.pth", "--output_dir",
+               tmp_path / "weights"])
+    assert f"{out / 'model_best.pth'} was trained with --image_size 16, --val_resize 16, --interpolation bilinear" \
+        in capsys.readouterr().out
+    assert read_json(tmp_path / "weights" / "eval_results.json")["eval_acc1"] == pytest.approx(training["best_acc1"],
+                                                                                              abs=1e-9)
 
 
 def same_run(reference, resumed, stopped_at=None):

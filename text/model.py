@@ -1,7 +1,7 @@
 """The text classifier's model: where its files come from (run_classification.py's --config_name, --tokenizer_name,
 --cache_dir, --model_revision, --token), loading it from any checkpoint layout users bring, the checks that it fits
-the text and the task, the reference repository's best.pt, AdamW's parameter groups, and what its model card says
-(best_model/README.md: labels, settings, data, a pipeline() call).
+the text and the task, the reference repository's best.pt, gradient checkpointing, AdamW's parameter groups, and
+what its model card says (best_model/README.md: labels, settings, data, a pipeline() call).
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
@@ -199,6 +199,18 @@ def load_legacy_bert(path, model):
                             "(check --model_name_or_path / --config_overrides)")
     model.load_state_dict(renamed, strict=False)
     return model
+
+
+def enable_gradient_checkpointing(model, source):
+    """--gradient_checkpointing: transformers' own, non-reentrant (the variant that works under DDP). It replays the
+    forward's random state when it recomputes a layer, so dropout draws the same masks: the training is the same."""
+    if not model.supports_gradient_checkpointing:
+        raise UserError(f"{source}: {type(model).__name__} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def saved_labels(model_name_or_path):

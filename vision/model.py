@@ -1,0 +1,262 @@
+"""The image classifier train_resnet.py trains: a torchvision or timm model, the weights it starts from, a new head
+for the data's classes, regularisation inside the model (drop path, dropout) and gradient checkpointing.
+
+Starting weights (--pretrained [PATH], --weights NAME|PATH):
+- torchvision weights by enum name (`ResNet50_Weights.IMAGENET1K_V2`, `DEFAULT`): torchvision downloads them once
+  into torch.hub's directory;
+- `-a timm:NAME --pretrained`: timm's default weights for NAME (its pretrained tag), through timm from the Hugging
+  Face hub cache (HF_HUB_CACHE); offline they must be there already;
+- a local file, for either kind of model: `.safetensors` (safetensors) or a PyTorch state dict (`.pth`, `.pt`, `.bin`,
+  also main.py's checkpoint layout and this script's exports), read with torch.load(weights_only=True) so that no
+  code in it runs. It is loaded strictly: a file of another architecture is an error naming the file, never a model
+  that silently keeps random weights (timm's own file loading turns strict off when the head changes, so it is not
+  used for files).
+A head trained for another number of classes is replaced by a new one for the data's classes, said in one line; with
+-e that would evaluate a random head, so it is refused. `-e --weights OUT/model_best.pth` evaluates at the image
+sizes that export records (weights_file_fields), as `-e --resume` does.
+
+Gradient checkpointing keeps only each block's input in the forward pass and recomputes the rest in the backward
+pass (torch.utils.checkpoint, non-reentrant: the variant that works under DDP, and it replays the forward's random
+state, so drop path draws the same). torchvision's ResNet family (resnet*, resnext*, wide_resnet*): each residual
+block; timm models: timm's own set_grad_checkpointing. A BatchNorm layer must not update its running statistics a
+second time when its block is recomputed: while the backward pass runs (what torch.utils.module_tracker calls
+`is_bw`) it updates copies, so a run with checkpointing trains and evaluates as one without.
+
+Neighbours: vision/references.py (main.py's .pth files), common/export.py (reading PyTorch files safely).
+"""
+import functools
+from pathlib import Path
+
+import torch
+import torchvision
+from torch.utils.checkpoint import checkpoint
+from torchvision.models.resnet import BasicBlock, Bottleneck
+
+from common.export import load_torch_checkpoint, load_weights, on_meta_device
+from common.runtime import UserError
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar")
+AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
+
+
+def add_model_args(group):
+    group.add_argument("--pretrained", nargs="?", const="DEFAULT", default=None, metavar="PATH",
+                       help="start from pretrained weights: torchvision's ImageNet ones, timm's default ones (from the "
+                            "Hugging Face cache), or a .safetensors/.pth file's; a new head for other classes")
+    group.add_argument("--weights", default=None, metavar="NAME|PATH",
+                       help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2, or a weights file")
+    group.add_argument("--drop_path", "--drop-path", type=float, default=None,
+                       help="stochastic depth rate (timm's drop_path_rate, torchvision's stochastic_depth_prob)")
+    group.add_argument("--drop", "--drop_rate", type=float, default=None,
+                       help="dropout rate before the classifier (timm's drop_rate, torchvision's dropout)")
+
+
+def is_weights_file(value):
+    """Whether a --weights/--pretrained value names a file (by its suffix, or because it is one), not an enum name."""
+    return str(value).lower().endswith(WEIGHT_FILE_SUFFIXES) or (value != "DEFAULT" and Path(value).is_file())
+
+
+def timm_name(arch):
+    return arch[len("timm:"):]
+
+
+def check_model_args(parser, args):
+    """What the model flags can be checked for before anything starts (parser errors; -a is a known name); sets
+    args.weights from --pretrained: "DEFAULT" or its PATH."""
+    if args.pretrained and args.weights:
+        parser.error("--pretrained [PATH] and --weights both name the starting weights: pass one of them")
+    if args.pretrained not in (None, "DEFAULT") and not is_weights_file(args.pretrained):
+        parser.error(f"--pretrained {args.pretrained}: PATH is a weights file ({', '.join(WEIGHT_FILE_SUFFIXES)})")
+    for flag, rate in (("--drop_path", args.drop_path), ("--drop", args.drop)):
+        if rate is not None and not 0 <= rate < 1:  # a probability; timm and torchvision take any float silently
+            parser.error(f"{flag} {rate}: must be in [0, 1)")
+    args.weights = args.pretrained or args.weights
+    weights_file = args.weights is not None and is_weights_file(args.weights)
+    if args.arch.startswith("timm:"):
+        try:
+            import timm
+        except ImportError:
+            parser.error(f"-a {args.arch}: timm is not installed (pip install timm)")
+        if not timm.is_model(timm_name(args.arch)):
+            parser.error(f"-a {args.arch}: not a timm model (timm.list_models())")
+        if args.weights not in (None, "DEFAULT") and not weights_file:
+            parser.error(f"-a {args.arch}: --weights {args.weights} names torchvision weights; for a timm model pass "
+                         "--pretrained (timm's default weights) or a weights file")
+        return
+    if args.gradient_checkpointing and not builder(args.arch).__module__.endswith(".resnet"):
+        parser.error(f"--gradient_checkpointing: covers torchvision's ResNet family (resnet*, resnext*, "
+                     f"wide_resnet*) and timm models, not {args.arch}")
+    wanted = regularisation_kwargs(args)
+    try:  # on the meta device: nothing is allocated or initialised
+        if wanted:
+            on_meta_device(lambda: torchvision.models.get_model(args.arch, **wanted))
+    except TypeError:
+        parser.error(f"-a {args.arch}: torchvision's {args.arch} takes no {' or '.join(wanted)} (--drop_path, "
+                     "--drop); timm models take both (-a timm:NAME)")
+
+
+def builder(arch):
+    return torchvision.models.get_model_builder(arch)
+
+
+def regularisation_kwargs(args):
+    """--drop_path / --drop as the torchvision model's own arguments (stochastic_depth_prob, dropout), where given."""
+    return {name: value for name, value in (("stochastic_depth_prob", args.drop_path), ("dropout", args.drop))
+            if value is not None}
+
+
+def build_image_model(args, num_classes, print_fn=print):
+    """The model of -a, with the weights of --weights/--pretrained, a head for `num_classes` classes and the
+    regularisation of --drop_path/--drop; `print_fn` says when the head starts new."""
+    if args.arch.startswith("timm:"):
+        return timm_model(args, num_classes, print_fn)
+    return torchvision_model(args, num_classes, print_fn)
+
+
+def timm_model(args, num_classes, print_fn):
+    import timm
+    name, pretrained = timm_name(args.arch), args.weights == "DEFAULT"
+    cfg = timm.models.get_pretrained_cfg(name) if pretrained else None  # NAME.TAG's, or the default tag's
+    if cfg is not None:  # None: no weights for NAME, which create_model says
+        check_new_head("--pretrained", cfg.num_classes, num_classes, args.evaluate, print_fn)
+    try:
+        model = timm.create_model(name, pretrained=pretrained, num_classes=num_classes, drop_rate=args.drop,
+                                  drop_path_rate=args.drop_path)
+    except TypeError as err:
+        raise UserError(f"-a {args.arch}: {err}") from None
+    except (OSError, RuntimeError, ValueError) as err:  # offline and not cached; no weights for this model
+        if not pretrained:
+            raise
+        from huggingface_hub.constants import HF_HUB_CACHE
+        raise UserError(f"--pretrained: cannot get timm's {name} weights ({str(err).splitlines()[0]}); timm reads them "
+                        f"from the Hugging Face cache {HF_HUB_CACHE} (HF_HUB_CACHE), where they are downloaded once, "
+                        "which needs the network; or pass --pretrained PATH, a weights file") from None
+    if args.weights is not None and not pretrained:
+        load_weights_file(model, args.weights, timm_heads(model), num_classes, args.evaluate, print_fn)
+    return model
+
+
+def timm_heads(model):
+    """The classifier module names of a timm model (its pretrained_cfg's `classifier`: one, or a few for DeiT's)."""
+    heads = model.pretrained_cfg.get("classifier") or ()
+    return (heads,) if isinstance(heads, str) else tuple(heads)
+
+
+def torchvision_model(args, num_classes, print_fn):
+    kwargs = {**({"aux_logits": False} if args.arch in AUX_HEAD_MODELS else {}), **regularisation_kwargs(args)}
+    if args.weights is None or is_weights_file(args.weights):
+        model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
+        if args.weights is not None:
+            load_weights_file(model, args.weights, (last_linear(model)[0],), num_classes, args.evaluate, print_fn)
+        return model
+    flag = "--pretrained" if args.pretrained else f"--weights {args.weights}"
+    try:
+        model = torchvision.models.get_model(args.arch, weights=args.weights, **kwargs)
+    except (KeyError, ValueError) as err:  # no such enum, or weights of another architecture
+        raise UserError(f"{flag}: not weights of torchvision's {args.arch} ({err})") from None
+    except (OSError, RuntimeError) as err:  # URLError offline, a broken file in the cache
+        raise UserError(f"{flag}: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
+                        f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
+    head_name, head = last_linear(model)
+    if head.out_features != num_classes:
+        check_new_head(flag, head.out_features, num_classes, args.evaluate, print_fn)
+        model.set_submodule(head_name, torch.nn.Linear(head.in_features, num_classes))
+    return model
+
+
+def last_linear(model):
+    """(name, module) of the model's last Linear layer: torchvision's classification head."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+
+
+def check_new_head(source, trained_classes, num_classes, evaluate, print_fn):
+    """A head trained for another class count is replaced (said in one line); evaluating it would be random."""
+    if trained_classes == num_classes:
+        return
+    if evaluate:
+        raise UserError(f"{source}: its head predicts {trained_classes} classes, the data has {num_classes}; a new "
+                        "head would be random: evaluate a model trained on these classes (--resume PATH)")
+    print_fn(f"{source}: its head predicts {trained_classes} classes, the data has {num_classes}: the head starts "
+             "new (random), every other weight from these weights")
+
+
+def read_weights_file(path):
+    """A state dict from a .safetensors file or a PyTorch file (torch.load(weights_only=True), main.py's layout or a
+    bare state dict, `module.` prefixes dropped); one-line errors naming the file."""
+    if not Path(path).is_file():
+        raise UserError(f"{path}: no such weights file")
+    if str(path).endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{path}: not a safetensors file ({err})") from None
+    return load_torch_checkpoint(path)["state_dict"]
+
+
+def weights_file_fields(weights):
+    """What a PyTorch weights file of --weights/--pretrained records beside its weights (this script's exports: the
+    image sizes it was trained with, which -e repeats); {} for safetensors files, weights names and none."""
+    if weights is None or not is_weights_file(weights) or str(weights).endswith(".safetensors"):
+        return {}
+    return load_torch_checkpoint(weights) if Path(weights).is_file() else {}  # a missing one: build_model's error
+
+
+def load_weights_file(model, path, heads, num_classes, evaluate, print_fn):
+    """The weights of `path` into `model`, strictly, but for the `heads` (module names) when the file's were trained
+    for another number of classes: those keep the model's new head."""
+    state_dict, own = read_weights_file(path), model.state_dict()
+    head_keys = [key for head in heads for key in (f"{head}.weight", f"{head}.bias") if key in own]
+    different = [key for key in head_keys if key in state_dict and state_dict[key].shape != own[key].shape]
+    if different:
+        check_new_head(path, state_dict[different[0]].shape[0], num_classes, evaluate, print_fn)
+        state_dict = {**state_dict, **{key: own[key] for key in head_keys}}
+    load_weights(model, state_dict, path)
+
+
+def enable_gradient_checkpointing(model, arch):
+    """Checkpointed blocks (timm's own, or each residual block of a torchvision ResNet) and BatchNorm layers that
+    leave their running statistics alone when recomputed."""
+    if arch.startswith("timm:"):
+        try:
+            model.set_grad_checkpointing(True)
+        except (AttributeError, AssertionError, NotImplementedError) as err:
+            raise UserError(f"--gradient_checkpointing: timm's {timm_name(arch)} does not support it ({err})") from None
+    else:
+        for block in model.modules():
+            if isinstance(block, (BasicBlock, Bottleneck)):
+                block.forward = functools.partial(checkpointed_forward, block, type(block).forward)
+    for norm in model.modules():
+        if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):
+            norm.register_forward_pre_hook(_batchnorm_recomputed_pre)
+            norm.register_forward_hook(_batchnorm_recomputed_post, always_call=True)
+
+
+def checkpointed_forward(block, forward, x):
+    """`forward(block, x)` with its activations recomputed in the backward pass (an instance's forward: the block's
+    parameter names, and so every checkpoint and export, stay as they are)."""
+    return checkpoint(forward, block, x, use_reentrant=False)
+
+
+def _in_backward_pass():
+    """Whether autograd is running a backward pass now (torch.utils.module_tracker's `is_bw`), i.e. a checkpointed
+    block is being recomputed."""
+    return torch._C._current_graph_task_id() != -1
+
+
+BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _batchnorm_recomputed_pre(norm, args):
+    """A recomputed BatchNorm normalises with the batch's statistics, as in the forward pass, but updates copies of
+    its running statistics (and batch count), not the model's: those were updated once, in the forward pass."""
+    if norm.training and norm.track_running_stats and _in_backward_pass():
+        norm.kept_statistics = {name: getattr(norm, name) for name in BATCHNORM_STATISTICS}
+        for name, buffer in norm.kept_statistics.items():
+            setattr(norm, name, buffer.clone())
+
+
+def _batchnorm_recomputed_post(norm, args, output):
+    for name, buffer in norm.__dict__.pop("kept_statistics", {}).items():
+        setattr(norm, name, buffer)
