@@ -115,6 +115,24 @@ def gradient_errors(arms, accelerator, base_model, batches):
     return errors
 
 
+def time_arms(arms, steps, rounds, samples_per_round, say):
+    """One warm-up optimizer step per arm, then `rounds` rounds of `samples_per_round` samples each, the arms
+    interleaved: {arm: [per round: seconds, samples, samples/s, each rank's CPU share]}."""
+    for a in arms:
+        timed_round(steps[a.name], 1)
+    raw = {a.name: [] for a in arms}
+    for r in range(rounds):
+        for a in harness.interleaved_order(arms, r):
+            optimizer_steps = max(1, samples_per_round // a.batch)
+            per_rank = timed_round(steps[a.name], optimizer_steps)
+            samples, wall = optimizer_steps * a.batch * (2 if a.name == CEILING else 1), per_rank[0]["wall"]
+            raw[a.name].append({"seconds": wall, "units": samples, "rate": samples / wall,
+                                "cpu_share": [p["cpu"] / p["wall"] for p in per_rank]})
+            say(f"  round {r + 1}/{rounds} {a.name:<58} {samples / wall:8.1f} samples/s  CPU share per rank "
+                + " ".join(f"{p['cpu'] / p['wall']:.2f}" for p in per_rank))
+    return raw
+
+
 def main(argv=None):
     parser = harness.base_parser(__doc__)
     parser.add_argument("--cpu", action="store_true", help="required on a machine without GPUs (gloo DDP)")
@@ -152,18 +170,7 @@ def main(argv=None):
     errors = gradient_errors(arms, accelerator, base_model, batches)  # before any timing
 
     steps = {a.name: arm_step(a, accelerator, base_model, batches) for a in arms}
-    for a in arms:  # warm-up: one optimizer step each
-        timed_round(steps[a.name], 1)
-    raw = {a.name: [] for a in arms}
-    for r in range(rounds):
-        for a in harness.interleaved_order(arms, r):
-            optimizer_steps = max(1, samples_per_round // a.batch)
-            per_rank = timed_round(steps[a.name], optimizer_steps)
-            samples, wall = optimizer_steps * a.batch * (2 if a.name == CEILING else 1), per_rank[0]["wall"]
-            raw[a.name].append({"seconds": wall, "units": samples, "rate": samples / wall,
-                                "cpu_share": [p["cpu"] / p["wall"] for p in per_rank]})
-            say(f"  round {r + 1}/{rounds} {a.name:<58} {samples / wall:8.1f} samples/s  CPU share per rank "
-                + " ".join(f"{p['cpu'] / p['wall']:.2f}" for p in per_rank))
+    raw = time_arms(arms, steps, rounds, samples_per_round, say)
 
     def efficiency(a):
         """Per round: samples/s / (2 x the same round's 1-process arm with the same global batch and optimizer)."""

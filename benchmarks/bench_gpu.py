@@ -47,8 +47,8 @@ SEED = 42
 # PCIe alike). H100: "H100 Tensor Core GPU" datasheet, BF16 1,979 (SXM) / 1,513 (PCIe) / 1,671 (NVL) *with
 # sparsity*, so dense 989 / 756 / 835. H200: "H200 Tensor Core GPU" datasheet, 1,979 with sparsity (SXM) and
 # 1,671 (NVL): dense 989 / 835. L4: datasheet BF16 242 with sparsity: dense 121. RTX 4090: Ada Lovelace
-# architecture whitepaper, "Peak BF16 Tensor TFLOPS with FP32 Accumulate" 165.2 (330.4 with sparsity); not
-# re-read from the whitepaper itself in this session, only from third-party copies of its table that agree.
+# architecture whitepaper, "Peak BF16 Tensor TFLOPS with FP32 Accumulate" 165.2 (330.4 with sparsity), as
+# third-party copies of its table give it (they agree).
 PEAK_BF16_TFLOPS = [
     ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
     ("H200 NVL", 835.0), ("H200", 989.0),

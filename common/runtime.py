@@ -77,15 +77,16 @@ class Interrupted(KeyboardInterrupt):
 def run_cli(main, args):
     """Call `main(args)`; turn a UserError into one line on stderr and exit status 2, and Ctrl-C into one line per
     process and exit status 130 (a shell's code for SIGINT). The output directory's lock is released however the run
-    ends."""
+    ends. A process of a multi-process launch then leaves through leave_process."""
+    code, result = 0, None
     try:
-        return main(args)
+        result = main(args)
     except UserError as err:
         line = f"error: {err}"
         if os.environ.get("LOCAL_RANK", "0") == "0":
             tqdm.write(line, file=sys.stderr)  # on its own line even under a progress bar
         record_for_launcher(line)
-        sys.exit(2)
+        code = 2
     except KeyboardInterrupt as err:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on too: one line, not two
         line = str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)"
@@ -93,9 +94,28 @@ def run_cli(main, args):
             line = f"rank {os.environ.get('RANK', '?')}: {line}"
         tqdm.write(line, file=sys.stderr)
         record_for_launcher(line)
-        sys.exit(130)
+        code = 130
     finally:
         release_output_dirs()
+    if launched_world_size() > 1:
+        leave_process(code)
+    if code:
+        sys.exit(code)
+    return result
+
+
+def leave_process(code):
+    """Exit with `code` after the atexit handlers (trackers, logging, DataLoader workers) but without the
+    interpreter's finalization. Under gloo, a process-group worker thread drops its last finished collective a moment
+    after the collective returned; when that happens during finalization, the thread's bid for the GIL aborts the
+    process (SIGABRT, "terminate called without an active exception") after the run has finished and saved
+    everything, and the launcher reports a failed job: a few runs in a hundred on a busy machine."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def stop_together(accelerator, problem):

@@ -261,3 +261,49 @@ def test_output_dir_lock_on_node_local_and_shared_disks(tmp_path):
     finally:
         release_output_dirs()
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
+LEAVE_CHECK = """
+import atexit, os, sys
+sys.path.insert(0, sys.argv[1])
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
+
+from common.runtime import UserError, run_cli
+
+
+class Finalized:
+    def __del__(self, write=os.write, line=f"rank {os.environ['RANK']} finalized\\n".encode()):
+        write(1, line)  # in the interpreter's finalization, where a gloo worker's late bid for the GIL aborts
+
+
+kept = Finalized()
+
+
+def main(mode):
+    state = PartialState(cpu=True)
+    atexit.register(print, f"rank {state.process_index} atexit", flush=True)
+    broadcast_object_list([1])  # a gloo collective whose work object holds Python tensors
+    print(f"rank {state.process_index} done")  # left in the buffer: leaving must flush it
+    if mode == "error":
+        raise UserError("bad input")
+
+
+run_cli(main, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("mode, code", [("ok", 0), ("error", 2)])
+def test_a_launched_process_leaves_without_the_interpreters_finalization(tmp_path, mode, code):
+    """Each process of a multi-process launch runs its atexit handlers, flushes its output and exits with the run's
+    status, but skips the interpreter's finalization, where a gloo worker thread dropping its last collective aborted
+    finished runs (SIGABRT)."""
+    script = tmp_path / "leave_check.py"
+    script.write_text(LEAVE_CHECK)
+    proc = run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), script, ROOT, mode], check=False)
+    assert proc.returncode == (0 if code == 0 else 1), proc.stderr[-3000:]  # torchrun: 1 when a worker failed
+    for rank in (0, 1):
+        assert f"rank {rank} done" in proc.stdout and f"rank {rank} atexit" in proc.stdout
+        assert f"rank {rank} finalized" not in proc.stdout
+    if code:
+        assert "error: bad input" in proc.stderr and f"(exitcode: {code})" in proc.stderr
