@@ -47,6 +47,7 @@ PROBE_SCRIPT = textwrap.dedent(
     Path(sys.argv[1], f"rank{accelerator.process_index}.json").write_text(json.dumps(info))
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    os._exit(0)  # as the scripts leave a launched process (common/runtime.py leave_process): no finalization
     """
 )
 

@@ -215,7 +215,7 @@ sys.path.insert(0, sys.argv[1])
 from accelerate import PartialState
 from accelerate.utils import gather_object
 
-from common.runtime import UserError, hold_output_dir, release_output_dirs
+from common.runtime import UserError, hold_output_dir, leave_process, release_output_dirs
 
 state = PartialState(cpu=True)
 rank = state.process_index
@@ -246,6 +246,7 @@ except UserError as err:
 release_output_dirs()
 assert rank == 1 or not (base / "free").exists()  # the main process's own lock went with the refusal
 print(f"rank {rank} ok", flush=True)
+leave_process(0)  # as run_cli leaves a launched process: no interpreter finalization for gloo's threads to abort
 """
 
 
