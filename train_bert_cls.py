@@ -440,7 +440,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
                         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log,
                                         {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps)
                 stopped_at = completed_steps if selection.should_stop(state) else None
-            preempted = guard.should_stop(completed_steps) and stopped_at is None  # a run that stops early ends
+            preempted = guard.should_stop(completed_steps) and stopped_at is None  # an early stop needs no resume
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):

@@ -435,7 +435,7 @@ def train(args, accelerator, model, data, log, task, attempt):
                                                 task.must_match["class_to_idx"])
                     accelerator.on_main_process(plot_curves)(log, args, cadence.steps_per_epoch)
                 stopped_at = completed_steps if selection.should_stop(state) else None
-            preempted = guard.should_stop(completed_steps) and stopped_at is None  # a run that stops early ends
+            preempted = guard.should_stop(completed_steps) and stopped_at is None  # an early stop needs no resume
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):

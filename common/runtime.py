@@ -16,7 +16,9 @@ multi-process launch every rank usually meets the same bad input: the line is pr
 process, and every rank writes it into the error file torch's elastic agent gives it (TORCHELASTIC_ERROR_FILE), so
 that the launcher's failure summary, the last thing `accelerate launch` and `torchrun` print, ends with this line
 instead of "To enable traceback see ...". The launcher's own traceback above that summary is its business: it exits 1
-there, the processes exit 2.
+there, the processes exit 2. Every process of a multi-process launch leaves through `leave_process`: its atexit
+handlers, then os._exit, without the interpreter's finalization, where gloo's worker threads can abort a finished
+run.
 A problem found on one rank must stop every rank, or the others wait in their next collective until --ddp_timeout:
 `stop_together` shares it (a collective), and `writing` does so for a block that writes files, where a full disk
 surfaces as torch.save's "unexpected pos" or safetensors' "os error 28" and becomes one line naming the directory and
