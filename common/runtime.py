@@ -43,6 +43,7 @@ Neighbours: common/loop.py (the training loop's bookkeeping), common/checkpoint.
 common/outputs.py.
 """
 import argparse
+import atexit
 import datetime
 import importlib.util
 import json
@@ -112,8 +113,6 @@ def leave_process(code):
     after the collective returned; when that happens during finalization, the thread's bid for the GIL aborts the
     process (SIGABRT, "terminate called without an active exception") after the run has finished and saved
     everything, and the launcher reports a failed job: a few runs in a hundred on a busy machine."""
-    import atexit
-
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
