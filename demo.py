@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.demo_data import write_digits_imagefolder, write_text_classification_data
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data
 
 ROOT = Path(__file__).resolve().parent
 DATA, OUT = ROOT / "demo_data", ROOT / "outputs"

@@ -15,8 +15,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from common.runtime import run_cli, UserError
-from text.data import find_split_file, read_examples
+from utils.runtime import run_cli, UserError
+from utils.text_data import find_split_file, read_examples
 
 SOURCES = """Where the data comes from (download by hand, then run the matching command):
   thucnews    THUCNews headlines, 10 classes, text<TAB>label_id lines plus class.txt, in the folder THUCNews/data of

@@ -7,7 +7,7 @@ One code path for CPU, one GPU, N GPUs and N machines; the hardware is chosen by
         --model_name_or_path hfl/chinese-bert-wwm-ext --do_train --do_eval --do_test --output_dir outputs/cnews
 A tiny CPU run, from scratch on generated headlines in the cnews format (2 processes of gloo DDP; the test suite
 runs these two commands as printed and expects a test accuracy above 0.9, chance being 0.1):
-    python -c "from common.demo_data import write_text_classification_data as w; w('demo_data/bert_tiny')"
+    python -c "from utils.demo_data import write_text_classification_data as w; w('demo_data/bert_tiny')"
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_bert_cls.py --cpu \
         --data_dir demo_data/bert_tiny --model_name_or_path demo_data/bert_tiny/model --from_scratch \
         --config_overrides num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512 \
@@ -29,27 +29,27 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
+from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
                                resume_settings)
-from common.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
+from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from common.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
+from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection)
-from common.outputs import RunLog, check_output_dir, format_step_line, progress
-from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
+from utils.outputs import RunLog, check_output_dir, format_step_line, progress
+from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
                             run_cli, run_info, writing)
-from text.data import (LengthGroupedSampler, add_dataset_args, add_padding_args, add_text_format_args, build_collator,
+from utils.text_data import (LengthGroupedSampler, add_dataset_args, add_padding_args, add_text_format_args, build_collator,
                        build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
                        data_must_match, fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
                        read_predict_file, resolve_padding, select_examples, text_format, token_lengths,
                        tokenize_examples, write_labels_file)
-from text.metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
+from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
-from text.model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
+from utils.text_model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
                         check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
                         load_classifier, load_legacy_bert, loading, model_card, optimizer_groups, problem_type,
                         saved_labels,
@@ -76,7 +76,7 @@ def parse_args(argv=None):
     add_text_format_args(data)
     add_padding_args(data)
     data.add_argument("--group_by_length", action="store_true",
-                      help="training batches of similar-length texts (less padding; see text/data.py)")
+                      help="training batches of similar-length texts (less padding; see utils/text_data.py)")
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", required=True, help="hub id or local directory")
     model.add_argument("--from_scratch", action="store_true",

@@ -8,7 +8,7 @@ path here; the hardware comes from the launcher and accelerate_configs/*.yaml:
     python train_resnet.py /data/imagenet -a resnet50 --resume latest     # exact resume, even mid-epoch
 A tiny CPU run on scikit-learn's real handwritten digits written as an ImageFolder (2 processes of gloo DDP; the
 test suite runs these two commands as printed and expects a top-1 accuracy above 80%, chance being 10%):
-    python -c "from common.demo_data import write_digits_imagefolder as w; w('demo_data/digits_tiny', size=16)"
+    python -c "from utils.demo_data import write_digits_imagefolder as w; w('demo_data/digits_tiny', size=16)"
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_resnet.py --cpu \
         demo_data/digits_tiny --image_size 16 --val_resize 16 --hflip 0 --crop_scale 0.5 -b 64 --lr 0.05 \
         --lr_scheduler cosine --epochs 4 -j 0 --output_dir outputs/resnet_tiny --overwrite_output_dir
@@ -35,28 +35,28 @@ import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from common.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
+from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
                                load_checkpoint_weights, read_training_state, resume_settings)
-from common.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
-from common.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
+from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
+from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights)
-from common.outputs import RunLog, check_output_dir, plot_training_curves, progress
-from common.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
+from utils.outputs import RunLog, check_output_dir, plot_training_curves, progress
+from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, launched_world_size, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info)
-from vision.augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_augment_args, add_mixing_args,
+from utils.image_augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_augment_args, add_mixing_args,
                             build_mixer, dominant_labels, eval_image_settings, image_settings, recorded_image_settings,
                             resolve_augment_args, resolve_image_sizes, soft_cross_entropy, train_transform,
                             val_transform)
-from vision.data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
+from utils.image_data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
                          build_dummy_datasets, fingerprint_images, topk_hits)
-from vision.device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
-from vision.model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
+from utils.image_device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
+from utils.image_model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
                           is_weights_file, weights_file_fields)
-from vision.optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
+from utils.image_optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, update_ema)
-from vision.references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
+from utils.image_references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
                                export_main_py_checkpoints, global_batch_size, model_card)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
     data.add_argument("--decode_on_device", "--decode-on-device", action="store_true",
                       help="workers only read the files; JPEG decoding and augmentation run on the training device, "
-                           "a batch at a time (vision/device_decode.py)")
+                           "a batch at a time (utils/image_device_decode.py)")
     model = parser.add_argument_group("model")
     model.add_argument("-a", "--arch", "--model", default="resnet18",
                        help="any torchvision classification model name, or timm:NAME for a timm model")
@@ -177,7 +177,7 @@ def build_dataloaders(accelerator, args):
 
 def build_model(args, num_classes, print_fn=print):
     """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
-    new head, and --drop_path/--drop (vision/model.py)."""
+    new head, and --drop_path/--drop (utils/image_model.py)."""
     return build_image_model(args, num_classes, print_fn)
 
 
@@ -194,7 +194,7 @@ def place_model(model, args):
 
 def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
     """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none. class_weights
-    (C,): each image's cross-entropy times its class's weight, still averaged over the images (common/loop.py
+    (C,): each image's cross-entropy times its class's weight, still averaged over the images (utils/loop.py
     ClassWeights)."""
     losses = F.cross_entropy(logits, targets.clamp(min=0), weight=class_weights, label_smoothing=label_smoothing,
                              reduction="none")

@@ -24,8 +24,8 @@ import harness  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from text.model import optimizer_groups  # noqa: E402
-from text.data import build_label_list, read_examples  # noqa: E402
+from utils.text_model import optimizer_groups  # noqa: E402
+from utils.text_data import build_label_list, read_examples  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
 MAX_SEQ_LEN = 512
@@ -84,7 +84,7 @@ def run_dataset(name, path, args, rounds, steps):
     lengths = [len(ids) for ids in dataset["input_ids"]]
     label2id = {label: i for i, label in enumerate(labels)}
     raw = [(e.text, label2id[e.label]) for e in examples]
-    # The epoch's batches as the project's loader draws them (same seed as common.runtime.loader_generator)
+    # The epoch's batches as the project's loader draws them (same seed as utils.runtime.loader_generator)
     epoch_batches = [list(b) for b in project_loader.batch_sampler]
 
     def loader(data, steps_per_round, collate_fn):

@@ -24,7 +24,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (puts the repo root on sys.path)
 
-from common.demo_data import write_small_bert  # noqa: E402
+from utils.demo_data import write_small_bert  # noqa: E402
 
 BERT_BASE = "num_hidden_layers=12,hidden_size=768,num_attention_heads=12,intermediate_size=3072"
 BERT_TINY = "num_hidden_layers=2,hidden_size=32,num_attention_heads=2,intermediate_size=64"

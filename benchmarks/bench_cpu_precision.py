@@ -26,7 +26,7 @@ import harness  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
-from text.model import optimizer_groups  # noqa: E402
+from utils.text_model import optimizer_groups  # noqa: E402
 
 README_BERT = "num_hidden_layers=6,hidden_size=256,num_attention_heads=4,intermediate_size=1024"
 

@@ -28,7 +28,7 @@ import harness  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from text.model import optimizer_groups  # noqa: E402
+from utils.text_model import optimizer_groups  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
 CEILING = "2 procs, each its own full g64, no DDP (machine ceiling)"

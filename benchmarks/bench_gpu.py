@@ -36,10 +36,10 @@ from accelerate.utils import send_to_device  # noqa: E402
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 from transformers import AutoConfig, BertConfig, BertForSequenceClassification  # noqa: E402
 
-from vision.augment import add_augment_args, resolve_augment_args, train_transform  # noqa: E402
-from common.demo_data import write_photo_imagefolder  # noqa: E402
-from vision.device_decode import collate_for, decode_on_device, EncodedImageFolder  # noqa: E402
-from vision.data import IMAGENET_STD, RGBImageFolder  # noqa: E402
+from utils.image_augment import add_augment_args, resolve_augment_args, train_transform  # noqa: E402
+from utils.demo_data import write_photo_imagefolder  # noqa: E402
+from utils.image_device_decode import collate_for, decode_on_device, EncodedImageFolder  # noqa: E402
+from utils.image_data import IMAGENET_STD, RGBImageFolder  # noqa: E402
 
 SEED = 42
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from NVIDIA's datasheets; matched against
@@ -152,7 +152,7 @@ def bert_workloads(args, device, modes, seq):
 
 
 def input_arms(args, device, workload, work_dir):
-    """ResNet-50's input on ImageNet-sized JPEGs (common/demo_data.py write_photo_imagefolder): the CPU loader (decode
+    """ResNet-50's input on ImageNet-sized JPEGs (utils/demo_data.py write_photo_imagefolder): the CPU loader (decode
     and augment in the workers) and --decode_on_device (the workers read the bytes; decode and augment on `device`),
     each alone (images/s delivered on the device) and feeding `workload`'s steps; and how far apart the two paths'
     images are for the same crops (levels of 255, over the first 64 images)."""

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (puts the repo root on sys.path)
 from harness import REPO as ROOT  # noqa: E402
 
-from common.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
 
 
 def rss_mib(pid):

@@ -1,7 +1,7 @@
 """Framework overhead: a training step the way the scripts do it on Accelerate vs a minimal torch loop.
 
 Arms, for the small BERT on THUCNews headlines (batch 32, AdamW):
-  accelerate  common.runtime.build_accelerator with the scripts' default flags (split_batches, seedable sampler,
+  accelerate  utils.runtime.build_accelerator with the scripts' default flags (split_batches, seedable sampler,
               bounded collectives), accelerator.prepare(model, optimizer, loader, scheduler), and the script's loop:
               `with accelerator.accumulate(model)`, accelerator.backward, accelerator.clip_grad_norm_, prepared
               optimizer and scheduler steps, plus its per-step bookkeeping (LossMeter), without .item() as in the script
@@ -23,9 +23,9 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import get_linear_schedule_with_warmup  # noqa: E402
 
-from text.model import optimizer_groups  # noqa: E402
-from common.loop import LossMeter  # noqa: E402
-from text.data import build_label_list, read_examples  # noqa: E402
+from utils.text_model import optimizer_groups  # noqa: E402
+from utils.loop import LossMeter  # noqa: E402
+from utils.text_data import build_label_list, read_examples  # noqa: E402
 
 SMALL_BERT = "num_hidden_layers=2,hidden_size=128,num_attention_heads=2,intermediate_size=512"
 TOTAL_STEPS = 100_000  # scheduler length: far beyond the benchmark, so the learning rate stays warm-up-sized

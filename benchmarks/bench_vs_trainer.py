@@ -9,7 +9,7 @@ weight decay 0.01, 2 threads) and cnews articles at 512 tokens (900 train / 100 
 start-up's parts as a fraction of one epoch were measured once and removed: RESULTS.md section 8.)
 
     python benchmarks/bench_vs_trainer.py                  # --data_root (default data/), 2 rounds of both cases
-    python benchmarks/bench_vs_trainer.py --quick          # generated headlines (common/demo_data.py), 1 round
+    python benchmarks/bench_vs_trainer.py --quick          # generated headlines (utils/demo_data.py), 1 round
 """
 import argparse
 import json
@@ -46,7 +46,7 @@ def parse_args(argv=None):
 def prepare_cases(args, work):
     """{case: settings} with the files written under `work`; real data, or generated data with --quick."""
     if args.quick:
-        from common.demo_data import write_text_classification_data
+        from utils.demo_data import write_text_classification_data
         demo = write_text_classification_data(work / "demo", n_train=384, n_val=96, n_test=1)
         return {"headlines": dict(train=demo / "train.txt", val=demo / "val.txt", model=demo / "model", overrides="",
                                   seq_len=32, batch=32, lr=2e-3, logging_steps=3)}
@@ -114,7 +114,7 @@ def run_trainer(case, out, threads):
 
 def trainer_worker(spec_path):
     """run_classification.py's path for this data: read, tokenise with map, DataCollatorWithPadding, Trainer."""
-    from common.loop import seconds_since_process_start  # first, so nothing below is missed
+    from utils.loop import seconds_since_process_start  # first, so nothing below is missed
     import numpy as np
     from datasets import load_dataset
     from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,

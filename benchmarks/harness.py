@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "data"  # where docs/data.md (prepare_data.py) puts the real data in a clone
 DATA_LAYOUT = "thucnews_titles/, cnews_sample/, bert-base-chinese/, imagenette_112/"
 SEED = 42
+# What a measurement depends on in this repository: a change here, uncommitted, is named in the record's revision.
+MEASURED_CODE = ("train_bert_cls.py", "train_resnet.py", "utils", "benchmarks", "accelerate_configs")
 
 # Offline, and the fast tokenizer on one thread like everything else (it would otherwise batch-encode on all cores).
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
@@ -29,9 +31,9 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 if str(REPO) not in sys.path:  # the benchmarks import the training scripts and utils/ from the repo root
     sys.path.insert(0, str(REPO))
 
-from common.runtime import HelpFormatter  # noqa: E402
-from common.runtime import run_cli, UserError  # noqa: E402,F401  (run_cli: every benchmark's entry point)
-from common.runtime import cpuinfo_field  # noqa: E402,F401  (the benchmarks' provenance and CPU flags)
+from utils.runtime import HelpFormatter  # noqa: E402
+from utils.runtime import run_cli, UserError  # noqa: E402,F401  (run_cli: every benchmark's entry point)
+from utils.runtime import cpuinfo_field  # noqa: E402,F401  (the benchmarks' provenance and CPU flags)
 
 
 def base_parser(description, data=True, rounds=True):
@@ -94,9 +96,9 @@ def bert_train_loader(script_args, tokenizer, labels, examples):
 
 
 def script_accelerator(**flags):
-    """The scripts' Accelerator (common.runtime.build_accelerator) with their default runtime flags, `flags` set."""
+    """The scripts' Accelerator (utils.runtime.build_accelerator) with their default runtime flags, `flags` set."""
     import tempfile
-    from common.runtime import add_runtime_args, build_accelerator
+    from utils.runtime import add_runtime_args, build_accelerator
     parser = argparse.ArgumentParser()
     add_runtime_args(parser)
     runtime = parser.parse_args([])
@@ -110,7 +112,7 @@ def headline_model(data_root, config_overrides, samples, max_seq_len):
     first `samples` THUCNews headlines, collated padded to a multiple of 8."""
     import torch
     from transformers import DataCollatorWithPadding
-    from text.data import build_label_list, read_examples, tokenize
+    from utils.text_data import build_label_list, read_examples, tokenize
     train_file = Path(data_root) / "thucnews_titles" / "train.txt"
     examples = read_examples(train_file)[:samples]
     labels = build_label_list(examples, None)
@@ -166,8 +168,8 @@ def provenance():
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
                               timeout=10).stdout.strip()
     try:
-        dirty = git("status", "--porcelain", "--", "train_bert_cls.py", "train_resnet.py", "utils")
-        revision = git("rev-parse", "--short", "HEAD") + ("+uncommitted changes in scripts/utils" if dirty else "")
+        dirty = git("status", "--porcelain", "--", *MEASURED_CODE)
+        revision = git("rev-parse", "--short", "HEAD") + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         revision = None
     versions = {"python": platform.python_version()}

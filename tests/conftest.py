@@ -13,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
 
 ENV = {
     **os.environ,
@@ -62,7 +62,7 @@ def run_here(script, args, check=True):
 
     from accelerate.state import AcceleratorState
 
-    from common.runtime import run_cli
+    from utils.runtime import run_cli
 
     module = importlib.import_module(Path(script).stem)
     argv = [str(a) for a in args]

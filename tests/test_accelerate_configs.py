@@ -31,7 +31,7 @@ PROBE_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     from pathlib import Path
-    if "--cpu" in sys.argv:  # CPU on any machine, as common.runtime.hide_gpus_under_cpu does for the scripts
+    if "--cpu" in sys.argv:  # CPU on any machine, as utils.runtime.hide_gpus_under_cpu does for the scripts
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -47,7 +47,7 @@ PROBE_SCRIPT = textwrap.dedent(
     Path(sys.argv[1], f"rank{accelerator.process_index}.json").write_text(json.dumps(info))
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    os._exit(0)  # as the scripts leave a launched process (common/runtime.py leave_process): no finalization
+    os._exit(0)  # as the scripts leave a launched process (utils/runtime.py leave_process): no finalization
     """
 )
 

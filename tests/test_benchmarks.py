@@ -4,13 +4,15 @@ whole training commands (bench_memory, bench_vs_trainer) also runs --quick end t
 out like the real data (bench_checkpointing on its built-in models): each arm must report a rate (its size is not
 checked: nothing here is a measurement)."""
 import importlib
+import json
+import subprocess
 import sys
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from conftest import ACCELERATE, ROOT, free_port, read_json, run
+from conftest import ACCELERATE, ENV, ROOT, free_port, read_json, run
 
 BENCHMARKS = ROOT / "benchmarks"
 # name -> does it read real data (--data_root) and run interleaved rounds (--rounds); benchmarks/README.md's table
@@ -143,3 +145,25 @@ def test_checkpointing_quick(tmp_path):
     peaks = [w["peak_step_bytes"] for w in workloads.values()]
     assert all(peak["plain"] > 0 and peak["--gradient_checkpointing"] > 0 for peak in peaks)
     assert peaks[0]["--gradient_checkpointing"] < peaks[0]["plain"]
+
+
+def test_a_record_names_uncommitted_changes_in_any_shared_module(tmp_path):
+    """A benchmark record's revision says '+uncommitted changes' when anything the scripts import from this
+    repository is changed: every repository module the scripts load lies under harness.MEASURED_CODE."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    probe = ("import sys, json; sys.path.insert(0, 'benchmarks'); import harness, train_bert_cls, train_resnet; "
+             "repo = [m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None) and "
+             "m.__file__.startswith(str(harness.REPO) + '/')]; "
+             "print(json.dumps({'revision': harness.provenance()['revision'], 'measured': harness.MEASURED_CODE, "
+             "'modules': [str(__import__('pathlib').Path(f).relative_to(harness.REPO)) for f in repo]}))")
+    clean = json.loads(subprocess.run([sys.executable, "-c", probe], cwd=clone, env=ENV, capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1])
+    assert not clean["revision"].endswith("+uncommitted changes")
+    unmeasured = [m for m in clean["modules"] if not m.startswith(tuple(clean["measured"]))]
+    assert not unmeasured, f"modules outside harness.MEASURED_CODE: {unmeasured}"
+    loop = clone / "utils" / "loop.py"
+    loop.write_text(loop.read_text() + "\n")
+    dirty = json.loads(subprocess.run([sys.executable, "-c", probe], cwd=clone, env=ENV, capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1])
+    assert dirty["revision"].endswith("+uncommitted changes")

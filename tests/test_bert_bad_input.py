@@ -9,7 +9,7 @@ import pytest
 from conftest import ACCELERATE, free_port, launch, run, run_here
 
 import train_bert_cls
-from text.model import position_limit
+from utils.text_model import position_limit
 
 SCRIPT = "train_bert_cls.py"
 

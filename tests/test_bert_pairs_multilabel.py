@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_same_curve, assert_same_weights, launch, read_json, read_jsonl
 from safetensors.torch import load_file
 
-from common.demo_data import make_headline, TOPICS, write_small_bert
+from utils.demo_data import make_headline, TOPICS, write_small_bert
 
 SCRIPT = "train_bert_cls.py"
 STEPS = 30  # 320 samples / 16 = 20 steps per epoch: the checkpoint at step 10 is mid-epoch, the run crosses an epoch
@@ -131,7 +131,7 @@ def script_args(data, *extra):
 def test_bad_flags_found_before_training(pair_data):
     """Checked when the files are read (before anything is written), in-process: no launch needed."""
     import train_bert_cls
-    from common.runtime import UserError
+    from utils.runtime import UserError
 
     columns = ["--text_column", "sentence1", "--text_pair_column", "sentence2", "--label_column", "tags"]
     with pytest.raises(UserError, match=r"train.jsonl:1: not valid UTF-8 .*--encoding gb18030"):
@@ -147,8 +147,8 @@ def test_bad_flags_found_before_training(pair_data):
 
 
 def test_trained_model_is_used_in_the_mode_it_was_trained_in(runs):
-    from common.runtime import UserError
-    from text.model import check_problem_type
+    from utils.runtime import UserError
+    from utils.text_model import check_problem_type
 
     check_problem_type(runs[1] / "best_model", multi_label=True)
     with pytest.raises(UserError, match="trained for multi_label_classification; pass --multi_label"):

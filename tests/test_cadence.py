@@ -1,7 +1,7 @@
-"""common/loop.py: after which optimizer steps both scripts log, validate, checkpoint and stop. No training."""
+"""utils/loop.py: after which optimizer steps both scripts log, validate, checkpoint and stop. No training."""
 import pytest
 
-from common.loop import Cadence
+from utils.loop import Cadence
 
 
 def walk(cadence, accumulation=1):

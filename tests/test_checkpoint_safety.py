@@ -17,10 +17,10 @@ import torch
 from accelerate.state import AcceleratorState
 from conftest import read_json, read_jsonl, run_here
 
-from common.checkpoint import check_checkpoint_files, latest_checkpoint
-from common.demo_data import write_digits_imagefolder
-from common.outputs import RunLog
-from common.runtime import UserError, write_failure
+from utils.checkpoint import check_checkpoint_files, latest_checkpoint
+from utils.demo_data import write_digits_imagefolder
+from utils.outputs import RunLog
+from utils.runtime import UserError, write_failure
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
@@ -282,17 +282,17 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_what_was_saved(digits
         import accelerate.checkpointing
         injected(monkeypatch, accelerate.checkpointing.torch, ".tmp-step_2", unexpected_pos)
     elif target == "model_best.pth":
-        import vision.references
-        injected(monkeypatch, vision.references.torch, ".model_best.pth.tmp", unexpected_pos)
+        import utils.image_references
+        injected(monkeypatch, utils.image_references.torch, ".model_best.pth.tmp", unexpected_pos)
     else:
-        import common.outputs
-        real = common.outputs._write_atomically
+        import utils.outputs
+        real = utils.outputs._write_atomically
 
         def full(path, text):
             if path.name == "all_results.json":
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(path, text)
-        monkeypatch.setattr(common.outputs, "_write_atomically", full)
+        monkeypatch.setattr(utils.outputs, "_write_atomically", full)
     proc = run_here("train_resnet.py", resnet_args(digits, out, "--checkpointing_steps", "1"), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -14,7 +14,7 @@ from checkpoint_layouts import bert_base_chinese_layout, finetune_args
 from conftest import ACCELERATE, read_json, read_jsonl, run
 from safetensors.torch import load_file
 
-from common.export import export_state_dict, on_meta_device
+from utils.export import export_state_dict, on_meta_device
 
 # dynamo's INFO log names each compilation: the proof that the run was compiled at all
 COMPILED = "Step 2: calling compiler function"

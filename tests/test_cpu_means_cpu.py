@@ -2,7 +2,7 @@
 
 Every `launch` in the suite already runs on a simulated 1-GPU machine (conftest.FAKE_GPU), so the learning tests
 of both scripts prove 2-process gloo DDP under --cpu there. The tests here prove the simulation reproduces the
-failure seen on a real 1-GPU box, and what common.runtime.hide_gpus_under_cpu does about it.
+failure seen on a real 1-GPU box, and what utils.runtime.hide_gpus_under_cpu does about it.
 """
 import os
 import re
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import FAKE_GPU, ROOT, run
-from common.runtime import cpu_bf16_note, CPU_BF16_WITHOUT_AMX, cpu_has_amx
+from utils.runtime import cpu_bf16_note, CPU_BF16_WITHOUT_AMX, cpu_has_amx
 
 BARRIER = """
     import os, argparse, torch, torch.distributed as dist
-    from common.runtime import hide_gpus_under_cpu
+    from utils.runtime import hide_gpus_under_cpu
     {before}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-import vision.data as image_data
+import utils.image_data as image_data
 
 
 @pytest.fixture(scope="module")

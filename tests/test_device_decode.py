@@ -1,4 +1,4 @@
-"""--decode_on_device (vision/device_decode.py) with device = CPU: the CPU loader's images bitwise for the same seeds,
+"""--decode_on_device (utils/image_device_decode.py) with device = CPU: the CPU loader's images bitwise for the same seeds,
 unreadable files marked as the CPU loader marks them, refusals in one line, and through the real launcher the
 CPU loader's weights bitwise on 1 process and the same training on 2."""
 import argparse
@@ -13,12 +13,12 @@ from conftest import assert_same_weights, launch, read_json, run
 from PIL import Image
 
 import train_resnet
-from vision import device_decode
-from vision.augment import add_augment_args, resolve_augment_args, train_transform, val_transform
-from common.demo_data import write_photo_imagefolder
-from vision.device_decode import EncodedImageFolder
-from common.runtime import UserError
-from vision.data import EXIF_ORIENTATION, RGBImageFolder
+from utils import image_device_decode as device_decode
+from utils.image_augment import add_augment_args, resolve_augment_args, train_transform, val_transform
+from utils.demo_data import write_photo_imagefolder
+from utils.image_device_decode import EncodedImageFolder
+from utils.runtime import UserError
+from utils.image_data import EXIF_ORIENTATION, RGBImageFolder
 
 SCRIPT = "train_resnet.py"
 NOT_FOR_THE_DEVICE = {"png.png", "cmyk.jpg", "rotated.jpg"}  # decoded in the worker, sent as pixels

@@ -12,10 +12,10 @@ from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_js
 from safetensors.torch import load_file
 from test_resnet import main_here
 
-from common.checkpoint import check_precision
-from common.outputs import merge_results
-from common.demo_data import write_digits_imagefolder, write_text_classification_data
-from common.runtime import UserError
+from utils.checkpoint import check_precision
+from utils.outputs import merge_results
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data
+from utils.runtime import UserError
 
 SCRIPT = "train_bert_cls.py"
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
@@ -248,7 +248,7 @@ def test_resnet_rollback_changed_settings_and_finished_runs(digits, tmp_path, ca
 def test_loss_scale_gives_every_real_sample_one_share_of_its_step():
     """88 samples, global batch 16 on 2 processes (8 each), 4 micro-batches per step: the second step of an epoch is
     batches 4 and 5 (16 + 8 real samples); rank 1's part of batch 5 is all padding."""
-    from common.loop import LossScale
+    from utils.loop import LossScale
 
     ranks = [LossScale(SimpleNamespace(num_processes=2, process_index=r), 88, 16, 4) for r in (0, 1)]
     assert ranks[0].batches_per_epoch == 6 and ranks[0].window_real(5) == 24 and ranks[0].window_real(0) == 64
@@ -272,7 +272,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, sys.argv[1])
-from common.export import BestWeights, load_full_weights
+from utils.export import BestWeights, load_full_weights
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -15,8 +15,8 @@ from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, descendants, free_po
                       read_jsonl, run, run_here, start, wait_for)
 from safetensors.torch import load_file
 
-from common.checkpoint import latest_checkpoint
-from common.runtime import UserError, elastic_restart_warning, hold_output_dir, release_output_dirs
+from utils.checkpoint import latest_checkpoint
+from utils.runtime import UserError, elastic_restart_warning, hold_output_dir, release_output_dirs
 
 SCRIPT = "train_bert_cls.py"
 
@@ -151,7 +151,7 @@ def test_data_parallel_with_a_multi_process_launch_is_an_error(text_data, tmp_pa
     assert "--data_parallel (single-process nn.DataParallel) cannot be combined" in proc.stderr
 
 
-# ---- one run per output directory (common/runtime.py hold_output_dir) ----
+# ---- one run per output directory (utils/runtime.py hold_output_dir) ----
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, is_main_process=True, is_local_main_process=True)
 
@@ -215,7 +215,7 @@ sys.path.insert(0, sys.argv[1])
 from accelerate import PartialState
 from accelerate.utils import gather_object
 
-from common.runtime import UserError, hold_output_dir, leave_process, release_output_dirs
+from utils.runtime import UserError, hold_output_dir, leave_process, release_output_dirs
 
 state = PartialState(cpu=True)
 rank = state.process_index
@@ -270,7 +270,7 @@ sys.path.insert(0, sys.argv[1])
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from common.runtime import UserError, run_cli
+from utils.runtime import UserError, run_cli
 
 
 class Finalized:

@@ -1,4 +1,4 @@
-"""text.data.LengthGroupedSampler: order from (seed, epoch) only, less padding, and through Accelerate's
+"""utils.text_data.LengthGroupedSampler: order from (seed, epoch) only, less padding, and through Accelerate's
 own sharding and skipping: 2 processes see the 1-process batches split in two, a resumed epoch the same batches."""
 import random
 
@@ -7,7 +7,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader, skip_first_batches
 from torch.utils.data import DataLoader
 
-from text.data import LengthGroupedSampler
+from utils.text_data import LengthGroupedSampler
 
 BATCH = 8
 

@@ -17,9 +17,9 @@ from launch_options import default_config, launch_with_config, launch_with_preci
 from safetensors.torch import load_file
 
 import train_bert_cls
-from common.outputs import RunLog
-from common.runtime import UserError
-from text.model import check_hub_ids_or_paths
+from utils.outputs import RunLog
+from utils.runtime import UserError
+from utils.text_model import check_hub_ids_or_paths
 
 SCRIPT = "train_bert_cls.py"
 LAYOUTS = {"bin_gamma_beta": bert_base_chinese_layout, "sharded_tokenizer_json": sharded_bert_layout,

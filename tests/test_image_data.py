@@ -1,13 +1,13 @@
-"""vision/data.py: every image mode loads as RGB, unreadable files are marked (not raised), class checks."""
+"""utils/image_data.py: every image mode loads as RGB, unreadable files are marked (not raised), class checks."""
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from common.runtime import UserError
+from utils.runtime import UserError
 from train_resnet import parse_args
-from vision.augment import train_transform, val_transform
-from vision.data import (bad_image_error, build_datasets, build_dummy_datasets, decode_rgb, describe_bad_image,
+from utils.image_augment import train_transform, val_transform
+from utils.image_data import (bad_image_error, build_datasets, build_dummy_datasets, decode_rgb, describe_bad_image,
                          image_classes, RGBImageFolder)
 
 

@@ -1,4 +1,4 @@
-"""text.metrics and common.loop's class weights: multi-label, regression and class-weighted losses, metrics and
+"""utils.text_metrics and utils.loop's class weights: multi-label, regression and class-weighted losses, metrics and
 prediction rows, against hand-made cases, torch and scipy."""
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from text.metrics import evaluation_metrics, prediction_rows, training_loss
-from text.data import Example
+from utils.text_metrics import evaluation_metrics, prediction_rows, training_loss
+from utils.text_data import Example
 
 LABELS = ["a", "b", "c"]
 
@@ -71,8 +71,8 @@ def test_regression_metrics_loss_and_rows():
 def test_the_selection_metric_of_each_task():
     from argparse import Namespace
 
-    from common.loop import Selection, resolve_selection
-    from text.metrics import default_metric, selectable_metrics
+    from utils.loop import Selection, resolve_selection
+    from utils.text_metrics import default_metric, selectable_metrics
 
     def selection(regression):  # what train_bert_cls.py's main resolves without --metric_for_best_model
         args = Namespace(metric_for_best_model=None, greater_is_better=None, early_stopping_patience=None,
@@ -104,8 +104,8 @@ def test_class_weights_multiply_each_samples_cross_entropy():
 def test_balanced_class_weights_and_weights_files(tmp_path):
     from sklearn.utils.class_weight import compute_class_weight
 
-    from common.loop import load_class_weights
-    from common.runtime import UserError
+    from utils.loop import load_class_weights
+    from utils.runtime import UserError
 
     targets = [0, 0, 0, 1, 2, 2]  # "c" (id 3) has no training sample
     weights = load_class_weights("balanced", ["a", "b", "c", "d"], targets)

@@ -18,7 +18,7 @@ from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_js
 from launch_options import default_config, launch_with_config
 from safetensors.torch import load_file
 
-from common.demo_data import write_text_classification_data
+from utils.demo_data import write_text_classification_data
 
 STEPS = 6  # one epoch of 88 samples at a global batch of 16: the last step is the short batch of 8
 

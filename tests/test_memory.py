@@ -18,8 +18,8 @@ from conftest import launch_cmd, one_thread, read_json, read_jsonl, run, run_her
 from safetensors.torch import load_file
 
 import train_resnet
-from common.loop import OutOfMemoryRetry
-from common.runtime import UserError
+from utils.loop import OutOfMemoryRetry
+from utils.runtime import UserError
 
 TINY_BERT = "num_hidden_layers=2,hidden_size=32,num_attention_heads=2,intermediate_size=64"
 NO_DROPOUT = ",hidden_dropout_prob=0,attention_probs_dropout_prob=0"

@@ -7,8 +7,8 @@ from conftest import read_json, read_jsonl, run
 from launch_options import default_config, launch_with_config
 from safetensors.torch import load_file
 
-from common.runtime import UserError
-from text.metrics import load_metrics
+from utils.runtime import UserError
+from utils.text_metrics import load_metrics
 
 MODULE = '''
 import datasets

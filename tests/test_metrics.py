@@ -1,11 +1,11 @@
-"""text.metrics against hand-computed values and scikit-learn."""
+"""utils.text_metrics against hand-computed values and scikit-learn."""
 import numpy as np
 import pytest
 import torch
 from sklearn.metrics import f1_score, precision_recall_fscore_support
 
-from text.metrics import classification_metrics, save_confusion_matrix
-from vision.data import topk_hits
+from utils.text_metrics import classification_metrics, save_confusion_matrix
+from utils.image_data import topk_hits
 
 
 def test_classification_metrics_by_hand():

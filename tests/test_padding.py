@@ -1,4 +1,4 @@
-"""text.data: what the collator really builds per device, sentence pairs, multi-label targets."""
+"""utils.text_data: what the collator really builds per device, sentence pairs, multi-label targets."""
 from types import SimpleNamespace
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from accelerate.utils import DynamoBackend
 from transformers import AutoTokenizer
 
-from common.demo_data import write_small_bert
-from common.runtime import UserError
-from text.data import build_collator, label_targets, resolve_padding, tokenize, tokenize_examples
-from text.data import Example
+from utils.demo_data import write_small_bert
+from utils.runtime import UserError
+from utils.text_data import build_collator, label_targets, resolve_padding, tokenize, tokenize_examples
+from utils.text_data import Example
 
 TEXTS = ["比赛球队", "股市上涨银行利率投资", "楼盘房价开发商地产住宅成交购房"]  # 4, 10, 15 characters: one token each
 

@@ -9,8 +9,8 @@ from torchvision.datasets import ImageFolder
 
 from conftest import ROOT, run
 from prepare_data import main, parse_args
-from common.runtime import UserError
-from text.data import read_examples
+from utils.runtime import UserError
+from utils.text_data import read_examples
 
 CLASSES = ["财经", "房产", "股票"]
 

@@ -1,4 +1,4 @@
-"""Starting weights of train_resnet.py (vision/model.py): `-a timm:NAME --pretrained [PATH]` and torchvision's
+"""Starting weights of train_resnet.py (utils/image_model.py): `-a timm:NAME --pretrained [PATH]` and torchvision's
 `--weights NAME|PATH`, offline. The files are written as users get them: a timm model's state dict saved with
 safetensors, a torchvision state dict saved with torch.save in main.py's checkpoint layout, and a Hugging Face hub
 cache laid out as huggingface_hub lays it out (refs/main, snapshots/<revision>/model.safetensors)."""
@@ -9,7 +9,7 @@ from conftest import one_thread, run_here
 from safetensors.torch import save_file
 
 import train_resnet
-from common.runtime import UserError
+from utils.runtime import UserError
 
 timm = pytest.importorskip("timm")
 

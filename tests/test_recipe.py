@@ -1,5 +1,5 @@
-"""The torchvision/timm recipe features of train_resnet.py, unit by unit (vision/augment.py, mixing.py, ema.py,
-optim.py, the dashed flags): each feature's effect, against torchvision's own definitions where it has one."""
+"""The torchvision/timm recipe features of train_resnet.py, unit by unit (utils/image_augment.py,
+utils/image_optim.py, the dashed flags): each feature's effect, against torchvision's own definitions where it has one."""
 import math
 import types
 
@@ -9,11 +9,11 @@ import torchvision
 from PIL import Image
 
 import train_resnet
-from vision.augment import RepeatedAugmentationSampler, train_transform, val_transform
-from vision.optim import adjusted_decay, ExponentialMovingAverage, update_ema
-from vision.data import decode_rgb, RGBImageFolder
-from vision.augment import BatchMixer, build_mixer, dominant_labels, soft_cross_entropy
-from vision.optim import build_optimizer, lr_lambda, parameter_groups
+from utils.image_augment import RepeatedAugmentationSampler, train_transform, val_transform
+from utils.image_optim import adjusted_decay, ExponentialMovingAverage, update_ema
+from utils.image_data import decode_rgb, RGBImageFolder
+from utils.image_augment import BatchMixer, build_mixer, dominant_labels, soft_cross_entropy
+from utils.image_optim import build_optimizer, lr_lambda, parameter_groups
 
 # torchvision's classification README, ResNet-50 V2 (80.858% top-1), as a user pastes it after `accelerate launch`
 RECIPE = ("--model resnet50 --batch-size 128 --lr 0.5 --lr-scheduler cosineannealinglr --lr-warmup-epochs 5 "

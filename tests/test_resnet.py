@@ -16,10 +16,10 @@ from conftest import (ACCELERATE, ELASTIC, assert_same_curve, assert_same_weight
 from PIL import Image
 
 import train_resnet
-from common.demo_data import write_digits_imagefolder
-from common.runtime import UserError, release_output_dirs
-from common.export import load_torch_checkpoint, strip_module_prefix
-from vision.references import check_legacy_compatible
+from utils.demo_data import write_digits_imagefolder
+from utils.runtime import UserError, release_output_dirs
+from utils.export import load_torch_checkpoint, strip_module_prefix
+from utils.image_references import check_legacy_compatible
 
 SCRIPT = "train_resnet.py"
 EPOCHS = 3
@@ -351,7 +351,7 @@ def test_class_weights_weigh_hard_and_mixed_targets():
     per_image = torch.nn.functional.cross_entropy(logits[:2], targets[:2], reduction="none") * weights[targets[:2]]
     assert train_resnet.classification_loss(logits, targets, class_weights=weights).item() == pytest.approx(
         per_image.mean().item())  # the mean over the readable images of each one's weighted loss
-    from vision.augment import soft_cross_entropy
+    from utils.image_augment import soft_cross_entropy
 
     mixed = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.4, 0.6], [0.0, 0.0, 0.0]])  # a placeholder's row is all zeros
     log_p = torch.log_softmax(logits, dim=1)

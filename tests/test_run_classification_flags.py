@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_same_curve, assert_same_weights, launch, one_thread, read_json, read_jsonl, run_here
 from safetensors.torch import load_file
 
-from common.demo_data import TOPICS, make_headline, write_small_bert
+from utils.demo_data import TOPICS, make_headline, write_small_bert
 
 SCRIPT = "train_bert_cls.py"
 SECRET = "hf_secret_token_1234"

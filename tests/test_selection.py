@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 import train_bert_cls
 import train_resnet
-from common.demo_data import write_digits_imagefolder
-from common.loop import Selection
-from common.runtime import UserError, resolve_trackers
+from utils.demo_data import write_digits_imagefolder
+from utils.loop import Selection
+from utils.runtime import UserError, resolve_trackers
 
 BERT, RESNET = "train_bert_cls.py", "train_resnet.py"
 TRACKING = {"MLFLOW_DISABLE_TELEMETRY": "true"}  # offline: no usage report attempts from mlflow

@@ -14,16 +14,16 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
-from common.demo_data import write_small_bert
-from common.runtime import UserError
+from utils.demo_data import write_small_bert
+from utils.runtime import UserError
 import train_resnet
-from vision.augment import train_transform
-from vision.data import RGBImageFolder
-from common.runtime import loader_settings
-from common.loop import PreemptionGuard
-from common.runtime import add_runtime_args, build_accelerator, loader_generator
-from common.loop import Throughput
-from text.model import check_unk_rate, unk_rate
+from utils.image_augment import train_transform
+from utils.image_data import RGBImageFolder
+from utils.runtime import loader_settings
+from utils.loop import PreemptionGuard
+from utils.runtime import add_runtime_args, build_accelerator, loader_generator
+from utils.loop import Throughput
+from utils.text_model import check_unk_rate, unk_rate
 
 
 @pytest.fixture(autouse=True)
@@ -205,7 +205,7 @@ def test_window_reports_the_data_wait_as_part_of_training_time():
 
 def test_startup_seconds_counts_from_the_process_start():
     """Time spent before the module is imported (here a 1 s sleep; in a script the imports of torch) is counted."""
-    proc = run(["python", "-c", "import time; time.sleep(1.0); from common.loop import seconds_since_process_start "
+    proc = run(["python", "-c", "import time; time.sleep(1.0); from utils.loop import seconds_since_process_start "
                 "as s; print(s())"])
     assert 1.0 <= float(proc.stdout) < 30.0
 

@@ -6,12 +6,12 @@ import re
 import pytest
 import torch
 
-from common.runtime import UserError
-from vision.data import ImageCounts
-from common.loop import epoch_batches
-from common.checkpoint import latest_checkpoint
-from common.loop import HealthCheck, LossMeter
-from common.loop import LossScale
+from utils.runtime import UserError
+from utils.image_data import ImageCounts
+from utils.loop import epoch_batches
+from utils.checkpoint import latest_checkpoint
+from utils.loop import HealthCheck, LossMeter
+from utils.loop import LossScale
 
 
 class OneProcess:

@@ -1,13 +1,13 @@
-"""text.data: every format, every bad line named by file and line, deterministic label order."""
+"""utils.text_data: every format, every bad line named by file and line, deterministic label order."""
 import json
 
 import pytest
 import torch
 
-from common.runtime import UserError
-from text.data import (build_label_list, check_known_labels, Example, find_split_file, read_examples, read_labels_file,
+from utils.runtime import UserError
+from utils.text_data import (build_label_list, check_known_labels, Example, find_split_file, read_examples, read_labels_file,
                        read_predict_file, split_files, TextFormat)
-from text.metrics import prediction_rows
+from utils.text_metrics import prediction_rows
 
 
 def write(path, text, encoding="utf-8"):

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from common.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data  # noqa: E402
 
 BUDGET_S = 8 * 60  # the whole run on one H100
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]

@@ -25,7 +25,7 @@ from conftest import ENV, ROOT, assert_same_weights, read_json, read_jsonl
 from safetensors.torch import load_file
 from slurm_cluster import SlurmCluster, free_port, slurm_installed
 
-from common.demo_data import write_text_classification_data
+from utils.demo_data import write_text_classification_data
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 TRAIN_LINE = r"^epoch \d+ step (\d+)/"

@@ -2,7 +2,7 @@
 names and order), the repeated-augmentation sampler (DeiT's / torchvision's RASampler) in a form that splits over any
 number of processes, and MixUp / CutMix on training batches.
 
-Randomness: RGBImageFolder (vision/data.py) seeds every sample from (seed, epoch, index[, repeat]) before these
+Randomness: RGBImageFolder (utils/image_data.py) seeds every sample from (seed, epoch, index[, repeat]) before these
 transforms run, so flips, crops, auto-augment and erasing are the same for any number of processes, workers or
 resumes.
 
@@ -19,17 +19,17 @@ Image sizes: a model is evaluated at the sizes it was trained with. Its exports 
 --val_resize or --interpolation are given (`resolve_image_sizes`); training runs use the flags and torchvision's
 defaults (224 and 256 pixels, bilinear).
 
-Neighbours: vision/data.py, vision/optim.py.
+Neighbours: utils/image_data.py, utils/image_optim.py.
 """
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
-from common.export import settings_from_model
-from common.runtime import UserError, nonnegative_float, positive_int
+from utils.export import settings_from_model
+from utils.runtime import UserError, nonnegative_float, positive_int
 
-from .data import IMAGENET_MEAN, IMAGENET_STD
+from .image_data import IMAGENET_MEAN, IMAGENET_STD
 
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the last three: AutoAugment policies
 
@@ -110,7 +110,7 @@ def recorded_image_settings(checkpoint):
 
 def resolve_image_sizes(args, recorded, source, say):
     """-e: the validation sizes and resampling given, else those the evaluated model `recorded`, else the defaults;
-    returns the results tag (common/export.py settings_from_model) naming the given values that differ."""
+    returns the results tag (utils/export.py settings_from_model) naming the given values that differ."""
     flags = {"val_crop_size": "--val_crop_size" if args.val_crop_size else "--image_size"}
     args.val_crop_size = args.val_crop_size or args.image_size
     tag = settings_from_model(args, {key: IMAGE_DEFAULTS[key] for key in EVAL_IMAGE_FLAGS.values()}, recorded,

@@ -37,10 +37,10 @@ run ends (errors, Ctrl-C, SIGTERM's preemption path), together with the director
 DataLoaders: pin_memory on CUDA (batches land in page-locked memory, so the copy to the GPU overlaps compute; the
 Accelerator's `non_blocking=True` needs it), and persistent workers (started once per loader, not again every
 epoch and every evaluation). A dataset whose samples depend on the epoch must then carry the epoch to the workers
-itself (vision/data.py EpochValue): each worker holds its own copy of the dataset, made when the workers started.
+itself (utils/image_data.py EpochValue): each worker holds its own copy of the dataset, made when the workers started.
 
-Neighbours: common/loop.py (the training loop's bookkeeping), common/checkpoint.py, common/export.py,
-common/outputs.py.
+Neighbours: utils/loop.py (the training loop's bookkeeping), utils/checkpoint.py, utils/export.py,
+utils/outputs.py.
 """
 import argparse
 import atexit
@@ -74,7 +74,7 @@ class UserError(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, with where the run stood (common/loop.py PreemptionGuard)."""
+    """Ctrl-C, with where the run stood (utils/loop.py PreemptionGuard)."""
 
 
 def run_cli(main, args):
@@ -291,7 +291,7 @@ def add_runtime_args(parser):
                              "about one more forward pass of compute (the Trainer's and timm's flag)")
     memory.add_argument("--auto_find_batch_size", action="store_true",
                         help="on an out-of-memory error, train again with half the per-device micro-batch and twice "
-                             "the accumulation: the same global batch, samples and steps (common/loop.py)")
+                             "the accumulation: the same global batch, samples and steps (utils/loop.py)")
     return group
 
 
@@ -380,7 +380,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
-        non_blocking=True,  # host-to-GPU copies overlap compute; needs pinned memory (common/runtime.py)
+        non_blocking=True,  # host-to-GPU copies overlap compute; needs pinned memory (utils/runtime.py)
     )
     accelerator = Accelerator(
         cpu=args.cpu,

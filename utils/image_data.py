@@ -15,12 +15,12 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 - `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
-- `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (common/checkpoint.py
+- `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (utils/checkpoint.py
   data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count. Hashing every
   image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed, renamed or moved between
   classes change the list, an image edited in place under its own name does not.
 
-Neighbours: vision/augment.py (the transforms), vision/device_decode.py (decoding on the training device).
+Neighbours: utils/image_augment.py (the transforms), utils/image_device_decode.py (decoding on the training device).
 """
 import functools
 import io
@@ -36,8 +36,8 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from common.checkpoint import data_fingerprint
-from common.runtime import UserError
+from utils.checkpoint import data_fingerprint
+from utils.runtime import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
@@ -207,8 +207,8 @@ def _few(names, limit=5):
 def build_datasets(data, seed, transforms, folder=RGBImageFolder):
     """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes.
 
-    transforms: (train, val, train_crop, val_crop) from vision/augment.py.
-    folder: the dataset class, RGBImageFolder or a subclass (vision/device_decode.py EncodedImageFolder)."""
+    transforms: (train, val, train_crop, val_crop) from utils/image_augment.py.
+    folder: the dataset class, RGBImageFolder or a subclass (utils/image_device_decode.py EncodedImageFolder)."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     train_classes, val_classes = image_classes(train_root), image_classes(val_root)
     check_same_classes(train_classes, val_classes, train_root, val_root)

@@ -6,10 +6,10 @@ and the progress bar.
 Every RunLog method may be called on every process; only the main process writes, so the training scripts need
 no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):
 a failure to write (a full disk) stops every rank with one line naming the directory and its free space
-(common/runtime.py `writing`), and the JSON files are replaced atomically, never left half-written. A crash or a full
+(utils/runtime.py `writing`), and the JSON files are replaced atomically, never left half-written. A crash or a full
 disk can leave metrics.jsonl's last line cut short: a resumed run drops it with a note.
 
-Neighbours: common/checkpoint.py (the checkpoints in output_dir/checkpoints), common/export.py (the exported
+Neighbours: utils/checkpoint.py (the checkpoints in output_dir/checkpoints), utils/export.py (the exported
 models).
 """
 import importlib.metadata

@@ -42,9 +42,9 @@ A batch then holds samples of similar length drawn from one megabatch (50 global
 instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
 
 The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
-checkpoint, so that a resume on changed data is refused (common/checkpoint.py).
+checkpoint, so that a resume on changed data is refused (utils/checkpoint.py).
 
-Neighbours: text/model.py (the model and tokenizer), text/metrics.py (loss, metrics, predictions).
+Neighbours: utils/text_model.py (the model and tokenizer), utils/text_metrics.py (loss, metrics, predictions).
 """
 import ast
 import codecs
@@ -65,8 +65,8 @@ from datasets.exceptions import DatasetsError
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
-from common.checkpoint import data_fingerprint
-from common.runtime import UserError, hf_bool, positive_int
+from utils.checkpoint import data_fingerprint
+from utils.runtime import UserError, hf_bool, positive_int
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
 
@@ -911,7 +911,7 @@ def tokenize_examples(tokenizer, examples, targets, max_seq_len):
 
 
 def fingerprint_examples(path, examples):
-    """The training file's fingerprint for its checkpoints (common/checkpoint.py data_fingerprint): its examples as
+    """The training file's fingerprint for its checkpoints (utils/checkpoint.py data_fingerprint): its examples as
     read (text, pair, labels), in order; None without training examples."""
     if examples is None:
         return None

@@ -22,11 +22,11 @@ line, before transformers could go to the hub for it.
 
 What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
 max_seq_len, the label mode and, for multi-label, the threshold, which evaluation-only runs use unless given
-(`use_model_settings`, common/export.py settings_from_model). A small JSON beside the weights rather than config.json:
+(`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
 the config describes the architecture, and transformers copies it into every model built from this one, where a
 training's settings would then pass for that model's own.
 
-Neighbours: text/data.py (tokenising), text/metrics.py, common/export.py (the export and checkpoint files).
+Neighbours: utils/text_data.py (tokenising), utils/text_metrics.py, utils/export.py (the export and checkpoint files).
 """
 import json
 import os
@@ -40,9 +40,9 @@ import torch
 from accelerate.utils import broadcast
 from transformers import AutoModelForSequenceClassification
 
-from common.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
-from common.outputs import ModelCard, command_line
-from common.runtime import UserError, hf_bool
+from utils.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
+from utils.outputs import ModelCard, command_line
+from utils.runtime import UserError, hf_bool
 
 TRAINED_WITH = "trained_with.json"
 # the flags' defaults where no trained model supplies them; --max_seq_len's waits for the config (fit_max_seq_len)
@@ -327,7 +327,7 @@ def use_model_settings(args, say):
     return settings_from_model(args, MODEL_SETTINGS, recorded, args.model_name_or_path, say)
 
 def model_card(args, labels, examples, run):
-    """best_model/README.md's fixed part (common/outputs.py ModelCard): the labels, the key settings (`run`:
+    """best_model/README.md's fixed part (utils/outputs.py ModelCard): the labels, the key settings (`run`:
     run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
     truncated as in training."""
     best_dir = Path(args.output_dir) / "best_model"

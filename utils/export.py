@@ -18,8 +18,8 @@ image sizes and resampling), and `settings_from_model` makes those the defaults 
 user gives is used, and when it differs from the model's it is named in one line and the results go under a name
 that says so (`eval_max_seq_len_64_*`), so that they never pass for the training's.
 
-Neighbours: common/checkpoint.py (resumable checkpoints), vision/references.py (main.py's .pth layout),
-text/model.py (the Hugging Face export's loading).
+Neighbours: utils/checkpoint.py (resumable checkpoints), utils/image_references.py (main.py's .pth layout),
+utils/text_model.py (the Hugging Face export's loading).
 """
 import io
 import json

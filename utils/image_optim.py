@@ -8,7 +8,7 @@ alpha = min(1, (1 - model_ema_decay) * adjust); the average moves by alpha every
 epochs it copies the weights instead. world_size * batch_size_per_gpu is our global batch (times
 --gradient_accumulation_steps: the images behind one optimizer step).
 
-Neighbours: vision/augment.py, vision/references.py.
+Neighbours: utils/image_augment.py, utils/image_references.py.
 """
 import math
 
@@ -16,7 +16,7 @@ import torch
 from accelerate.utils import broadcast
 from torch.optim.swa_utils import AveragedModel
 
-from common.runtime import UserError, nonnegative_float, positive_float, positive_int
+from utils.runtime import UserError, nonnegative_float, positive_float, positive_int
 
 NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
                torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)  # torchvision's list

@@ -24,8 +24,8 @@ training file as read (example count and a SHA-256 of the examples in order), an
 one line naming the file, because the checkpoint's position in the epoch (batches done, sampler order) would skip or
 repeat examples of the new data; `allow_data_change` (the scripts' --allow_data_change) resumes anyway, saying so.
 
-Neighbours: common/loop.py (when a checkpoint is due), common/export.py (the exported weights beside the
-checkpoints), common/outputs.py (the output directory's other files).
+Neighbours: utils/loop.py (when a checkpoint is due), utils/export.py (the exported weights beside the
+checkpoints), utils/outputs.py (the output directory's other files).
 """
 import hashlib
 import json
@@ -304,7 +304,7 @@ class Checkpoints:
 
 def training_state(must_match, state, settings, completed_steps, epoch, batches_in_epoch):
     """What a checkpoint records beside the weights (training_state.json): what must match, where the run is, what it
-    selected and how long ago (the `best_*` and `early_stopping_*` entries of the loop's `state`: common/loop.py
+    selected and how long ago (the `best_*` and `early_stopping_*` entries of the loop's `state`: utils/loop.py
     Selection) and the settings a resume may change."""
     return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
             **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)}, "settings": settings}

@@ -1,11 +1,11 @@
 """The text classifier's loss, evaluation metrics and predictions, single-label (softmax, cross-entropy),
 multi-label (sigmoid, binary cross-entropy) and regression (one output, mean squared error) chosen in one place by
-`multi_label` / `regression`; which validation metric selects the best model (`default_selection`); the confusion
+`multi_label` / `regression`; which validation metric selects the best model (`default_metric`, `selectable_metrics`); the confusion
 matrix files; and `--metric NAME_OR_PATH`, any Hugging Face `evaluate` module beside the built-in metrics.
 
 Class weights (--class_weights, single-label only) multiply each sample's cross-entropy by its class's weight, as
 torch's `cross_entropy(weight=...)` with `reduction="none"` does; the training loop then takes the mean over the
-step's samples (common/loop.py LossScale), which needs no collective and is the same on any number of processes. That
+step's samples (utils/loop.py LossScale), which needs no collective and is the same on any number of processes. That
 is the mean of the weighted losses, sum(w_i * l_i) / N, not torch's reduction="mean" (sum(w_i * l_i) / sum(w_i)):
 that denominator would depend on which classes each step drew. With `balanced` weights both agree over an epoch
 (the weights of the training samples sum to N). The evaluation loss stays unweighted, comparable between runs.
@@ -19,7 +19,7 @@ script (`my_metric.py`) or a folder `my_metric/` holding `my_metric.py`. Every m
 on every class id, before training starts, so that a metric that cannot load or cannot take these predictions fails
 in seconds rather than after the run; `selectable_metrics` names the keys --metric_for_best_model may then choose.
 
-Neighbours: text/data.py, text/model.py.
+Neighbours: utils/text_data.py, utils/text_model.py.
 """
 import csv
 import math
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.runtime import UserError
+from utils.runtime import UserError
 
 # scikit-learn and matplotlib are imported where used: together they add about a second to every process start.
 

@@ -1,6 +1,6 @@
 """--decode_on_device: ResNet's JPEGs decoded and augmented on the training device, a batch at a time.
 
-The CPU loader (vision/data.py) decodes and augments every image in a DataLoader worker. With this option a
+The CPU loader (utils/image_data.py) decodes and augments every image in a DataLoader worker. With this option a
 worker only reads the file's bytes and draws what the image's random steps draw (crop box, flip, erasing box), seeded
 by sample_key exactly as the CPU loader seeds them, so any number of processes, workers or resumes see the same
 crops. The training process then decodes the whole batch on its device in one call (TorchCodec's decode_jpeg:
@@ -35,9 +35,9 @@ from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
-from common.runtime import UserError
+from utils.runtime import UserError
 
-from .data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, stored_orientation, torchcodec_decoder
+from .image_data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, stored_orientation, torchcodec_decoder
 RANDOM_STEPS = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.RandomErasing)
 BATCHED_STEPS = (v2.ToDtype, v2.Normalize)  # elementwise: one call on the stacked batch gives each image's result
 REPLAYABLE = RANDOM_STEPS + BATCHED_STEPS + (v2.Resize, v2.CenterCrop)
@@ -165,7 +165,7 @@ def decode_on_device(batches, device):
 @functools.cache
 def jpeg_decoder():
     """decode(list of JPEG bytes, device) -> list of (3, H, W) uint8 RGB on `device`, one call per batch:
-    TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (vision/data.py)."""
+    TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (utils/image_data.py)."""
     if torchcodec_decoder() is not None:
         from torchcodec.decoders import decode_jpeg as torchcodec_decode_jpeg
         return lambda jpegs, device: torchcodec_decode_jpeg(jpegs, mode="RGB", device=device)

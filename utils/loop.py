@@ -28,8 +28,8 @@ process's share of a batch cut into micro-batches of half the size: twice the ac
 accumulation windows, the loss of each sample, the schedule and the checkpoints' positions are those of the command
 line, so the run trains the same samples in the same steps as with a smaller -b and more accumulation.
 
-Neighbours: common/checkpoint.py (what a step's checkpoint writes), common/outputs.py (the log line),
-common/runtime.py (the Accelerator).
+Neighbours: utils/checkpoint.py (what a step's checkpoint writes), utils/outputs.py (the log line),
+utils/runtime.py (the Accelerator).
 """
 import contextlib
 import json
@@ -369,7 +369,7 @@ class Throughput:
 
 class PreemptionGuard:
     """SIGTERM (what Slurm and cloud preemption send) becomes "checkpoint at the next step boundary, then exit";
-    Ctrl-C (SIGINT) stops at once, with one line per process saying where: `Interrupted` (common/runtime.py run_cli).
+    Ctrl-C (SIGINT) stops at once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
 
     The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one tiny
     all-reduce per optimizer step, and a device sync with it: skipped when there is a single process), so every
@@ -492,7 +492,7 @@ class Selection:
     the best so far by more than `threshold`).
 
     Its entries in the loop's `state` (the best value, where it was measured, the patience counter) are saved with
-    every checkpoint (common/checkpoint.py training_state), so a resumed run selects and stops where the
+    every checkpoint (utils/checkpoint.py training_state), so a resumed run selects and stops where the
     uninterrupted run would. Every rank decides from the same gathered validation metrics, so every rank takes the
     same branch (the best model's export is a collective) and leaves the loop at the same step."""
     metric: str  # a key of the validation metrics

@@ -22,7 +22,7 @@ block; timm models: timm's own set_grad_checkpointing. A BatchNorm layer must no
 second time when its block is recomputed: while the backward pass runs (what torch.utils.module_tracker calls
 `is_bw`) it updates copies, so a run with checkpointing trains and evaluates as one without.
 
-Neighbours: vision/references.py (main.py's .pth files), common/export.py (reading PyTorch files safely).
+Neighbours: utils/image_references.py (main.py's .pth files), utils/export.py (reading PyTorch files safely).
 """
 import functools
 from pathlib import Path
@@ -32,8 +32,8 @@ import torchvision
 from torch.utils.checkpoint import checkpoint
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from common.export import load_torch_checkpoint, load_weights, on_meta_device
-from common.runtime import UserError
+from utils.export import load_torch_checkpoint, load_weights, on_meta_device
+from utils.runtime import UserError
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar")
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple

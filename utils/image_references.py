@@ -6,13 +6,13 @@ references/classification/train.py: their flags, their batch-size convention and
 - torchvision's -b/--batch-size is per process, main.py's and ours global: `global_batch_size` decides from the
   command which one it is, and the run summary says so.
 - main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
-  prefix of DataParallel/DDP) load with `weights_only=True` (common/export.py), and the exports written here have
+  prefix of DataParallel/DDP) load with `weights_only=True` (utils/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
-  image settings they were trained with (vision/augment.py image_settings), which `-e` evaluates at.
+  image settings they were trained with (utils/image_augment.py image_settings), which `-e` evaluates at.
 - model_card.md beside model_best.pth says how to load it into plain torchvision (or timm) with the training's
   validation transform (model_card).
 
-Neighbours: vision/optim.py, common/export.py.
+Neighbours: utils/image_optim.py, utils/export.py.
 """
 import argparse
 import os
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from common.export import check_same_keys, export_state_dict, strip_module_prefix
-from common.outputs import ModelCard, command_line
-from common.runtime import UserError, writing
-from vision.data import IMAGENET_MEAN, IMAGENET_STD
+from utils.export import check_same_keys, export_state_dict, strip_module_prefix
+from utils.outputs import ModelCard, command_line
+from utils.runtime import UserError, writing
+from utils.image_data import IMAGENET_MEAN, IMAGENET_STD
 
 MAIN_PY_FLAGS = {
     "--multiprocessing-distributed": "accelerate launch --multi_gpu --num_processes N (config: distributed_type "
@@ -140,7 +140,7 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
 
 
 def model_card(args, class_to_idx, train_set, val_set, run):
-    """model_card.md's fixed part (common/outputs.py ModelCard) for model_best.pth: the classes, the key settings
+    """model_card.md's fixed part (utils/outputs.py ModelCard) for model_best.pth: the classes, the key settings
     (`run`: run_info's), the image folders, and how to load the file: into a plain torchvision (or timm) model with
     the validation transform of the training, or evaluated by this script (`-e --resume`)."""
     best = Path(args.output_dir) / "model_best.pth"

@@ -1,6 +1,7 @@
-"""Code shared by train_bert_cls.py and train_resnet.py, in three packages by concern. The module map:
+"""Code shared by train_bert_cls.py and train_resnet.py, one module per concern; text_* serve the BERT script,
+image_* the ResNet script, the rest both. The module map:
 
-common/ (both scripts)
+both scripts
   runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
                  an output directory: its lock), DataLoader settings, the --help look and the parser's number
                  checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on one rank
@@ -19,23 +20,23 @@ common/ (both scripts)
                  secrets such as --token masked), the model card, console lines, progress bar, training curves, the
                  output directory's policy
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
-text/ (train_bert_cls.py)
-  data.py        text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
+train_bert_cls.py
+  text_data.py   text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
                  --max_*_samples cuts, tokenising, padding, length-grouped sampling
-  model.py       where the model's files come from (--config_name, --tokenizer_name, hub options), loading the
+  text_model.py  where the model's files come from (--config_name, --tokenizer_name, hub options), loading the
                  classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient checkpointing,
                  AdamW groups
-  metrics.py     loss, metrics and predictions, single-label, multi-label and regression; the selection metric;
+  text_metrics.py loss, metrics and predictions, single-label, multi-label and regression; the selection metric;
                  confusion matrix; --metric modules
-vision/ (train_resnet.py)
-  data.py        ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k
-  augment.py     torchvision's training/validation presets, repeated augmentation, MixUp/CutMix
-  optim.py       torchvision's optimizer, weight-decay groups and schedule; the model EMA
-  model.py       the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local
+train_resnet.py
+  image_data.py  ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k
+  image_augment.py torchvision's training/validation presets, repeated augmentation, MixUp/CutMix
+  image_optim.py torchvision's optimizer, weight-decay groups and schedule; the model EMA
+  image_model.py the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local
                  files) with a new head for the data's classes, drop path, gradient checkpointing
-  references.py  main.py's and torchvision's flags, batch-size convention and .pth checkpoint files
-  device_decode.py  --decode_on_device: JPEGs decoded and augmented on the training device
+  image_references.py main.py's and torchvision's flags, batch-size convention and .pth checkpoint files
+  image_device_decode.py --decode_on_device: JPEGs decoded and augmented on the training device
 
-Dependencies point one way: text/ and vision/ use common/, never each other; within common/, runtime.py is used by
+Dependencies point one way: text_* and image_* use the shared modules, never each other; among those, runtime.py is used by
 all, and outputs.py and loop.py use checkpoint.py.
 """
