@@ -155,7 +155,7 @@ def test_a_record_names_uncommitted_changes_in_any_shared_module(tmp_path):
     probe = ("import sys, json; sys.path.insert(0, 'benchmarks'); import harness, train_bert_cls, train_resnet; "
              "repo = [m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None) and "
              "m.__file__.startswith(str(harness.REPO) + '/')]; "
-             "print(json.dumps({'revision': harness.provenance()['revision'], 'measured': harness.MEASURED_CODE, "
+             "print(json.dumps({'revision': harness.provenance()['git_revision'], 'measured': harness.MEASURED_CODE, "
              "'modules': [str(__import__('pathlib').Path(f).relative_to(harness.REPO)) for f in repo]}))")
     clean = json.loads(subprocess.run([sys.executable, "-c", probe], cwd=clone, env=ENV, capture_output=True, text=True,
                                       check=True).stdout.splitlines()[-1])
