@@ -6,6 +6,7 @@ path here; the hardware comes from the launcher and accelerate_configs/*.yaml:
     accelerate launch --config_file accelerate_configs/4gpu.yaml train_resnet.py /data/imagenet -a resnet50
     python train_resnet.py /data/imagenet -a resnet50 -e --resume outputs/resnet/model_best.pth
     python train_resnet.py /data/imagenet -a resnet50 --resume latest     # exact resume, even mid-epoch
+    python train_resnet.py --predict photos/ --resume outputs/resnet/model_best.pth --topk 5  # predictions.jsonl
 A tiny CPU run on scikit-learn's real handwritten digits written as an ImageFolder (2 processes of gloo DDP; the
 test suite runs these two commands as printed and expects a top-1 accuracy above 80%, chance being 10%):
     python -c "from utils.demo_data import write_digits_imagefolder as w; w('demo_data/digits_tiny', size=16)"
@@ -18,7 +19,7 @@ and --gpu are the launcher's business now: pass one to see what replaces it.
 torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
 Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), model_card.md (how to
 load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.jsonl, all_results.json
-(eval_results.json with -e), training_curves.png.
+(eval_results.json with -e), training_curves.png; with --predict, predictions.jsonl alone (docs/resnet.md).
 """
 import argparse
 import difflib
@@ -49,8 +50,9 @@ from utils.image_augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, 
                             build_mixer, dominant_labels, eval_image_settings, image_settings, recorded_image_settings,
                             resolve_augment_args, resolve_image_sizes, soft_cross_entropy, train_transform,
                             val_transform)
-from utils.image_data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
-                         build_dummy_datasets, fingerprint_images, topk_hits)
+from utils.image_data import (IMAGENET_TRAIN_IMAGES, ImageCounts, PredictImages, RGBImageFolder, bad_image_error,
+                         build_datasets, build_dummy_datasets, files_to_predict, fingerprint_images, prediction_rows,
+                         topk_hits)
 from utils.image_device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
 from utils.image_model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
                           is_weights_file, weights_file_fields)
@@ -79,8 +81,9 @@ def parse_args(argv=None):
                       help="workers only read the files; JPEG decoding and augmentation run on the training device, "
                            "a batch at a time (utils/image_device_decode.py)")
     model = parser.add_argument_group("model")
-    model.add_argument("-a", "--arch", "--model", default="resnet18",
-                       help="any torchvision classification model name, or timm:NAME for a timm model")
+    model.add_argument("-a", "--arch", "--model", default=None,
+                       help="any torchvision classification model name, or timm:NAME for a timm model (default: "
+                            "resnet18; --predict: the model's)")
     add_model_args(model)  # --pretrained [PATH], --weights NAME|PATH, --drop_path, --drop
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
@@ -107,6 +110,11 @@ def parse_args(argv=None):
     output.add_argument("-e", "--evaluate", "--test-only", "--test_only", action="store_true",
                         help="evaluate --resume's (or --weights) weights on val/, no training, at the model's sizes")
     add_allow_data_change(output)
+    predict = parser.add_argument_group("prediction (no labels needed; the model's sizes and classes)")
+    predict.add_argument("--predict", nargs="+", type=Path, metavar="PATH",
+                         help="label images with --resume's export (model_best.pth): folders (searched recursively), "
+                              "image files, or .txt files listing image paths; writes predictions.jsonl")
+    predict.add_argument("--topk", type=positive_int, default=5, help="classes per image in predictions.jsonl")
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
         add_group(parser)
     add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
@@ -120,14 +128,19 @@ def parse_args(argv=None):
     if args.data and args.data_path and args.data != args.data_path:
         parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
     args.data = args.data or args.data_path
-    if args.data is None and args.dummy is None:
+    if args.predict:
+        check_predict_args(parser, args)
+    elif args.data is None and args.dummy is None:
         parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
     try:
         # -b is GLOBAL, but torchvision's per-process -b in a torchvision command (one naming --model/--data-path)
         args.batch_size, args.batch_size_note = global_batch_size(argv, args.batch_size, launched_world_size())
-        resolve_augment_args(args, sizes_from_model=args.evaluate)
+        resolve_augment_args(args, sizes_from_model=args.evaluate or bool(args.predict))
     except UserError as err:
         parser.error(str(err))
+    if args.predict:  # the architecture, when not given, and the sizes come from the export
+        return args
+    args.arch = args.arch or "resnet18"
     if not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
         close = difflib.get_close_matches(args.arch, MODEL_NAMES, n=3)
         parser.error(f"--arch {args.arch}: not a torchvision classification model"
@@ -142,6 +155,20 @@ def parse_args(argv=None):
         parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
     check_selection_args(parser, args, not args.evaluate, VALIDATION_METRICS, TIMM_METRIC_NAMES)  # val/ always there
     return args
+
+
+def check_predict_args(parser, args):
+    """--predict labels images with a trained export, and does nothing else."""
+    if args.data or args.dummy:
+        parser.error("--predict labels the images it names; it takes no data directory or --dummy")
+    if args.evaluate:
+        parser.error("--predict and -e/--evaluate: one at a time (-e measures accuracy on a labelled val/)")
+    if not (args.resume and Path(args.resume).is_file()):
+        parser.error("--predict needs the trained model's export: --resume FILE (model_best.pth or checkpoint.pth)")
+    if args.weights or args.pretrained:
+        parser.error("--predict takes the weights from --resume FILE; drop --weights/--pretrained")
+    if args.arch and not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
+        parser.error(f"--arch {args.arch}: not a torchvision classification model")
 
 
 @dataclass
@@ -226,6 +253,49 @@ def evaluate(accelerator, model, loader, args):
     n = max(images, 1)
     return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "loss": loss_sum / n, "samples": images,
             "skipped_images": skipped}
+
+
+@torch.no_grad()
+def predict(accelerator, model, loader, topk):
+    """Every image's `topk` highest probabilities and their classes, gathered on every rank: (items (N,), the
+    dataset's index or -1 - index for an unreadable file; probabilities (N, k); classes (N, k))."""
+    model.eval()
+    found = []
+    for inputs, items in progress(accelerator, loader, desc="predict", leave=False):
+        probabilities = model(inputs).float().softmax(dim=-1)  # (B, C)
+        top = probabilities.topk(topk, dim=-1)  # (B, k) each
+        # every rank gets the whole batch, minus the duplicates padded onto the last one
+        found.append(accelerator.gather_for_metrics((items, top.values, top.indices)))
+    return [torch.cat(parts).tolist() for parts in zip(*found)]
+
+
+def predict_images(accelerator, args):
+    """--predict: predictions.jsonl, one row per image in input order, from --resume's export (model_best.pth), at
+    the architecture, classes and image sizes it records; an unreadable file's row says why."""
+    export = load_torch_checkpoint(args.resume)
+    class_to_idx = export.get("class_to_idx")
+    if not class_to_idx:
+        raise UserError(f"--resume {args.resume}: records no class names (a main.py or torchvision file?); --predict "
+                        "needs this script's export, model_best.pth or checkpoint.pth")
+    check_legacy_compatible(export, {"arch": args.arch} if args.arch else {}, args.resume)
+    args.arch = args.arch or export.get("arch", "resnet18")
+    resolve_image_sizes(args, recorded_image_settings(export), args.resume, accelerator.print)
+    dataset = PredictImages(files_to_predict(args.predict), val_transform(args), args.val_crop_size)
+    loader = DataLoader(dataset, batch_size=args.batch_size, **loader_settings(args.workers))
+    model = build_model(args, len(class_to_idx), accelerator.print)
+    load_weights(model, export["state_dict"], args.resume)
+    model, loader = accelerator.prepare(model, loader)
+    items, probabilities, classes = predict(accelerator, model, loader, min(args.topk, len(class_to_idx)))
+    labels = sorted(class_to_idx, key=class_to_idx.get)
+    log = RunLog(accelerator, args.output_dir)
+    log.write_jsonl("predictions.jsonl", accelerator.on_main_process(prediction_rows)(dataset, items, probabilities,
+                                                                                      classes, labels))
+    skipped = sum(item < 0 for item in items)
+    accelerator.print(f"wrote {len(dataset) - skipped} predictions and {skipped} rows for unreadable files to "
+                      f"{args.output_dir / 'predictions.jsonl'}, one row per input image in input order")
+    results = {**run_info(accelerator, args.batch_size), "predict_images": len(dataset), "predict_skipped": skipped}
+    log.end()
+    return results
 
 
 def log_values(epoch, accuracy, loss, lr, speed):
@@ -460,6 +530,8 @@ def main(args):
     hold_output_dir(accelerator, args.output_dir)
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.batch_size, "--batch-size")
+    if args.predict:
+        return predict_images(accelerator, args)
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
     if args.resume not in (None, "latest") and not Path(args.resume).exists():

@@ -15,6 +15,9 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 - `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
+- Prediction (`--predict`): `files_to_predict` lists the images to label in input order, `PredictImages` decodes them
+  as the validation images are (an unreadable one marked as above, never raised), `prediction_rows` turns the gathered
+  top-k classes into predictions.jsonl's rows, one per input, in input order.
 - `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (utils/checkpoint.py
   data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count. Hashing every
   image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed, renamed or moved between
@@ -318,3 +321,75 @@ def fingerprint_images(dataset):
         return data_fingerprint("--dummy", (str(index) for index in range(len(dataset))))
     skip = len(os.path.join(dataset.root, ""))  # ImageFolder's paths are os.path.join(root, class, file)
     return data_fingerprint(dataset.root, (f"{path[skip:]}\t{target}" for path, target in dataset.samples))
+
+
+LIST_SUFFIX = ".txt"  # a --predict file with this suffix lists image paths, one a line
+
+
+def files_to_predict(paths):
+    """The images --predict names, in input order: each folder's image files (searched recursively, sorted by path),
+    each image file, and each .txt file's lines (one image path a line, relative to the current directory, as on the
+    command line; blank lines skipped). A listed file that is missing or not an image keeps its place: its row says
+    why. A folder or file given on the command line that does not exist, or a folder with no images, is an error."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(str(p) for p in path.rglob("*") if is_image_file(p))
+            if not found:
+                raise UserError(f"--predict {path}: no image files ({', '.join(datasets.folder.IMG_EXTENSIONS)}) "
+                                "in this folder or below it")
+            files += found
+        elif not path.is_file():
+            raise UserError(f"--predict {path}: no such file or directory")
+        elif path.suffix.lower() == LIST_SUFFIX:
+            files += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        else:
+            files.append(str(path))
+    return files
+
+
+class PredictImages(torch.utils.data.Dataset):
+    """Image files to label: item i is (image, i), or (placeholder, -1 - i) for an unreadable file, as
+    RGBImageFolder marks them; `transform`: the validation transform at the model's sizes."""
+
+    def __init__(self, files, transform, image_size):
+        self.files, self.transform = files, transform
+        self.placeholder = torch.zeros(3, image_size, image_size)
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, index):
+        try:
+            image = decode_rgb(self.files[index])
+        except DECODE_ERRORS:
+            return self.placeholder, -1 - index
+        return self.transform(image), index
+
+    def bad_image_path(self, target):
+        return self.files[-1 - target]
+
+
+def prediction_rows(dataset, items, probabilities, classes, labels):
+    """predictions.jsonl's rows, one per file of `dataset` (PredictImages) in its order: the file, its most probable
+    label and `score`, and `topk` [{label, score}] (the shape of transformers' image-classification pipeline); an
+    unreadable file's row has `skipped` with the reason. items (N,): the gathered dataset items (index, or -1 - index
+    if unreadable); probabilities, classes (N, k): each image's k highest probabilities and their class ids."""
+    order = sorted(range(len(items)), key=lambda row: _position(items[row]))
+    positions = [_position(items[row]) for row in order]
+    if positions != list(range(len(dataset))):
+        raise RuntimeError(f"{len(items)} predictions gathered for {len(dataset)} files")
+    rows = []
+    for row in order:
+        item = items[row]
+        path = dataset.files[_position(item)]
+        if item < 0:
+            rows.append({"file": path, "skipped": f"unreadable image ({describe_bad_image(path)})"})
+            continue
+        topk = [{"label": labels[c], "score": p} for c, p in zip(classes[row], probabilities[row])]
+        rows.append({"file": path, "label": topk[0]["label"], "score": topk[0]["score"], "topk": topk})
+    return rows
+
+
+def _position(item):
+    return item if item >= 0 else -1 - item
