@@ -163,7 +163,7 @@ def check_predict_args(parser, args):
         parser.error("--predict labels the images it names; it takes no data directory or --dummy")
     if args.evaluate:
         parser.error("--predict and -e/--evaluate: one at a time (-e measures accuracy on a labelled val/)")
-    if not (args.resume and Path(args.resume).is_file()):
+    if not args.resume:
         parser.error("--predict needs the trained model's export: --resume FILE (model_best.pth or checkpoint.pth)")
     if args.weights or args.pretrained:
         parser.error("--predict takes the weights from --resume FILE; drop --weights/--pretrained")
@@ -272,6 +272,9 @@ def predict(accelerator, model, loader, topk):
 def predict_images(accelerator, args):
     """--predict: predictions.jsonl, one row per image in input order, from --resume's export (model_best.pth), at
     the architecture, classes and image sizes it records; an unreadable file's row says why."""
+    if not Path(args.resume).is_file():
+        raise UserError(f"--resume {args.resume}: no such file; --predict needs the trained model's export (an "
+                        "output directory's model_best.pth or checkpoint.pth)")
     export = load_torch_checkpoint(args.resume)
     class_to_idx = export.get("class_to_idx")
     if not class_to_idx:

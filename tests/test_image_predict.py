@@ -100,6 +100,7 @@ def test_topk_is_capped_at_the_class_count(model_best, inputs, tmp_path):
     (["--resume", "MODEL", "-e"], "--predict and -e/--evaluate: one at a time"),
     (["--resume", "MODEL", "DATA"], "--predict labels the images it names; it takes no data directory"),
     (["--resume", "BARE"], "records no class names"),
+    (["--resume", "latest"], "--resume latest: no such file; --predict needs the trained model's export"),
 ])
 def test_bad_predict_commands_are_one_line(model_best, inputs, tmp_path, extra, message):
     bare = tmp_path / "bare.pth"
