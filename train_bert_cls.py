@@ -36,6 +36,7 @@ from utils.export import (BestWeights, export_state_dict, load_selected_weights,
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection)
+from utils.onnx_export import add_onnx_args, check_batches, check_onnx_args, export_and_check
 from utils.outputs import RunLog, check_output_dir, format_step_line, progress
 from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
@@ -126,8 +127,10 @@ def parse_args(argv=None):
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")
     add_selection_args(parser, None, SELECTION_HELP)
+    add_onnx_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
+    check_onnx_args(parser, args)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
     for check in (check_dataset_args, check_text_format_args, check_task_args, check_model_source_args):
@@ -500,6 +503,28 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
                       f"texts) to {args.output_dir / 'predictions.jsonl'}, one row per input record")
 
 
+ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # in the order of BERT's forward arguments
+
+
+def export_selected_onnx(accelerator, args, model, loaders):
+    """--export_onnx: the selected model as OUT/onnx/model.onnx (dynamic batch and sequence axes), checked on the
+    first --onnx_check_samples texts of the validation set (else test, training, or the texts to predict, which have
+    no labels to measure accuracy on) in their padded batches
+    (utils/onnx_export.py); its onnx_* results. Every rank calls it; the main process exports."""
+    split = next(name for name in ("validation", "test", "train", "predict") if name in loaders)
+    results = {}
+    with writing(accelerator, args.output_dir / "onnx"):
+        if accelerator.is_main_process:
+            texts = (({name: batch[name] for name in ONNX_INPUTS if name in batch},
+                      batch.get("labels", torch.full((len(batch["input_ids"]),), float("nan"))))  # none: no accuracy
+                     for batch in loaders[split])
+            batches = check_batches(texts, args.onnx_check_samples)
+            accelerator.print(f"ONNX export checked on the {split} texts")
+            results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
+                                       sequence_axis=True, say=accelerator.print)
+    return results
+
+
 def write_results(log, args, results, results_tag):
     """A training run's all_results.json (and the model card, now with the test results); an evaluation of a trained
     output_dir writes its own {eval,test}{results_tag}_results.json and adds to all_results.json, never replacing
@@ -587,6 +612,8 @@ def main(args):
         model, prepared = prepare_for_inference(accelerator, model, loaders)
     results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained,
                                            results_tag))
+    if args.export_onnx:
+        results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), loaders))
     if args.do_predict:
         write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
     write_results(log, args, results, results_tag)

@@ -42,10 +42,12 @@ from utils.export import load_torch_checkpoint, load_weights, on_meta_device, st
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights)
+from utils.onnx_export import add_onnx_args, check_batches, check_onnx_args, export_and_check
 from utils.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, launched_world_size, loader_generator, loader_settings,
-                            maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info)
+                            maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
+                            writing)
 from utils.image_augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_augment_args, add_mixing_args,
                             build_mixer, dominant_labels, eval_image_settings, image_settings, recorded_image_settings,
                             resolve_augment_args, resolve_image_sizes, soft_cross_entropy, train_transform,
@@ -115,7 +117,8 @@ def parse_args(argv=None):
                          help="label images with --resume's export (model_best.pth): folders (searched recursively), "
                               "image files, or .txt files listing image paths; writes predictions.jsonl")
     predict.add_argument("--topk", type=positive_int, default=5, help="classes per image in predictions.jsonl")
-    for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
+    for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_onnx_args,
+                      add_runtime_args):
         add_group(parser)
     add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
     add_replaced_flags(parser)
@@ -128,6 +131,10 @@ def parse_args(argv=None):
     if args.data and args.data_path and args.data != args.data_path:
         parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
     args.data = args.data or args.data_path
+    check_onnx_args(parser, args)
+    if args.export_onnx and (args.predict or args.decode_on_device):
+        parser.error("--export_onnx exports the trained or -e's evaluated model, checked on decoded validation "
+                     "images: not with --predict or --decode_on_device")
     if args.predict:
         check_predict_args(parser, args)
     elif args.data is None and args.dummy is None:
@@ -361,6 +368,30 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     return metrics
 
 
+def export_selected_onnx(accelerator, args, model, val_loader):
+    """--export_onnx: `model` (-e's evaluated one; None after training: model_best.pth's weights) as
+    OUT/onnx/model.onnx, checked on the first --onnx_check_samples validation images (utils/onnx_export.py); its
+    onnx_* results. Every rank calls it; the main process exports."""
+    results = {}
+    with writing(accelerator, args.output_dir / "onnx"):
+        if accelerator.is_main_process:
+            model = model or load_best_model(args)
+            images = (({"pixel_values": inputs}, targets) for inputs, targets in val_loader)
+            batches = check_batches(images, args.onnx_check_samples)
+            results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
+                                       sequence_axis=False, say=accelerator.print)
+    return results
+
+
+def load_best_model(args):
+    """A fresh model with model_best.pth's weights."""
+    best = load_torch_checkpoint(args.output_dir / "model_best.pth")
+    model = build_model(argparse.Namespace(**{**vars(args), "pretrained": False, "weights": None}),
+                        len(best["class_to_idx"]))
+    load_weights(model, best["state_dict"], args.output_dir / "model_best.pth")
+    return model
+
+
 def plot_curves(log, args, steps_per_epoch):
     """training_curves.png from metrics.jsonl: loss and top-1 per epoch (main process)."""
     plot_training_curves(log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
@@ -588,6 +619,8 @@ def main(args):
         prefix = "eval" + results_tag
         results.update({f"{prefix}_{k}": v for k, v in metrics.items()},
                        **{f"{prefix}_settings": eval_image_settings(args)})
+        if args.export_onnx:
+            results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), data.val_loader))
         log.write_json(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
         log.merge_results(results, (f"{prefix}_",))
     else:
@@ -606,6 +639,8 @@ def main(args):
             log.end()
             return results
         results.update({f"eval_{k}": v for k, v in trained.metrics.items()}, eval_settings=eval_image_settings(args))
+        if args.export_onnx:
+            results.update(export_selected_onnx(accelerator, args, None, data.val_loader))
         log.write_json("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2))
     log.end()

@@ -20,6 +20,8 @@ both scripts
                  secrets such as --token masked), the model card, console lines, progress bar, training curves, the
                  output directory's policy
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
+  onnx_export.py --export_onnx: the selected model as ONNX (dynamic batch and sequence axes), optional int8, checked
+                 by onnxruntime in a second process against PyTorch (agreement, accuracy, CPU latency)
 train_bert_cls.py
   text_data.py   text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
                  --max_*_samples cuts, tokenising, padding, length-grouped sampling
@@ -29,7 +31,8 @@ train_bert_cls.py
   text_metrics.py loss, metrics and predictions, single-label, multi-label and regression; the selection metric;
                  confusion matrix; --metric modules
 train_resnet.py
-  image_data.py  ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k
+  image_data.py  ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k; the
+                 images --predict labels and predictions.jsonl's rows
   image_augment.py torchvision's training/validation presets, repeated augmentation, MixUp/CutMix
   image_optim.py torchvision's optimizer, weight-decay groups and schedule; the model EMA
   image_model.py the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local

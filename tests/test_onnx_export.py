@@ -1,0 +1,118 @@
+"""--export_onnx of both scripts: the selected model as ONNX with dynamic axes, checked by onnxruntime in a second
+process (the test checks the reported numbers against its own onnxruntime run), int8 beside fp32, launched on 1 and 2
+processes; onnx/onnxruntime missing is one line."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from conftest import launch, one_thread, read_json, run, run_here
+
+from utils.export import load_torch_checkpoint
+from utils.image_augment import val_transform
+from utils.image_data import decode_rgb
+
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
+ONNX = ["--export_onnx", "--onnx_int8", "--onnx_check_samples", "100"]
+
+
+def onnxruntime_or_skip():
+    return pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install onnx onnxruntime)")
+
+
+def assert_reported_check(results, check, samples=100):
+    """The results' onnx_* numbers are onnx_check.json's, fp32 matches PyTorch, int8 mostly agrees."""
+    assert results["onnx_samples"] == check["samples"] == samples
+    assert results["onnx_max_abs_diff"] == check["files"]["model.onnx"]["max_abs_diff"] < 1e-3
+    assert results["onnx_top1_agreement"] == 1.0 and results["onnx_accuracy"] == results["onnx_torch_accuracy"]
+    assert results["onnx_int8_top1_agreement"] >= 0.9, results
+    assert results["onnx_int8_file_bytes"] < 0.5 * results["onnx_file_bytes"]
+    assert results["onnx_ms_per_batch"] > 0 and results["onnx_int8_ms_one_sample"] > 0
+
+
+@pytest.fixture(scope="module")
+def resnet_run(digits_data, tmp_path_factory):
+    onnxruntime_or_skip()
+    out = tmp_path_factory.mktemp("resnet_onnx")
+    with one_thread():
+        run_here("train_resnet.py", [digits_data, "--image_size", "16", "--val_resize", "16", "--hflip", "0",
+                                     "--crop_scale", "0.5", "-b", "64", "--lr", "0.05", "--epochs", "2", "-j", "0",
+                                     "--output_dir", out, *ONNX])
+    return out
+
+
+def test_resnet_training_exports_the_best_model(resnet_run, digits_data):
+    ort = onnxruntime_or_skip()
+    check = read_json(resnet_run / "onnx" / "onnx_check.json")
+    assert_reported_check(read_json(resnet_run / "all_results.json"), check)
+    assert check["input_shapes"] == ["[36, 3, 16, 16]", "[64, 3, 16, 16]"]  # 100 = 64 + 36
+    # the file is model_best.pth's model: onnxruntime on 3 images (a batch size never exported) = torchvision's forward
+    export = load_torch_checkpoint(resnet_run / "model_best.pth")
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(export["state_dict"])
+    transform = val_transform(type("Args", (), {k: export[k] for k in ("val_resize", "val_crop_size", "interpolation")}))
+    images = torch.stack([transform(decode_rgb(p)) for p in sorted((Path(digits_data) / "val").rglob("*.png"))[:3]])
+    with torch.no_grad():
+        expected = model.eval()(images).numpy()
+    session = ort.InferenceSession(str(resnet_run / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(["logits"], {"pixel_values": images.numpy()})[0]
+    assert got.shape == (3, 10) and np.abs(got - expected).max() < 1e-3
+    assert not (resnet_run / "onnx" / "check_inputs.npz").exists()
+
+
+def test_resnet_evaluate_exports_on_two_processes(resnet_run, digits_data, tmp_path):
+    out = tmp_path / "eval"
+    launch("train_resnet.py", [digits_data, "-e", "--resume", resnet_run / "model_best.pth", "-j", "0", "-b", "64",
+                               "--output_dir", out, *ONNX], num_processes=2)
+    results = read_json(out / "eval_results.json")
+    assert_reported_check(results, read_json(out / "onnx" / "onnx_check.json"))
+    trained = read_json(resnet_run / "all_results.json")
+    assert results["onnx_torch_accuracy"] == trained["onnx_torch_accuracy"]  # the same model, the same 100 images
+
+
+def test_bert_export_has_dynamic_batch_and_sequence_axes(text_data, tmp_path):
+    ort = onnxruntime_or_skip()
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path / "bert"
+    launch("train_bert_cls.py", ["--data_dir", text_data, "--model_name_or_path", text_data / "model", "--from_scratch",
+                                 "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "16",
+                                 "--learning_rate", "2e-3", "--num_train_epochs", "1", "--do_train", "--do_eval",
+                                 "--output_dir", out, *ONNX], num_processes=2)
+    check = read_json(out / "onnx" / "onnx_check.json")
+    assert_reported_check(read_json(out / "all_results.json"), check, samples=99)  # all 99 validation texts
+    assert check["batch_sizes"] == [3, 16] and len({s.split(",")[1] for s in check["input_shapes"]}) > 1  # lengths
+    # best_model/ in transformers = the ONNX file, on two texts of a length no check batch had
+    tokenizer = AutoTokenizer.from_pretrained(out / "best_model")
+    model = AutoModelForSequenceClassification.from_pretrained(out / "best_model").eval()
+    texts = [line.split("\t", 1)[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()[:2]]
+    batch = tokenizer(texts, padding="max_length", max_length=29, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = model(**batch).logits.numpy()
+    session = ort.InferenceSession(str(out / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(["logits"], {k: v.numpy() for k, v in batch.items()})[0]
+    assert np.abs(got - expected).max() < 1e-4
+
+
+@pytest.mark.parametrize("script, args", [
+    ("train_resnet.py", ["DATA", "-e", "--resume", "m.pth"]),
+    ("train_bert_cls.py", ["--do_eval", "--model_name_or_path", "m"]),
+])
+def test_missing_onnxruntime_is_one_line(tmp_path, digits_data, script, args):
+    hidden = tmp_path / "site" / "onnxruntime"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'onnxruntime'\")\n")
+    args = [str(digits_data) if a == "DATA" else a for a in args]
+    proc = run(["python", script, *args, "--export_onnx", "--output_dir", tmp_path / "out"], check=False,
+               env={"PYTHONPATH": str(tmp_path / "site")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--export_onnx needs the optional packages onnx and onnxruntime (onnxruntime is not installed)" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_int8_needs_the_export(digits_data, tmp_path):
+    with one_thread():
+        proc = run_here("train_resnet.py", [digits_data, "--onnx_int8", "--output_dir", tmp_path], check=False)
+    assert proc.returncode == 2 and "--onnx_int8 quantises the ONNX export: add --export_onnx" in proc.stderr
