@@ -453,7 +453,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
              **selection.fresh_state()}
     state = checkpoints.restore(resume_dir, fresh, len(train_loader), optimizer, scheduler)
-    log.open(resume_step=state["completed_steps"] if resume_dir else None)
+    log.open(resume_step=state["completed_steps"] if resume_dir else None, state=state)
     print_run_summary(accelerator, "Running training", {
         **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(must_match["class_to_idx"]),
         "train_images": len(data.train_set), "val_images": len(data.val_set),

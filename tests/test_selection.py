@@ -6,13 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import assert_same_curve, assert_same_weights, launch, read_json, read_jsonl, run_here
+from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json, read_jsonl,
+                      run_here, start, wait_for)
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
 import train_bert_cls
 import train_resnet
 from utils.demo_data import write_digits_imagefolder
+from utils.checkpoint import read_training_state
 from utils.loop import Selection
 from utils.runtime import UserError, resolve_trackers
 
@@ -179,6 +181,54 @@ def test_two_processes_stop_at_the_same_step_and_track_once(stopped, text_data, 
     history = client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")
     assert {m.step: m.value for m in history} == pytest.approx(evals)
     assert mlflow_run.data.params["metric_for_best_model"] == "accuracy"
+
+
+def tensorboard_steps(run_dir, tag):
+    """The steps of `tag` in a TensorBoard run directory (every event file in it, read as TensorBoard reads them:
+    what a writer's purge_step discards left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tensorboard = EventAccumulator(str(run_dir))
+    tensorboard.Reload()
+    return [s.step for s in tensorboard.Scalars(tag)]
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # mlflow's SQLAlchemy models
+def test_sigterm_and_resume_continue_one_tracker_run(text_data, tmp_path):
+    """2 processes stopped by SIGTERM and resumed from `latest`: TensorBoard and MLflow hold ONE run each, the one the
+    checkpoints record, with every logged step once, in order, as metrics.jsonl has them."""
+    out = tmp_path / "out"
+    args = bert_args(text_data, out, "--report_to", "tensorboard", "mlflow", "--early_stopping_patience", "100")
+    import signal
+
+    job = start(launch_cmd(BERT, args, num_processes=2), tmp_path / "preempted.log", env=TRACKING)
+    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job, timeout=300)
+    kill_job(job, signal.SIGTERM)
+    job.wait(timeout=120)
+    assert read_json(out / "all_results.json")["preempted"] is True, (tmp_path / "preempted.log").read_text()[-3000:]
+    stopped_at = read_json(out / "all_results.json")["train_steps"]
+    first_runs = read_training_state(out / "checkpoints" / f"step_{stopped_at}")["tracker_runs"]
+    proc = launch(BERT, [*args, "--resume_from_checkpoint", "latest"], num_processes=2, env=TRACKING)
+    assert f"continuing the runs that checkpoint step {stopped_at} records" in proc.stdout
+    last = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+    assert read_training_state(out / "checkpoints" / f"step_{last}")["tracker_runs"] == first_runs
+    events = read_jsonl(out / "metrics.jsonl")
+    train_steps = [e["step"] for e in events if e["event"] == "train"]
+    eval_steps = [e["step"] for e in events if e["event"] == "eval"]
+    assert train_steps[0] < stopped_at < train_steps[-1]  # logged before and after the stop
+
+    assert tensorboard_steps(out / "runs" / "bert_cls", "train/loss") == train_steps
+    assert tensorboard_steps(out / "runs" / "bert_cls", "eval/accuracy") == eval_steps
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    [experiment] = [e for e in client.search_experiments() if e.name == "bert_cls"]
+    [mlflow_run] = client.search_runs([experiment.experiment_id])
+    assert mlflow_run.info.run_id == first_runs["mlflow"]
+    history = sorted(client.get_metric_history(mlflow_run.info.run_id, "train/loss"), key=lambda m: m.timestamp)
+    assert [m.step for m in history] == train_steps
+    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")] == eval_steps
 
 
 def test_metric_names_follow_trainer_and_timm(digits_data):

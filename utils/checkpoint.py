@@ -46,6 +46,7 @@ from .runtime import UserError, stop_together, writing
 
 STATE_FILE = "training_state.json"
 SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
+TRACKER_RUNS = "tracker_runs"  # the loop's `state` entry with each tracker's run id (utils/outputs.py), kept too
 
 DATA_KEY = "training_data"  # must_match's entry for data_fingerprint
 
@@ -305,9 +306,11 @@ class Checkpoints:
 def training_state(must_match, state, settings, completed_steps, epoch, batches_in_epoch):
     """What a checkpoint records beside the weights (training_state.json): what must match, where the run is, what it
     selected and how long ago (the `best_*` and `early_stopping_*` entries of the loop's `state`: utils/loop.py
-    Selection) and the settings a resume may change."""
+    Selection), the tracker runs it logs to (so that a resumed run continues them) and the settings a resume may
+    change."""
     return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-            **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)}, "settings": settings}
+            **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)},
+            **({TRACKER_RUNS: state[TRACKER_RUNS]} if state.get(TRACKER_RUNS) else {}), "settings": settings}
 
 
 def resume_settings(args, flags):

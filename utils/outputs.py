@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .checkpoint import complete_checkpoints
+from .checkpoint import TRACKER_RUNS, complete_checkpoints
 from .runtime import MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs, writing
 
 
@@ -34,9 +35,13 @@ class RunLog:
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.card = None  # start()'s ModelCard: a run that trains has one
+        self.trackers = None  # start()'s (project, config) until open() starts the trackers, then "started"
 
-    def open(self, resume_step=None):
-        """Start metrics.jsonl afresh, or, when resuming, keep it up to the checkpoint's step."""
+    def open(self, resume_step=None, state=None):
+        """Start metrics.jsonl afresh, or, when resuming, keep it up to the checkpoint's step; start the trackers
+        (start_trackers) with the loop's `state`, once per launch."""
+        if self.accelerator.log_with and self.trackers != "started":
+            self.start_trackers(resume_step, state)
         with writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -78,11 +83,25 @@ class RunLog:
             self.accelerator.on_main_process(clear_previous_run)(self.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.write_json("run_config.json", provenance(args))
-        if self.accelerator.log_with:
+        if self.accelerator.log_with:  # started by open(), once the checkpoint to resume from is read
             flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in public_args(args).items()}
-            init_kwargs, places = tracker_settings(self.accelerator, self.output_dir, project_name)
-            self.accelerator.init_trackers(project_name, config=flat, init_kwargs=init_kwargs)
-            self.console(f"trackers: {', '.join(places)}")
+            self.trackers = (project_name, flat)
+
+    def start_trackers(self, resume_step, state):
+        """The trackers' runs: new ones, or, resuming (`resume_step`) from a checkpoint whose `state` records them
+        (TRACKER_RUNS), the same ones continued from the step after the checkpoint (tracker_settings). The run ids go
+        into `state`, so that every later checkpoint records them. The configuration is logged once, by the run that
+        starts them (MLflow's parameters cannot change)."""
+        project_name, config = self.trackers
+        runs = (state or {}).get(TRACKER_RUNS) or {} if resume_step is not None else {}
+        init_kwargs, places = tracker_settings(self.accelerator, self.output_dir, project_name, runs, resume_step)
+        self.accelerator.init_trackers(project_name, config=None if runs else config, init_kwargs=init_kwargs)
+        self.trackers = "started"
+        if state is not None:
+            state[TRACKER_RUNS] = started_runs(self.accelerator, init_kwargs)
+        continued = (f"; continuing the runs that checkpoint step {resume_step} records "
+                     f"({', '.join(f'{name} {run}' for name, run in runs.items())})" if runs else "")
+        self.console(f"trackers: {', '.join(places)}{continued}")
 
     def log(self, event, step, values):
         """One JSON line ({"event", "step", **values}) and, with tracking on, the numbers to TensorBoard."""
@@ -142,21 +161,31 @@ class RunLog:
             self.accelerator.end_training()
 
 
-def tracker_settings(accelerator, output_dir, project_name):
+def tracker_settings(accelerator, output_dir, project_name, runs=None, resume_step=None):
     """(init_kwargs, where each tracker writes): every tracker's files stay in output_dir unless the tracker's own
     environment variable says otherwise. TensorBoard: output_dir/runs/<project>; MLflow: the SQLite store
     output_dir/mlflow.db (MLflow's own default store, moved there from the working directory) unless
     MLFLOW_TRACKING_URI is set, experiment <project> (or MLFLOW_EXPERIMENT_NAME); W&B: output_dir/wandb unless
-    WANDB_DIR is set (offline with WANDB_MODE=offline). Every run, a resumed one too, is a new tracker run named
-    after output_dir. Only the main process writes (accelerate's trackers run there)."""
+    WANDB_DIR is set (offline with WANDB_MODE=offline). A new run is named after output_dir. Only the main process
+    writes (accelerate's trackers run there).
+
+    One run across restarts: resuming from the checkpoint at `resume_step`, whose `runs` ({tracker: run id}) name the
+    runs it logged to, continues them: TensorBoard's writer purges what the run logged after that step
+    (SummaryWriter's purge_step), MLflow reopens its run (run_id), W&B resumes its id (resume="allow"; a new run is
+    given its id here). Their steps then continue without repeats, since a resumed run logs from the step after the
+    checkpoint. MLflow's history cannot be cut: steps it logged after the checkpoint (a kill rather than SIGTERM,
+    which checkpoints at the step it stops) stay and are logged again with the same values (the resume is exact)."""
     output_dir = Path(output_dir).resolve()
+    runs = runs or {}
     init_kwargs, places = {}, []
     for tracker in map(str, accelerator.log_with):
         if tracker == "tensorboard":
+            init_kwargs["tensorboard"] = {"purge_step": resume_step + 1} if resume_step is not None else {}
             places.append(f"tensorboard ({output_dir / 'runs' / project_name})")
         elif tracker == "mlflow":
             uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output_dir / 'mlflow.db'}"
-            init_kwargs["mlflow"] = {"run_name": output_dir.name}
+            init_kwargs["mlflow"] = {"run_name": output_dir.name,
+                                     **({"run_id": runs["mlflow"]} if runs.get("mlflow") else {})}
             if not os.environ.get("MLFLOW_TRACKING_URI"):
                 init_kwargs["mlflow"]["logging_dir"] = str(output_dir / "mlruns")  # artifacts of a new experiment
                 if accelerator.is_main_process:
@@ -165,13 +194,27 @@ def tracker_settings(accelerator, output_dir, project_name):
                     mlflow.set_tracking_uri(uri)
             places.append(f"mlflow ({uri})")
         elif tracker == "wandb":
-            init_kwargs["wandb"] = {"name": output_dir.name, **({} if os.environ.get("WANDB_DIR") else
-                                                                {"dir": str(output_dir)})}
+            init_kwargs["wandb"] = {"name": output_dir.name, "id": runs.get("wandb") or secrets.token_hex(8),
+                                    "resume": "allow", **({} if os.environ.get("WANDB_DIR") else
+                                                          {"dir": str(output_dir)})}
             places.append(f"wandb ({os.environ.get('WANDB_DIR') or output_dir / 'wandb'}, "
                           f"mode {os.environ.get('WANDB_MODE', 'online')})")
         else:
             places.append(tracker)
     return init_kwargs, places
+
+
+def started_runs(accelerator, init_kwargs):
+    """{tracker: run id} of the runs the trackers log to (main process; {} on the others, which log nothing): what a
+    checkpoint records for a resumed run to continue. TensorBoard's run is its directory."""
+    if not accelerator.is_main_process:
+        return {}
+    runs = {"tensorboard": accelerator.get_tracker("tensorboard").logging_dir} if "tensorboard" in init_kwargs else {}
+    if "mlflow" in init_kwargs:
+        runs["mlflow"] = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+    if "wandb" in init_kwargs:
+        runs["wandb"] = init_kwargs["wandb"]["id"]
+    return runs
 
 
 NOT_METRICS = ("samples", "skipped_images")  # counts: in the card's table, not in its model-index
