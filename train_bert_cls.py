@@ -42,13 +42,15 @@ from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_acc
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
                             run_cli, run_info, writing)
-from utils.text_data import (LengthGroupedSampler, add_dataset_args, add_padding_args, add_text_format_args, build_collator,
+from utils.text_data import (LengthGroupedSampler, add_dataset_args, add_long_text_args, add_padding_args,
+                       add_text_format_args, build_collator, long_text,
                        build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
                        data_must_match, fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
                        read_predict_file, resolve_padding, select_examples, text_format, token_lengths,
                        tokenize_examples, write_labels_file)
 from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
-                          flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
+                          flat_metrics, headline_scores, load_metrics, pool_windows, prediction_rows,
+                          save_confusion_matrix,
                           selectable_metrics, training_loss)
 from utils.text_model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
                         check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
@@ -76,6 +78,7 @@ def parse_args(argv=None):
     add_dataset_args(data)
     add_text_format_args(data)
     add_padding_args(data)
+    add_long_text_args(data)
     data.add_argument("--group_by_length", action="store_true",
                       help="training batches of similar-length texts (less padding; see utils/text_data.py)")
     model = parser.add_argument_group("model")
@@ -221,10 +224,15 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
     by default the CPU's (to the longest text of each batch)."""
     collator = build_collator(tokenizer, args.max_seq_len, **(padding or {}))
     loaders, stats = {}, {}
+    cut = long_text(args, args.max_seq_len, any(e.text_pair is not None for s in examples.values() for e in s[:1]))
+    stats["long_texts"] = cut.describe()
     for split, split_examples in examples.items():
         targets = label_targets(split_examples, labels, args.multi_label, args.do_regression)
-        dataset = tokenize_examples(tokenizer, split_examples, targets, args.max_seq_len)
         training = split == "train"
+        # evaluated texts keep their windows' text index, to pool them (predict_logits)
+        dataset = tokenize_examples(tokenizer, split_examples, targets, args.max_seq_len, cut, keep_doc=not training)
+        if cut.doc_stride is not None:
+            stats[f"{split}_windows"] = len(dataset)
         # a sampler whose order depends on (seed, epoch) only, like the seedable random sampler it replaces
         sampler = (LengthGroupedSampler(token_lengths(dataset), args.train_batch_size, args.seed)
                    if training and args.group_by_length else None)
@@ -233,31 +241,37 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
                                     generator=loader_generator(args.seed) if training else None)
     if predict_examples is not None:  # blank lines have a row in predictions.jsonl, but nothing to predict
-        dataset = tokenize_examples(tokenizer, [e for e in predict_examples if not e.skipped], None, args.max_seq_len)
+        dataset = tokenize_examples(tokenizer, [e for e in predict_examples if not e.skipped], None, args.max_seq_len,
+                                    cut, keep_doc=True)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
                                         **loader_settings(args.num_workers))
     return loaders, stats
 
 
 @torch.no_grad()
-def predict_logits(accelerator, model, dataloader, desc):
-    """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
+def predict_logits(accelerator, model, dataloader, desc, pool="mean"):
+    """Logits (N, C) and labels (N,) of exactly the N texts of the dataset, on every rank; a text cut into windows
+    (--doc_stride: the batches carry each window's text index, `doc`) has its windows' logits pooled (`pool`)."""
     model.eval()
-    all_logits, all_labels = [], []
+    all_logits, all_labels, all_docs = [], [], []
     for batch in progress(accelerator, dataloader, desc=desc, leave=False):
-        labels = batch.pop("labels", None)
+        labels, docs = batch.pop("labels", None), batch.pop("doc", None)
         logits = model(**batch).logits.float()  # (B, C)
         all_logits.append(accelerator.gather_for_metrics(logits).cpu())
         all_labels.append(accelerator.gather_for_metrics(labels).cpu() if labels is not None else None)
+        all_docs.append(accelerator.gather_for_metrics(docs).cpu() if docs is not None else None)
     model.train()
+    logits = torch.cat(all_logits)
     labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
-    return torch.cat(all_logits), labels
+    if all_docs and all_docs[0] is not None:  # (W, C) window logits -> (N, C) text logits
+        logits, labels = pool_windows(logits, labels, torch.cat(all_docs), pool)
+    return logits, labels
 
 
 def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
     """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
     `extra`: --metric's results (under their own keys too, which never collide with these)."""
-    logits, targets = predict_logits(accelerator, model, dataloader, desc)
+    logits, targets = predict_logits(accelerator, model, dataloader, desc, args.pool)
     metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
     metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
     return {**metrics["extra"], **metrics}
@@ -335,7 +349,7 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
                               allow_data_change=args.allow_data_change)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
-    log.open(resume_step=state["completed_steps"] if resume_path else None)
+    log.open(resume_step=state["completed_steps"] if resume_path else None, state=state)
     cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
                       eval_every=args.eval_steps, checkpoint_every=args.checkpointing_steps)
     print_run_summary(accelerator, "Running training", {
@@ -495,7 +509,7 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
 
 
 def write_predictions(accelerator, log, model, loader, examples, labels, args):
-    logits, _ = predict_logits(accelerator, model, loader, "predict")
+    logits, _ = predict_logits(accelerator, model, loader, "predict", args.pool)
     log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold,
                                                          args.do_regression))
     skipped = sum(1 for example in examples if example.skipped)

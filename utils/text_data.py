@@ -41,6 +41,14 @@ each sorted by length), made to fit this project's exactness rules:
 A batch then holds samples of similar length drawn from one megabatch (50 global batches of the shuffled data)
 instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
 
+Long texts (`--truncation`, `--doc_stride`; `LongText`): a text longer than --max_seq_len keeps its first tokens
+(head, the default), its last ones (tail), or --head_tokens first and the rest last (head_tail; Sun et al., How to
+Fine-Tune BERT for Text Classification, 2019: 128 + 382 of 512 best); or it becomes sliding windows of --max_seq_len
+tokens overlapping by --doc_stride tokens (the tokenizer's own `stride` and `return_overflowing_tokens`). Each window
+of a training text is a training sample with the text's label; an evaluated or predicted text's windows carry its
+index (`doc`), gathered with the logits, so that its windows are pooled into one prediction (utils/text_metrics.py
+pool_windows) on any number of processes. Single texts only: a sentence pair is cut longest_first.
+
 The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
 checkpoint, so that a resume on changed data is refused (utils/checkpoint.py).
 
@@ -66,7 +74,7 @@ from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
 from utils.checkpoint import data_fingerprint
-from utils.runtime import UserError, hf_bool, positive_int
+from utils.runtime import UserError, hf_bool, nonnegative_int, positive_int
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
 
@@ -843,6 +851,60 @@ def add_padding_args(group):
                          help="pad every batch to --max_seq_len (one shape; most padding)")
 
 
+TRUNCATION = ("head", "tail", "head_tail")
+POOLING = ("mean", "max")
+# the long-text flags' defaults where no trained model supplies them (utils/text_model.py use_model_settings)
+LONG_TEXT_DEFAULTS = {"truncation": "head", "head_tokens": 128, "doc_stride": None, "pool": "mean"}
+
+
+def add_long_text_args(group):
+    group.add_argument("--truncation", choices=TRUNCATION, default=None,
+                       help="which tokens of a text longer than --max_seq_len are kept: the first (head), the last "
+                            "(tail), or --head_tokens first and the rest last (head_tail) (default: head; without "
+                            "--do_train: the model's)")
+    group.add_argument("--head_tokens", type=positive_int, default=None,
+                       help="--truncation head_tail: tokens kept from the head (default: 128, Sun et al. 2019)")
+    group.add_argument("--doc_stride", type=nonnegative_int, default=None,
+                       help="tokens: a longer text becomes windows of --max_seq_len tokens overlapping by this many; "
+                            "each window trains with its text's label, evaluation and prediction pool a text's windows "
+                            "(--pool) (default: no windows; without --do_train: the model's)")
+    group.add_argument("--pool", choices=POOLING, default=None,
+                       help="--doc_stride: a text's logits from its windows': their mean or maximum (default: mean)")
+
+
+@dataclass(frozen=True)
+class LongText:
+    """How a text longer than max_seq_len tokens is cut (the module header)."""
+    truncation: str = "head"
+    head_tokens: int = 128  # head_tail: tokens from the head
+    doc_stride: int | None = None  # windows overlapping by this many tokens; None: one cut text
+    pool: str = "mean"
+
+    def describe(self):
+        if self.doc_stride is not None:
+            return f"windows overlapping by {self.doc_stride} tokens, logits pooled by {self.pool}"
+        return {"head": "the first tokens", "tail": "the last tokens",
+                "head_tail": f"the first {self.head_tokens} tokens and the last ones"}[self.truncation]
+
+
+def long_text(args, max_seq_len, paired):
+    """The LongText of the resolved flags, checked against max_seq_len and the data (one line each)."""
+    settings = LongText(args.truncation, args.head_tokens, args.doc_stride, args.pool)
+    if settings.doc_stride is not None and settings.truncation != "head":
+        raise UserError(f"--doc_stride {settings.doc_stride} keeps every token in windows: --truncation "
+                        f"{settings.truncation} has nothing to cut; pass one of them")
+    if paired and settings != LongText(pool=settings.pool, head_tokens=settings.head_tokens):
+        raise UserError("--truncation tail/head_tail and --doc_stride cut single texts; sentence pairs are cut "
+                        "longest_first (the longer one loses tokens)")
+    if settings.doc_stride is not None and settings.doc_stride >= max_seq_len - 2:
+        raise UserError(f"--doc_stride {settings.doc_stride}: windows of --max_seq_len {max_seq_len} tokens hold "
+                        f"{max_seq_len - 2} text tokens; the overlap must be smaller")
+    if settings.truncation == "head_tail" and settings.head_tokens >= max_seq_len - 2:
+        raise UserError(f"--head_tokens {settings.head_tokens}: --max_seq_len {max_seq_len} holds {max_seq_len - 2} "
+                        "text tokens; leave some for the tail")
+    return settings
+
+
 def default_pad_multiple(device_type, compiled):
     """The padding multiple for a device when the user did not choose one (None: pad to the longest text)."""
     if compiled:
@@ -884,11 +946,16 @@ def label_targets(examples, labels, multi_label, regression=False):
     return targets
 
 
-def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None):
+def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cut=LongText(), keep_doc=False):
     """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator.
 
     A sentence pair becomes the tokenizer's pair encoding ([CLS] a [SEP] b [SEP], token_type_ids 0/1), truncated
-    longest_first: the longer sentence loses tokens first, so a short question keeps all of its words."""
+    longest_first: the longer sentence loses tokens first, so a short question keeps all of its words. A single text
+    is cut as `cut` says (LongText); with windows, `keep_doc` keeps each window's text index in a `doc` column."""
+    if cut.doc_stride is not None:
+        return tokenize_windows(tokenizer, texts, targets, max_seq_len, cut.doc_stride, keep_doc)
+    if cut.truncation != "head":
+        return tokenize_cut(tokenizer, texts, targets, max_seq_len, cut)
     columns = {"text": list(texts)}
     paired = text_pairs is not None
     if paired:
@@ -904,10 +971,49 @@ def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None):
     return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"])
 
 
-def tokenize_examples(tokenizer, examples, targets, max_seq_len):
+def tokenize_windows(tokenizer, texts, targets, max_seq_len, doc_stride, keep_doc):
+    """Each text as windows of max_seq_len tokens overlapping by doc_stride ([CLS] and [SEP] in each), with the
+    text's label (and its index as `doc` if keep_doc)."""
+    columns = {"text": list(texts), "doc": list(range(len(texts))), **({"labels": targets} if targets is not None
+                                                                          else {})}
+
+    def encode(batch):
+        encoded = tokenizer(batch["text"], truncation=True, max_length=max_seq_len, stride=doc_stride,
+                            return_overflowing_tokens=True)
+        texts_of_windows = encoded.pop("overflow_to_sample_mapping")  # the batch position of each window's text
+        return {**encoded, **{column: [batch[column][i] for i in texts_of_windows] for column in ("doc", "labels")
+                              if column in batch}}
+
+    dataset = Dataset.from_dict(columns)
+    windows = dataset.map(encode, batched=True, batch_size=1000, remove_columns=list(columns))
+    return windows if keep_doc else windows.remove_columns("doc")
+
+
+def tokenize_cut(tokenizer, texts, targets, max_seq_len, cut):
+    """Each text's tail, or its head and tail, in max_seq_len tokens with [CLS] and [SEP] (the tokenizer's ids)."""
+    if tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
+        raise UserError(f"--truncation {cut.truncation}: the tokenizer has no [CLS]/[SEP] tokens to frame the kept "
+                        "tokens with; use --truncation head or --doc_stride")
+    room = max_seq_len - 2
+    head = cut.head_tokens if cut.truncation == "head_tail" else 0
+    columns = {"text": list(texts), **({"labels": targets} if targets is not None else {})}
+
+    def encode(batch):
+        # every token first (verbose=False: the "longer than the maximum" warning is what the cut handles)
+        tokens = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
+        kept = [ids if len(ids) <= room else ids[:head] + ids[len(ids) - (room - head):] for ids in tokens]
+        input_ids = [[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id] for ids in kept]
+        return {"input_ids": input_ids, "token_type_ids": [[0] * len(ids) for ids in input_ids],
+                "attention_mask": [[1] * len(ids) for ids in input_ids]}
+
+    dataset = Dataset.from_dict(columns)
+    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=["text"])
+
+
+def tokenize_examples(tokenizer, examples, targets, max_seq_len, cut=LongText(), keep_doc=False):
     """`tokenize` for Examples: texts, and sentence pairs when the examples have them."""
     pairs = [e.text_pair for e in examples] if examples[0].text_pair is not None else None
-    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs)
+    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs, cut, keep_doc)
 
 
 def fingerprint_examples(path, examples):

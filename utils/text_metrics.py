@@ -126,6 +126,22 @@ def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5, regr
     return {**classification_metrics(y_true, y_pred, labels), "loss": loss.item()}
 
 
+def pool_windows(logits, targets, docs, how="mean"):
+    """One row per text from the rows of its windows (utils/text_data.py tokenize_windows): logits (W, C) pooled by
+    their mean or maximum, the text's target (every window carries it) taken from its first window. docs (W,): each
+    window's text index, 0..N-1 in order (an evaluation's windows come in dataset order). Returns (N, C), (N, ...)."""
+    count = int(docs[-1]) + 1
+    rows = docs.view(-1, 1).expand_as(logits)
+    if how == "max":
+        pooled = torch.full((count, logits.shape[1]), -torch.inf).scatter_reduce(0, rows, logits, "amax")
+    else:
+        windows = torch.zeros(count).index_add_(0, docs, torch.ones(len(docs)))
+        pooled = torch.zeros(count, logits.shape[1]).index_add_(0, docs, logits) / windows.view(-1, 1)
+    first = torch.ones(len(docs), dtype=torch.bool)
+    first[1:] = docs[1:] != docs[:-1]
+    return pooled, None if targets is None else targets[first]
+
+
 def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regression=False):
     """predictions.jsonl rows, one per input record in file order: its `line` (a file's; a dataset's rows are in
     its order), the input, the label(s) the file gave (`label_given`), the predicted label(s) with their probability,

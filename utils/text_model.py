@@ -21,7 +21,8 @@ the hub's form (NAME or ORG/NAME, huggingface_hub's validate_repo_id) and ORG is
 line, before transformers could go to the hub for it.
 
 What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
-max_seq_len, the label mode and, for multi-label, the threshold, which evaluation-only runs use unless given
+max_seq_len, the label mode and, for multi-label, the threshold, how long texts are cut (--truncation, --head_tokens,
+--doc_stride windows and their --pool), which evaluation-only runs use unless given
 (`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
 the config describes the architecture, and transformers copies it into every model built from this one, where a
 training's settings would then pass for that model's own.
@@ -43,10 +44,11 @@ from transformers import AutoModelForSequenceClassification
 from utils.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, hf_bool
+from utils.text_data import LONG_TEXT_DEFAULTS
 
 TRAINED_WITH = "trained_with.json"
 # the flags' defaults where no trained model supplies them; --max_seq_len's waits for the config (fit_max_seq_len)
-MODEL_SETTINGS = {"max_seq_len": None, "threshold": 0.5}
+MODEL_SETTINGS = {"max_seq_len": None, "threshold": 0.5, **LONG_TEXT_DEFAULTS}
 DEFAULT_MAX_SEQ_LEN = 512  # the reference's, and BERT's positions
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
@@ -300,7 +302,9 @@ def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
 def trained_with(args):
     """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
     return {"max_seq_len": args.max_seq_len, "multi_label": args.multi_label,
-            **({"threshold": args.threshold} if args.multi_label else {})}
+            **({"threshold": args.threshold} if args.multi_label else {}), "truncation": args.truncation,
+            **({"head_tokens": args.head_tokens} if args.truncation == "head_tail" else {}),
+            **({"doc_stride": args.doc_stride, "pool": args.pool} if args.doc_stride is not None else {})}
 
 
 def recorded_settings(model_name_or_path):
@@ -326,6 +330,36 @@ def use_model_settings(args, say):
                             "class id per sample; use the built-in exact-match accuracy and micro/macro F1")
     return settings_from_model(args, MODEL_SETTINGS, recorded, args.model_name_or_path, say)
 
+def long_text_usage(args):
+    """The model card's lines telling pipeline() users how to cut long texts as the training did, where pipeline()'s
+    own truncation (the head) differs; none for --truncation head."""
+    room = args.max_seq_len - 2
+    if args.doc_stride is not None:
+        pooled = "logits.mean(0)" if args.pool == "mean" else "logits.max(0).values"
+        return ["", f"Trained on windows of {args.max_seq_len} tokens overlapping by {args.doc_stride}, a text's "
+                "prediction pooling its windows' logits: pipeline() sees the first window only. To reproduce:", "",
+                "```python", "import torch", "",
+                f"inputs = classifier.tokenizer(text, truncation=True, max_length={args.max_seq_len}, "
+                f"stride={args.doc_stride}, return_overflowing_tokens=True, padding=True, return_tensors=\"pt\")",
+                "inputs.pop(\"overflow_to_sample_mapping\")",
+                "with torch.no_grad():",
+                f"    logits = classifier.model(**inputs).logits  # (windows, labels)",
+                f"probabilities = {pooled}.softmax(-1)", "```"]
+    if args.truncation == "tail":
+        return ["", "Trained on the last tokens of long texts: set `classifier.tokenizer.truncation_side = \"left\"` "
+                "before calling the pipeline."]
+    if args.truncation == "head_tail":
+        return ["", f"Trained on the first {args.head_tokens} and last {room - args.head_tokens} tokens of long texts "
+                "(pipeline() keeps the first ones). To reproduce:", "",
+                "```python", "import torch", "", "tokenizer = classifier.tokenizer",
+                "ids = tokenizer(text, add_special_tokens=False)[\"input_ids\"]",
+                f"if len(ids) > {room}:", f"    ids = ids[:{args.head_tokens}] + ids[-{room - args.head_tokens}:]",
+                "with torch.no_grad():",
+                "    logits = classifier.model(input_ids=torch.tensor([[tokenizer.cls_token_id, *ids, "
+                "tokenizer.sep_token_id]])).logits", "```"]
+    return []
+
+
 def model_card(args, labels, examples, run):
     """best_model/README.md's fixed part (utils/outputs.py ModelCard): the labels, the key settings (`run`:
     run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
@@ -344,11 +378,14 @@ def model_card(args, labels, examples, run):
         f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
         + (f"texts.jsonl --text_column {args.text_column} --text_pair_column {args.text_pair_column}"
            if example.text_pair is not None else "texts.txt")
-        + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT`."])
+        + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT` "
+        "(it cuts long texts as the training did, from the model's trained_with.json).", *long_text_usage(args)])
     model = str(args.model_name_or_path)
     if args.from_scratch:
         model += f" (from scratch{', ' + args.config_overrides if args.config_overrides else ''})"
     settings = {"model": model, "multi_label": args.multi_label, "max_seq_len": args.max_seq_len,
+                "long texts": trained_with(args)["truncation"] if args.doc_stride is None else
+                f"windows, --doc_stride {args.doc_stride}, --pool {args.pool}",
                 "train_batch_size (global)": args.train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
                 "num_train_epochs": args.num_train_epochs, "max_train_steps": args.max_train_steps, "seed": args.seed,

@@ -1,0 +1,131 @@
+"""train_bert_cls.py on texts longer than --max_seq_len: --truncation tail/head_tail against the tokenizer's own
+encoding, --doc_stride windows trained with their text's label and pooled into one prediction per text, counted once
+on 1 and 2 processes (against the exported model's own forward in the test), recorded in the export."""
+import pytest
+import torch
+from conftest import launch, one_thread, read_json, read_jsonl, run_here
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from utils.text_data import LongText, tokenize
+from utils.text_metrics import pool_windows
+
+SCRIPT = "train_bert_cls.py"
+LEN = 16  # tokens: most headlines (up to 24 tokens with [CLS] and [SEP]) are longer
+TEXT = "体育比赛今天开始球队赢了比赛球迷很高兴财经股票上涨"
+
+
+def bert_args(data, out, *extra):
+    return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch", "--max_seq_len", str(LEN),
+            "--config_overrides", "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
+            "--train_batch_size", "16", "--eval_batch_size", "16", "--learning_rate", "2e-3", "--num_train_epochs",
+            "2", "--logging_steps", "20", "--output_dir", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_data):
+    return AutoTokenizer.from_pretrained(text_data / "model")
+
+
+def test_tail_is_the_tokenizers_left_truncation(tokenizer):
+    [got] = tokenize(tokenizer, [TEXT], None, LEN, cut=LongText(truncation="tail"))["input_ids"][:1]
+    tokenizer.truncation_side = "left"
+    try:
+        expected = tokenizer(TEXT, truncation=True, max_length=LEN)["input_ids"]
+    finally:
+        tokenizer.truncation_side = "right"
+    assert got == expected and len(got) == LEN
+
+
+def test_head_tail_keeps_the_first_and_last_tokens(tokenizer):
+    tokens = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(tokens) > LEN
+    dataset = tokenize(tokenizer, [TEXT, "体育"], [3, 4], LEN, cut=LongText(truncation="head_tail", head_tokens=5))
+    assert dataset["input_ids"][0] == [tokenizer.cls_token_id, *tokens[:5], *tokens[-(LEN - 2 - 5):],
+                                       tokenizer.sep_token_id]
+    assert dataset["input_ids"][1] == tokenizer("体育")["input_ids"]  # short texts stay whole
+    assert dataset["labels"] == [3, 4]
+
+
+def test_windows_cover_the_text_with_its_label(tokenizer):
+    tokens = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    dataset = tokenize(tokenizer, [TEXT, "体育"], [7, 2], LEN, cut=LongText(doc_stride=4), keep_doc=True)
+    windows = [ids[1:-1] for ids, doc in zip(dataset["input_ids"], dataset["doc"]) if doc == 0]
+    assert len(windows) == 1 + -(-(len(tokens) - (LEN - 2)) // (LEN - 2 - 4))  # each window adds 10 new tokens
+    assert windows[0] == tokens[:LEN - 2] and windows[1][:4] == windows[0][-4:]  # overlapping by 4
+    assert windows[-1][-1] == tokens[-1]
+    assert dataset["labels"] == [7] * len(windows) + [2] and dataset["doc"] == [0] * len(windows) + [1]
+    assert "doc" not in tokenize(tokenizer, [TEXT], [7], LEN, cut=LongText(doc_stride=4)).column_names
+
+
+def test_pool_windows_by_mean_and_max():
+    logits = torch.tensor([[1.0, 5.0], [3.0, 1.0], [0.0, 2.0], [4.0, 4.0], [2.0, 0.0]])
+    docs, targets = torch.tensor([0, 0, 0, 1, 2]), torch.tensor([1, 1, 1, 0, 1])
+    mean, pooled_targets = pool_windows(logits, targets, docs, "mean")
+    assert torch.allclose(mean, torch.tensor([[4 / 3, 8 / 3], [4.0, 4.0], [2.0, 0.0]]))
+    assert pooled_targets.tolist() == [1, 0, 1]
+    assert pool_windows(logits, targets, docs, "max")[0].tolist() == [[3.0, 5.0], [4.0, 4.0], [2.0, 0.0]]
+
+
+def pooled_accuracy(model_dir, texts, labels, stride, pool):
+    """Accuracy of the exported model over whole texts, each pooling its windows as the model card says."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    label2id = model.config.label2id
+    hits = 0
+    for text, label in zip(texts, labels):
+        inputs = tokenizer(text, truncation=True, max_length=LEN, stride=stride, return_overflowing_tokens=True,
+                           padding=True, return_tensors="pt")
+        inputs.pop("overflow_to_sample_mapping")
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        pooled = logits.mean(0) if pool == "mean" else logits.max(0).values
+        hits += int(pooled.argmax()) == label2id[label]
+    return hits / len(texts)
+
+
+@pytest.mark.parametrize("n, pool", [(1, "max"), (2, "mean")])
+def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n, pool):
+    out = tmp_path / "out"
+    predict = tmp_path / "predict.txt"
+    rows = [line.split("\t", 1) for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()]
+    predict.write_text("".join(f"{text}\n" for _, text in rows[:9]) + "\n", encoding="utf-8")  # and a blank line
+    launch(SCRIPT, bert_args(text_data, out, "--doc_stride", "4", "--pool", pool, "--do_train", "--do_eval",
+                             "--do_test", "--do_predict", "--predict_file", predict), num_processes=n)
+    results = read_json(out / "all_results.json")
+    assert results["eval_samples"] == results["test_samples"] == 99  # texts, not windows
+    assert results["validation_windows"] > 99 and results["train_windows"] > 800
+    expected = pooled_accuracy(out / "best_model", [t for _, t in rows], [label for label, _ in rows], 4, pool)
+    assert results["test_accuracy"] == pytest.approx(expected, abs=1e-9)
+    predictions = read_jsonl(out / "predictions.jsonl")
+    assert [p["text"] for p in predictions] == [t for _, t in rows[:9]] + [""] and "skipped" in predictions[-1]
+    assert read_json(out / "best_model" / "trained_with.json") == {
+        "max_seq_len": LEN, "multi_label": False, "truncation": "head", "doc_stride": 4, "pool": pool}
+    card = (out / "best_model" / "README.md").read_text(encoding="utf-8")
+    assert f"stride=4, return_overflowing_tokens=True" in card
+    if n == 2:  # evaluating the export later: the model's windows, the training's numbers
+        with one_thread():
+            later = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--model_name_or_path", out / "best_model",
+                                      "--do_test", "--eval_batch_size", "16", "--output_dir", tmp_path / "later"])
+        assert "was trained with" in later.stdout and "--doc_stride 4" in later.stdout
+        assert read_json(tmp_path / "later" / "test_results.json")["test_accuracy"] == results["test_accuracy"]
+
+
+def test_head_tail_trains_and_is_recorded(text_data, tmp_path):
+    out = tmp_path / "out"
+    with one_thread():
+        run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--truncation", "head_tail", "--head_tokens", "4",
+                                             "--num_train_epochs", "1", "--do_train", "--do_eval")])
+    assert read_json(out / "best_model" / "trained_with.json")["head_tokens"] == 4
+    assert "ids[:4] + ids[-10:]" in (out / "best_model" / "README.md").read_text(encoding="utf-8")
+    assert read_json(out / "all_results.json")["long_texts"] == "the first 4 tokens and the last ones"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--doc_stride", "4", "--truncation", "tail"], "--doc_stride 4 keeps every token in windows: --truncation tail"),
+    (["--doc_stride", "14"], "--doc_stride 14: windows of --max_seq_len 16 tokens hold 14 text tokens"),
+    (["--truncation", "head_tail", "--head_tokens", "14"], "--head_tokens 14: --max_seq_len 16 holds 14 text tokens"),
+])
+def test_bad_long_text_flags_are_one_line(text_data, tmp_path, extra, message):
+    with one_thread():
+        proc = run_here(SCRIPT, ["--cpu", *bert_args(text_data, tmp_path / "out", *extra, "--do_train")], check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
