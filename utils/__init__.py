@@ -16,7 +16,8 @@ both scripts
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
                  on every rank, PyTorch files read without running code and checked whole, the settings an export
                  carries
-  outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers,
+  outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers
+                 and their one run across restarts,
                  secrets such as --token masked), the model card, console lines, progress bar, training curves, the
                  output directory's policy
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
@@ -24,7 +25,8 @@ both scripts
                  by onnxruntime in a second process against PyTorch (agreement, accuracy, CPU latency)
 train_bert_cls.py
   text_data.py   text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
-                 --max_*_samples cuts, tokenising, padding, length-grouped sampling
+                 --max_*_samples cuts, tokenising (long texts: --truncation, --doc_stride windows), padding,
+                 length-grouped sampling
   text_model.py  where the model's files come from (--config_name, --tokenizer_name, hub options), loading the
                  classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient checkpointing,
                  AdamW groups
