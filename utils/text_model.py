@@ -302,7 +302,9 @@ def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
 def trained_with(args):
     """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
     return {"max_seq_len": args.max_seq_len, "multi_label": args.multi_label,
-            **({"threshold": args.threshold} if args.multi_label else {}), "truncation": args.truncation,
+            **({"threshold": args.threshold} if args.multi_label else {}),
+            # the head, the default, goes unrecorded: files without the entry mean it
+            **({"truncation": args.truncation} if args.truncation != "head" else {}),
             **({"head_tokens": args.head_tokens} if args.truncation == "head_tail" else {}),
             **({"doc_stride": args.doc_stride, "pool": args.pool} if args.doc_stride is not None else {})}
 
@@ -384,7 +386,7 @@ def model_card(args, labels, examples, run):
     if args.from_scratch:
         model += f" (from scratch{', ' + args.config_overrides if args.config_overrides else ''})"
     settings = {"model": model, "multi_label": args.multi_label, "max_seq_len": args.max_seq_len,
-                "long texts": trained_with(args)["truncation"] if args.doc_stride is None else
+                "long texts": args.truncation if args.doc_stride is None else
                 f"windows, --doc_stride {args.doc_stride}, --pool {args.pool}",
                 "train_batch_size (global)": args.train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
