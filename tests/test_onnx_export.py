@@ -1,7 +1,6 @@
 """--export_onnx of both scripts: the selected model as ONNX with dynamic axes, checked by onnxruntime in a second
 process (the test checks the reported numbers against its own onnxruntime run), int8 beside fp32, launched on 1 and 2
 processes; onnx/onnxruntime missing is one line."""
-import json
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +51,8 @@ def test_resnet_training_exports_the_best_model(resnet_run, digits_data):
     export = load_torch_checkpoint(resnet_run / "model_best.pth")
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(export["state_dict"])
-    transform = val_transform(type("Args", (), {k: export[k] for k in ("val_resize", "val_crop_size", "interpolation")}))
+    sizes = {key: export[key] for key in ("val_resize", "val_crop_size", "interpolation")}
+    transform = val_transform(type("Args", (), sizes))
     images = torch.stack([transform(decode_rgb(p)) for p in sorted((Path(digits_data) / "val").rglob("*.png"))[:3]])
     with torch.no_grad():
         expected = model.eval()(images).numpy()
@@ -108,7 +108,8 @@ def test_missing_onnxruntime_is_one_line(tmp_path, digits_data, script, args):
     proc = run(["python", script, *args, "--export_onnx", "--output_dir", tmp_path / "out"], check=False,
                env={"PYTHONPATH": str(tmp_path / "site")})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--export_onnx needs the optional packages onnx and onnxruntime (onnxruntime is not installed)" in proc.stderr
+    assert ("--export_onnx needs the optional packages onnx and onnxruntime (onnxruntime is not installed)"
+            in proc.stderr)
     assert not (tmp_path / "out").exists()
 
 

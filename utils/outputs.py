@@ -35,12 +35,13 @@ class RunLog:
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.card = None  # start()'s ModelCard: a run that trains has one
-        self.trackers = None  # start()'s (project, config) until open() starts the trackers, then "started"
+        self.tracker_start = None  # start()'s (project name, configuration) for open() to start the trackers with
+        self.trackers_started = False
 
     def open(self, resume_step=None, state=None):
         """Start metrics.jsonl afresh, or, when resuming, keep it up to the checkpoint's step; start the trackers
         (start_trackers) with the loop's `state`, once per launch."""
-        if self.accelerator.log_with and self.trackers != "started":
+        if self.accelerator.log_with and not self.trackers_started:
             self.start_trackers(resume_step, state)
         with writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
@@ -85,18 +86,19 @@ class RunLog:
         self.write_json("run_config.json", provenance(args))
         if self.accelerator.log_with:  # started by open(), once the checkpoint to resume from is read
             flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in public_args(args).items()}
-            self.trackers = (project_name, flat)
+            self.tracker_start = (project_name, flat)
 
     def start_trackers(self, resume_step, state):
         """The trackers' runs: new ones, or, resuming (`resume_step`) from a checkpoint whose `state` records them
         (TRACKER_RUNS), the same ones continued from the step after the checkpoint (tracker_settings). The run ids go
         into `state`, so that every later checkpoint records them. The configuration is logged once, by the run that
         starts them (MLflow's parameters cannot change)."""
-        project_name, config = self.trackers
-        runs = (state or {}).get(TRACKER_RUNS) or {} if resume_step is not None else {}
+        project_name, config = self.tracker_start
+        recorded = (state or {}).get(TRACKER_RUNS) or {}
+        runs = recorded if resume_step is not None else {}
         init_kwargs, places = tracker_settings(self.accelerator, self.output_dir, project_name, runs, resume_step)
         self.accelerator.init_trackers(project_name, config=None if runs else config, init_kwargs=init_kwargs)
-        self.trackers = "started"
+        self.trackers_started = True
         if state is not None:
             state[TRACKER_RUNS] = started_runs(self.accelerator, init_kwargs)
         continued = (f"; continuing the runs that checkpoint step {resume_step} records "
