@@ -12,6 +12,8 @@ test suite runs these two commands as printed and expects a top-1 accuracy above
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_resnet.py --cpu \
         demo_data/digits_tiny --image_size 16 --val_resize 16 --hflip 0 --crop_scale 0.5 -b 64 --lr 0.05 \
         --lr_scheduler cosine --epochs 4 -j 0 --output_dir outputs/resnet_tiny --overwrite_output_dir
+To adapt it (another model, a transform, a loss term, other numbers from the validation), change the functions of its
+ADAPTATION SECTION, right below the imports: nothing else names a model class, a transform or a metric's computation.
 -b is the GLOBAL batch (main.py's "total batch size of all GPUs"): the same command trains the same way on any
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
+from torchvision.transforms import v2
 
 from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
                                load_checkpoint_weights, read_training_state, resume_settings)
@@ -47,10 +50,9 @@ from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_acc
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info)
 from utils.image_augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_augment_args, add_mixing_args,
                             build_mixer, dominant_labels, eval_image_settings, image_settings, recorded_image_settings,
-                            resolve_augment_args, resolve_image_sizes, soft_cross_entropy, train_transform,
-                            val_transform)
-from utils.image_data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
-                         build_dummy_datasets, fingerprint_images, topk_hits)
+                            resolve_augment_args, resolve_image_sizes, soft_cross_entropy)
+from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder,
+                              bad_image_error, build_datasets, build_dummy_datasets, fingerprint_images, topk_hits)
 from utils.image_device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
 from utils.image_model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
                           is_weights_file, weights_file_fields)
@@ -60,8 +62,121 @@ from utils.image_references import (TORCHVISION_FLAGS, add_replaced_flags, check
                                export_main_py_checkpoints, global_batch_size, model_card)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
-VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
 TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Adaptation: the functions to change to adapt this script. The rest of it and utils/ take what these return and never
+# name a model class, a transform or a metric's computation.
+#   build_model / empty_model   the model (-a, its starting weights, a head for the data's classes), and its twin on
+#                               the meta device whose parameter names the exports must have; a trained one is loaded
+#                               back strictly into build_model's model (-e, --resume FILE) or by accelerate's
+#                               load_state (checkpoints/step_N)
+#   train_transform /           the training and validation pipelines, torchvision transforms.v2 steps on a (3, H, W)
+#   val_transform               uint8 image: each image's random draws are seeded by (seed, epoch, image), so a new
+#                               random step resumes exactly; --decode_on_device replays the steps on the device and
+#                               refuses at start-up, in one line, a step it cannot replay (utils/image_device_decode.py)
+#   training_loss               the loss of one (micro-)batch: a mean over its readable images
+#   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted):
+#                               metrics.jsonl's `eval` events, the trackers' values, all_results.json's and model_card.md's
+#                               `eval_NAME`, `ema_NAME` for the EMA's; VALIDATION_METRICS may select model_best.pth and
+#                               CURVES are plotted
+# ---------------------------------------------------------------------------------------------------------------------
+VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
+CURVES = (("loss", "loss"), ("acc1", "top-1 accuracy (%)"))  # training_curves.png: (metrics.jsonl key, axis label)
+
+
+def build_model(args, num_classes, print_fn=print):
+    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
+    new head, and --drop_path/--drop (utils/image_model.py)."""
+    return build_image_model(args, num_classes, print_fn)
+
+
+def empty_model(args, num_classes):
+    """build_model's model without weights (no download, no memory): the parameter names plain torchvision loads."""
+    no_weights = argparse.Namespace(**{**vars(args), "pretrained": False, "weights": None})
+    return on_meta_device(lambda: build_model(no_weights, num_classes))
+
+
+def train_transform(args):
+    """(3, H, W) uint8 -> (3, crop, crop) float, normalised: torchvision's ClassificationPresetTrain order."""
+    mode = v2.InterpolationMode(args.interpolation)
+    steps = [v2.RandomResizedCrop(args.train_crop_size, scale=(args.crop_scale, 1.0), ratio=tuple(args.crop_ratio),
+                                  interpolation=mode, antialias=True)]
+    # on tensors, rotations and shears resample with nearest or bilinear only (torchvision raises for bicubic)
+    mode = mode if mode != v2.InterpolationMode.BICUBIC else v2.InterpolationMode.BILINEAR
+    if args.hflip > 0:
+        steps.append(v2.RandomHorizontalFlip(args.hflip))
+    if args.auto_augment == "ta_wide":
+        steps.append(v2.TrivialAugmentWide(interpolation=mode))
+    elif args.auto_augment == "ra":
+        steps.append(v2.RandAugment(magnitude=args.ra_magnitude, interpolation=mode))
+    elif args.auto_augment == "augmix":
+        steps.append(v2.AugMix(severity=args.augmix_severity, interpolation=mode))
+    elif args.auto_augment:
+        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy(args.auto_augment), interpolation=mode))
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    if args.random_erase > 0:
+        steps.append(v2.RandomErasing(p=args.random_erase))
+    return v2.Compose(steps)
+
+
+def val_transform(args):
+    """Resize the shorter side, center crop, normalise: torchvision's ClassificationPresetEval."""
+    return v2.Compose([v2.Resize(args.val_resize, interpolation=v2.InterpolationMode(args.interpolation),
+                                 antialias=True),
+                       v2.CenterCrop(args.val_crop_size), v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
+    """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none. class_weights
+    (C,): each image's cross-entropy times its class's weight, still averaged over the images (utils/loop.py
+    ClassWeights)."""
+    losses = F.cross_entropy(logits, targets.clamp(min=0), weight=class_weights, label_smoothing=label_smoothing,
+                             reduction="none")
+    readable = (targets >= 0).float()
+    return (losses * readable).sum() / readable.sum().clamp(min=1)
+
+
+def training_loss(logits, labels, soft_labels, args, class_weights=None):
+    """The loss of this process's (micro-)batch, logits (b, C): against MixUp/CutMix's soft targets (b, C) where the
+    batch was mixed (soft_labels not None), else against the labels (b,)."""
+    if soft_labels is not None:
+        return soft_cross_entropy(logits, soft_labels, args.label_smoothing, class_weights)
+    return classification_loss(logits, labels, args.label_smoothing, class_weights)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, args):
+    """Top-1/top-5 accuracy (%) and mean loss over exactly the validation images, on any number of processes."""
+    model.eval()
+    images = 0
+    top1 = 0
+    top5 = 0
+    skipped = 0
+    loss_sum = 0.0
+    for inputs, targets in decode_on_device(progress(accelerator, loader, desc="validation", leave=False),
+                                            accelerator.device):
+        if args.channels_last:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        logits = model(inputs).float()  # (B, C)
+        # every rank gets the same full batch, minus the duplicates padded onto the last one
+        logits, targets = accelerator.gather_for_metrics((logits, targets))
+        readable = targets >= 0
+        if not args.skip_bad_images and not readable.all():
+            raise bad_image_error(loader.dataset, targets.min().item())
+        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()
+        images += int(readable.sum())
+        top1 += correct[0]
+        top5 += correct[1]
+        skipped += int((~readable).sum())
+        loss_sum += F.cross_entropy(logits[readable], targets[readable], reduction="sum").item()
+    model.train()
+    n = max(images, 1)
+    return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "loss": loss_sum / n, "samples": images,
+            "skipped_images": skipped}
+# --------------------------------------------------------------------------- end of the adaptation section -----------
 
 
 def parse_args(argv=None):
@@ -175,12 +290,6 @@ def build_dataloaders(accelerator, args):
     return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
 
 
-def build_model(args, num_classes, print_fn=print):
-    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
-    new head, and --drop_path/--drop (utils/image_model.py)."""
-    return build_image_model(args, num_classes, print_fn)
-
-
 def place_model(model, args):
     """What main.py did by hand before DDP, done before accelerator.prepare."""
     if args.sync_bn:
@@ -190,42 +299,6 @@ def place_model(model, args):
     if args.gradient_checkpointing:  # after SyncBatchNorm replaced the BatchNorm layers that it adjusts
         enable_gradient_checkpointing(model, args.arch)
     return maybe_data_parallel(model, args)
-
-
-def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
-    """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none. class_weights
-    (C,): each image's cross-entropy times its class's weight, still averaged over the images (utils/loop.py
-    ClassWeights)."""
-    losses = F.cross_entropy(logits, targets.clamp(min=0), weight=class_weights, label_smoothing=label_smoothing,
-                             reduction="none")
-    readable = (targets >= 0).float()
-    return (losses * readable).sum() / readable.sum().clamp(min=1)
-
-
-@torch.no_grad()
-def evaluate(accelerator, model, loader, args):
-    """Top-1/top-5 accuracy (%) and mean loss over exactly the validation images, on any number of processes."""
-    model.eval()
-    images = top1 = top5 = skipped = 0
-    loss_sum = 0.0
-    for inputs, targets in decode_on_device(progress(accelerator, loader, desc="validation", leave=False),
-                                            accelerator.device):
-        if args.channels_last:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        logits = model(inputs).float()  # (B, C)
-        # every rank gets the same full batch, minus the duplicates padded onto the last one
-        logits, targets = accelerator.gather_for_metrics((logits, targets))
-        readable = targets >= 0
-        if not args.skip_bad_images and not readable.all():
-            raise bad_image_error(loader.dataset, targets.min().item())
-        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()
-        images += int(readable.sum())
-        top1, top5, skipped = top1 + correct[0], top5 + correct[1], skipped + int((~readable).sum())
-        loss_sum += F.cross_entropy(logits[readable], targets[readable], reduction="sum").item()
-    model.train()
-    n = max(images, 1)
-    return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "loss": loss_sum / n, "samples": images,
-            "skipped_images": skipped}
 
 
 def log_values(epoch, accuracy, loss, lr, speed):
@@ -247,9 +320,7 @@ def export_weights(accelerator, model, args, fields, is_best, ema_state=None, su
     """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision, with
     `fields` beside the state dict (arch, class_to_idx, epoch, acc1, best_acc1). checkpoint.pth also holds the EMA's
     weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
-    # the names plain torchvision loads: a fresh model of this arch (no weights: names only, no download)
-    fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False,
-                                                                     "weights": None}), len(fields["class_to_idx"])))
+    fresh = empty_model(args, len(fields["class_to_idx"]))
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
 
@@ -291,7 +362,7 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
 def plot_curves(log, args, steps_per_epoch):
     """training_curves.png from metrics.jsonl: loss and top-1 per epoch (main process)."""
     plot_training_curves(log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
-                         steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}")
+                         steps_per_epoch, CURVES, title=f"{args.arch} on {args.data or 'dummy data'}")
 
 
 @dataclass
@@ -402,8 +473,7 @@ def train(args, accelerator, model, data, log, task, attempt):
                 for _, (images, labels, soft_labels) in attempt.micro_batches(  # the batch, or its micro-batches
                         model, (inputs, targets, soft_targets if mixer else None)):
                     logits = model(images)  # (b, C), b = this process's share of the batch, or a micro-batch of it
-                    loss = (soft_cross_entropy(logits, soft_labels, args.label_smoothing, task.class_weights) if mixer
-                            else classification_loss(logits, labels, args.label_smoothing, task.class_weights))
+                    loss = training_loss(logits, labels, soft_labels, args, task.class_weights)
                     # accelerate divides by the full accumulation count, also in an epoch's shorter last window
                     accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch) * len(labels) / len(targets))
                     meter.update(loss, counts.add(logits, labels))  # the loss is a mean over the readable images

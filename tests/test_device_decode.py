@@ -14,7 +14,8 @@ from PIL import Image
 
 import train_resnet
 from utils import image_device_decode as device_decode
-from utils.image_augment import add_augment_args, resolve_augment_args, train_transform, val_transform
+from train_resnet import train_transform, val_transform
+from utils.image_augment import add_augment_args, resolve_augment_args
 from utils.demo_data import write_photo_imagefolder
 from utils.image_device_decode import EncodedImageFolder
 from utils.runtime import UserError
