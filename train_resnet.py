@@ -270,11 +270,13 @@ class ImageData:
 
 def build_dataloaders(accelerator, args):
     """Train and val ImageFolders of args.data (or --dummy data) and their loaders."""
-    check_decode_on_device(args)
+    train_steps = train_transform(args)
+    val_steps = val_transform(args)
+    check_decode_on_device(args, (train_steps, val_steps))
     if args.dummy is not None:
         train_set, val_set = build_dummy_datasets(args.dummy, args.train_crop_size, args.val_crop_size)
     else:
-        transforms = (train_transform(args), val_transform(args), args.train_crop_size, args.val_crop_size)
+        transforms = (train_steps, val_steps, args.train_crop_size, args.val_crop_size)
         folder = EncodedImageFolder if args.decode_on_device else RGBImageFolder
         train_set, val_set = build_datasets(args.data, args.seed, transforms, folder)
     common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
