@@ -110,7 +110,8 @@ def sample_losses(model, inputs, targets, args, class_weights=None):
 def predict_logits(accelerator, model, dataloader, desc):
     """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
     model.eval()
-    all_logits, all_labels = [], []
+    all_logits = []
+    all_labels = []
     for batch in progress(accelerator, dataloader, desc=desc, leave=False):
         labels = batch.pop("labels", None)
         logits = model(**batch).logits.float()  # (B, C)
@@ -306,7 +307,8 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
     """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch; padding: `resolve_padding`'s,
     by default the CPU's (to the longest text of each batch)."""
     collator = build_collator(tokenizer, args.max_seq_len, **(padding or {}))
-    loaders, stats = {}, {}
+    loaders = {}
+    stats = {}
     for split, split_examples in examples.items():
         targets = label_targets(split_examples, labels, args.multi_label, args.do_regression)
         dataset = tokenize_examples(tokenizer, split_examples, targets, args.max_seq_len)
@@ -447,8 +449,12 @@ class TrainResult:
 def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, loaders, log, task, attempt.resume)
-    model, optimizer, scheduler, state, cadence, selection = (training.model, training.optimizer, training.scheduler,
-                                                              training.state, training.cadence, training.selection)
+    model = training.model
+    optimizer = training.optimizer
+    scheduler = training.scheduler
+    state = training.state
+    cadence = training.cadence
+    selection = training.selection
     best_dir = args.output_dir / "best_model"
     guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
     meter = LossMeter(accelerator.device)
@@ -457,7 +463,10 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
                            args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
-    completed_steps, samples_seen, preempted, stopped_at = state["completed_steps"], 0, False, None
+    completed_steps = state["completed_steps"]
+    samples_seen = 0
+    preempted = False
+    stopped_at = None  # the step of an early stop
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
@@ -545,7 +554,8 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
     """--do_eval / --do_test on the selected model: `eval{tag}_*` / `test{tag}_*` results with the settings they used;
     the validation `trained` (this run's TrainResult) measured last is reused when it was the selected model's (and no
     --metric module asks for more)."""
-    results, step = {}, trained.results["train_steps"] if trained else 0
+    results = {}
+    step = trained.results["train_steps"] if trained else 0
     for split, mode in (("validation", "eval"), ("test", "test")):
         prefix = mode + tag
         if getattr(args, f"do_{mode}") and split in prepared:
