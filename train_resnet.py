@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
+from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.transforms import v2
 
 from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
@@ -78,12 +79,13 @@ TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric val
 #                               refuses at start-up, in one line, a step it cannot replay (utils/image_device_decode.py)
 #   training_loss               the loss of one (micro-)batch: a mean over its readable images
 #   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted):
-#                               metrics.jsonl's `eval` events, the trackers' values, all_results.json's and model_card.md's
-#                               `eval_NAME`, `ema_NAME` for the EMA's; VALIDATION_METRICS may select model_best.pth and
-#                               CURVES are plotted
+#                               metrics.jsonl's `eval` events, the trackers' values, all_results.json's and
+#                               model_card.md's `eval_NAME`, `ema_NAME` for the EMA's; VALIDATION_METRICS may select
+#                               model_best.pth and CURVES are plotted
 # ---------------------------------------------------------------------------------------------------------------------
 VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
 CURVES = (("loss", "loss"), ("acc1", "top-1 accuracy (%)"))  # training_curves.png: (metrics.jsonl key, axis label)
+CHECKPOINTED_BLOCKS = (BasicBlock, Bottleneck)  # --gradient_checkpointing recomputes each (timm models: their own)
 
 
 def build_model(args, num_classes, print_fn=print):
@@ -299,7 +301,7 @@ def place_model(model, args):
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if args.gradient_checkpointing:  # after SyncBatchNorm replaced the BatchNorm layers that it adjusts
-        enable_gradient_checkpointing(model, args.arch)
+        enable_gradient_checkpointing(model, args.arch, CHECKPOINTED_BLOCKS)
     return maybe_data_parallel(model, args)
 
 
@@ -335,10 +337,13 @@ def validate(accelerator, model, ema, val_loader, args):
 
 def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class_to_idx):
     """main.py validates and exports after every epoch; the EMA is validated and exported beside the model."""
-    state, ema, selection = training.state, training.ema, training.selection
+    state = training.state
+    ema = training.ema
+    selection = training.selection
     metrics = validate(accelerator, training.model, ema, training.val_loader, args)
     # the same gathered metrics on every rank: every rank exports (a collective) and stops at the same epoch
-    is_best, ema_best = selection.update(state, metrics, epoch), ema and selection.update_ema(state, metrics)
+    is_best = selection.update(state, metrics, epoch)
+    ema_best = ema and selection.update_ema(state, metrics)
     log.log("eval", completed_steps,
             {"epoch": epoch, **metrics, "train_seconds": time.perf_counter() - state["start_time"]})
     ema_text = f" | EMA Acc@1 {metrics['ema_acc1']:.3f} Acc@5 {metrics['ema_acc5']:.3f}" if ema else ""
@@ -450,17 +455,29 @@ class TrainResult:
 def train(args, accelerator, model, data, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, data, log, task, attempt.resume)
-    model, optimizer, scheduler, selection = training.model, training.optimizer, training.scheduler, task.selection
-    ema, mixer, state, cadence = training.ema, training.mixer, training.state, training.cadence
-    guard, meter = PreemptionGuard(accelerator, training.checkpoints.latest), LossMeter(accelerator.device)
+    model = training.model
+    optimizer = training.optimizer
+    scheduler = training.scheduler
+    selection = task.selection
+    ema = training.ema
+    mixer = training.mixer
+    state = training.state
+    cadence = training.cadence
+    guard = PreemptionGuard(accelerator, training.checkpoints.latest)
+    meter = LossMeter(accelerator.device)
     speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
     counts = ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr", also=[counts.check_unreadable])
     loss_scale = LossScale(accelerator, len(data.train_set), args.batch_size, args.gradient_accumulation_steps,
                            drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
-    completed_steps, images_seen, preempted, last_metrics, stopped_at = state["completed_steps"], 0, False, None, None
+    completed_steps = state["completed_steps"]
+    images_seen = 0
+    preempted = False
+    last_metrics = None  # the last validation's
+    stopped_at = None  # the step of an early stop
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
-    state["start_time"] = start_time = time.perf_counter()
+    start_time = time.perf_counter()
+    state["start_time"] = start_time
     model.train()
     for epoch in range(state["epoch"], args.epochs):
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
