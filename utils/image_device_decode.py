@@ -32,6 +32,7 @@ loader gives, whose batches it passes through unchanged.
 import functools
 import io
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,9 +159,28 @@ def draw_params(transform, shape, dtype):
             params.append(None)
             continue
         drawn = step.make_params([stand_in])
-        stand_in = step.transform(stand_in, drawn)
+        stand_in = followed(step, stand_in, drawn)
         params.append({key: value.numpy() if torch.is_tensor(value) else value for key, value in drawn.items()})
     return params
+
+
+_SAME_EVERY_TIME = weakref.WeakKeyDictionary()  # {step: {(shape, dtype): stand-in out}} for steps that draw nothing
+
+
+def followed(step, stand_in, drawn):
+    """The stand-in `step` makes of `stand_in` with `drawn`. Transforming even a meta tensor costs v2's dispatch
+    (most of a draw), so where the result is known it is not computed: a step that drew nothing gives the same for
+    the same shape and dtype every time (kept), and RandomResizedCrop, the first step of most pipelines, gives its
+    size."""
+    if type(step) is v2.RandomResizedCrop:
+        return torch.empty((stand_in.shape[0], *step.size), dtype=stand_in.dtype, device="meta")
+    if drawn:
+        return step.transform(stand_in, drawn)
+    known = _SAME_EVERY_TIME.setdefault(step, {})
+    key = (tuple(stand_in.shape), stand_in.dtype)
+    if key not in known:
+        known[key] = step.transform(stand_in, drawn)
+    return known[key]
 
 
 @dataclass
