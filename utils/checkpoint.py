@@ -24,6 +24,12 @@ training file as read (example count and a SHA-256 of the examples in order), an
 one line naming the file, because the checkpoint's position in the epoch (batches done, sampler order) would skip or
 repeat examples of the new data; `allow_data_change` (the scripts' --allow_data_change) resumes anyway, saying so.
 
+Each flag's role is declared once (`Role`: a resume may change it, must keep it, or it concerns one launch or a
+fresh start; whether the exported model records it), in each script's FLAG_ROLES and beside each shared add_*_args
+helper (`*_ROLES`). `FlagRoles` checks a table against its parser (every option has exactly one role) and derives
+what the machinery needs: the settings a resume may change (`resumable`), what it must match (`must_match`), what
+the export records (`exported`) and what results record (`evaluation`).
+
 Neighbours: utils/loop.py (when a checkpoint is due), utils/export.py (the exported weights beside the
 checkpoints), utils/outputs.py (the output directory's other files).
 """
@@ -190,13 +196,15 @@ def check_same_data(saved, current, path, allow_change, say):
 def check_compatible(saved, expected, path):
     """A checkpoint from another model, label set or batch layout must not be loaded silently.
 
-    Keys starting with `--` are flags: the message names the flag and both values. The training data (DATA_KEY) are
-    compared apart, by check_same_data."""
-    for key, value in expected.items():
+    Keys starting with `--` are flags: the message names the flag and both values. What the model is (its
+    architecture, labels, shape: the other keys) is compared first. The training data (DATA_KEY) are compared apart,
+    by check_same_data."""
+    for key, value in sorted(expected.items(), key=lambda item: item[0].startswith("--")):
         if key in saved and key != DATA_KEY and saved[key] != value:
             if key.startswith("--"):
                 raise UserError(f"{key} {value!r}: {Path(path)} was trained with {key} {saved[key]!r}; resume with "
-                                "the same value (another value would change which samples each step sees)")
+                                "the same value (which samples each step sees, the inputs or the optimizer's state "
+                                "depend on it)")
             raise UserError(
                 f"{Path(path) / STATE_FILE}: checkpoint has {key}={saved[key]!r}, this run has {value!r}"
             )
@@ -360,8 +368,11 @@ class Role:
         return replace(self, exported=True, evaluation=evaluation, default=default, only_with=only_with)
 
 
-MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, FRESH_START, REFUSED_FLAG = (Role(kind) for kind in
-                                                                  (CHANGE, KEEP, LAUNCH, START, REFUSED))
+MAY_CHANGE = Role(CHANGE)
+MUST_KEEP = Role(KEEP)
+THIS_LAUNCH = Role(LAUNCH)
+FRESH_START = Role(START)
+REFUSED_FLAG = Role(REFUSED)
 
 
 def keep_as(key):

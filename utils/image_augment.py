@@ -72,7 +72,8 @@ def add_augment_args(parser):
 # torchvision's defaults where neither the command line nor the model gives one; the validation's part of them may
 # change on resume and is recorded with the results. Which images a step sees depends on the repeated-augmentation
 # sampler; the other augmentations apply from the resumed step on.
-AUGMENT_ROLES = {"--image_size": kept_by("--train_crop_size"), "--train_crop_size": MUST_KEEP.recorded(224, False),
+AUGMENT_ROLES = {"--image_size": kept_by("--train_crop_size"),
+                 "--train_crop_size": MUST_KEEP.recorded(224, evaluation=False),
                  "--val_crop_size": MAY_CHANGE.recorded(224), "--val_resize": MAY_CHANGE.recorded(256),
                  "--interpolation": MAY_CHANGE.recorded("bilinear"), "--crop_scale": MAY_CHANGE,
                  "--crop_ratio": MAY_CHANGE, "--hflip": MAY_CHANGE, "--auto_augment": MAY_CHANGE,

@@ -21,8 +21,8 @@ the hub's form (NAME or ORG/NAME, huggingface_hub's validate_repo_id) and ORG is
 line, before transformers could go to the hub for it.
 
 What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
-max_seq_len, the label mode and, for multi-label, the threshold, which evaluation-only runs use unless given
-(`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
+the flags the script's FLAG_ROLES mark `.recorded()` (max_seq_len, the label mode and, for multi-label, the
+threshold), which evaluation-only runs use unless given (`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
 the config describes the architecture, and transformers copies it into every model built from this one, where a
 training's settings would then pass for that model's own.
 
