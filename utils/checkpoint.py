@@ -338,7 +338,11 @@ def json_value(value):
 
 # ---- each flag's role: what a resume may change or must keep, what the exported model records ----
 
-CHANGE, KEEP, LAUNCH, START, REFUSED = "may change", "must keep", "this launch only", "a fresh start only", "refused"
+CHANGE = "may change"
+KEEP = "must keep"
+LAUNCH = "this launch only"
+START = "a fresh start only"
+REFUSED = "refused"
 ROLE_MEANINGS = {
     CHANGE: "a resume may change it: the new value is named in one line (`resumed with changed settings`), then "
             "applied from the checkpoint's step on",
