@@ -257,3 +257,9 @@ def test_resume_doc_lists_every_flag_role_as_declared(module):
     """faults_and_resume.md's role tables are the scripts' FLAG_ROLES; on a change, paste the table printed here."""
     table = role_table(module)
     assert table in (ROOT / "docs" / "faults_and_resume.md").read_text(encoding="utf-8"), f"expected:\n{table}"
+
+
+def test_readme_stays_scannable():
+    """README.md is read in two minutes: at most 150 lines; detail belongs in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
