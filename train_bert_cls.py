@@ -16,8 +16,12 @@ runs these two commands as printed and expects a test accuracy above 0.9, chance
 Sentence pairs, multi-label, regression, `datasets` datasets, other encodings: docs/bert_data_formats.md;
 checkpoints, compile, --metric: docs/bert_checkpoints_and_compile.md; run_classification.py's flags: docs/bert.md.
 Batch sizes are GLOBAL: the same command trains the same way on any number of processes.
+To adapt it (another model or head, a loss term, the tokenisation, other numbers from the evaluation), change the
+functions of its ADAPTATION SECTION, right below the imports: nothing else names the model class, the loss or a
+metric's computation.
 """
 import argparse
+import functools
 import json
 import math
 import time
@@ -29,40 +33,116 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
-                               resume_settings)
+from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, Checkpoints, FlagRoles,
+                               add_allow_data_change, agree_on_resume, kept_by, replace_dir_atomically,
+                               resume_settings, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
+from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection)
-from utils.onnx_export import add_onnx_args, check_batches, check_onnx_args, export_and_check
+from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
 from utils.outputs import RunLog, check_output_dir, format_step_line, progress
 from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
                             run_cli, run_info, writing)
-from utils.text_data import (LengthGroupedSampler, add_dataset_args, add_long_text_args, add_padding_args,
-                       add_text_format_args, build_collator, long_text,
-                       build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
-                       data_must_match, fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
-                       read_predict_file, resolve_padding, select_examples, text_format, token_lengths,
-                       tokenize_examples, write_labels_file)
+from utils.text_data import (DATASET_ROLES, LONG_TEXT_ROLES, PADDING_ROLES, TEXT_FORMAT_ROLES, LengthGroupedSampler,
+                             add_dataset_args, add_long_text_args, add_padding_args, add_text_format_args,
+                             build_collator, build_label_list, check_dataset_args, check_known_labels,
+                             check_text_format_args, fingerprint_examples, label_targets, long_text,
+                             read_dataset_splits, read_file_splits, read_predict_file, resolve_padding,
+                             select_examples, text_format, token_lengths, tokenize_examples, write_labels_file)
 from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
                           flat_metrics, headline_scores, load_metrics, pool_windows, prediction_rows,
                           save_confusion_matrix,
                           selectable_metrics, training_loss)
-from utils.text_model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
-                        check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
-                        load_classifier, load_legacy_bert, loading, model_card, optimizer_groups, problem_type,
-                        saved_labels,
-                        trained_with, use_model_settings)
+from utils.text_model import (MODEL_SOURCE_ROLES, TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths,
+                              check_model_source_args, check_problem_type, check_starting_weights, check_unk_rate,
+                              check_weight_files, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
+                              load_legacy_bert, loading, model_card, new_weight_names, optimizer_groups, problem_type,
+                              saved_labels, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
 
-def parse_args(argv=None):
+# ---------------------------------------------------------------------------------------------------------------------
+# Adaptation: the functions to change to adapt this script. The rest of it and utils/ take what these return and never
+# name the model class, the loss or the tokenizer's class.
+#   new_model / load_model   the model: built from its config (--from_scratch; on the meta device, the empty twin
+#                            whose parameter names an export must have and whose position table bounds --max_seq_len),
+#                            or loaded from a checkpoint or a trained best_model/ (training, --do_eval/--do_test/
+#                            --do_predict on a trained model); best_model/ is saved with save_pretrained, so what
+#                            load_model loads, pipeline() loads too
+#   load_tokenizer           the tokenisation (utils/text_data.py tokenize_examples calls it on batches of texts)
+#   sample_losses            the training loss per sample, (b,): the loop averages it over the real samples of each
+#                            optimizer step, so a term added here stays right under DDP, gradient accumulation, short
+#                            last batches and --auto_find_batch_size's micro-batches
+#   evaluate                 the evaluation's numbers: a dict of {name: number} (names without a prefix; `samples`:
+#                            how many were evaluated) that becomes metrics.jsonl's `eval` events, the trackers' values,
+#                            all_results.json's and the model card's `eval_NAME`/`test_NAME`, and the choices of
+#                            --metric_for_best_model; beside them "report", "confusion_matrix" (None where they do
+#                            not apply) and "extra" (--metric's numbers), which report() writes as files
+# ---------------------------------------------------------------------------------------------------------------------
+def new_model(config, trust_remote_code=False):
+    """The classifier for `config` (its labels included), randomly initialised."""
+    return AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def load_model(path, config, trust_remote_code=False, hub=None):
+    """(the classifier from `path`'s weights, the names of the weights that start new): a head of another size, or
+    none in the checkpoint, starts new; utils/text_model.py check_starting_weights refuses a new encoder weight."""
+    check_weight_files(path)
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
+        trust_remote_code=trust_remote_code, output_loading_info=True, **(hub or {}))
+    return model, new_weight_names(info)
+
+
+def load_tokenizer(source, trust_remote_code=False, hub=None):
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **(hub or {}))
+
+
+def sample_losses(model, inputs, targets, args, class_weights=None):
+    """The training loss of each sample of this process's (micro-)batch, (b,); `inputs`: the tokenised batch
+    (input_ids, attention_mask, ...), `targets`: label ids (b,), multi-hot (b, C) or numbers (b,)."""
+    logits = model(**inputs).logits  # (b, C)
+    return training_loss(logits, targets, args.multi_label, args.label_smoothing, class_weights, args.do_regression)
+
+
+@torch.no_grad()
+def predict_logits(accelerator, model, dataloader, desc, pool="mean"):
+    """Logits (N, C) and labels (N,) of exactly the N texts of the dataset, on every rank; a text cut into windows
+    (--doc_stride: the batches carry each window's text index, `doc`) has its windows' logits pooled (`pool`)."""
+    model.eval()
+    all_logits, all_labels, all_docs = [], [], []
+    for batch in progress(accelerator, dataloader, desc=desc, leave=False):
+        labels, docs = batch.pop("labels", None), batch.pop("doc", None)
+        logits = model(**batch).logits.float()  # (B, C)
+        all_logits.append(accelerator.gather_for_metrics(logits).cpu())
+        all_labels.append(accelerator.gather_for_metrics(labels).cpu() if labels is not None else None)
+        all_docs.append(accelerator.gather_for_metrics(docs).cpu() if docs is not None else None)
+    model.train()
+    logits = torch.cat(all_logits)
+    labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
+    if all_docs and all_docs[0] is not None:  # (W, C) window logits -> (N, C) text logits
+        logits, labels = pool_windows(logits, labels, torch.cat(all_docs), pool)
+    return logits, labels
+
+
+def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
+    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
+    `extra`: --metric's results (under their own keys too, which never collide with these)."""
+    logits, targets = predict_logits(accelerator, model, dataloader, desc, args.pool)
+    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
+    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
+    return {**metrics["extra"], **metrics}
+# --------------------------------------------------------------------------- end of the adaptation section -----------
+
+
+def build_parser():
+    """Every flag; each one's role for a resume and the export is declared in FLAG_ROLES below."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     data = parser.add_argument_group("data")
     data.add_argument("--data_dir", type=Path,
@@ -132,6 +212,12 @@ def parse_args(argv=None):
     add_selection_args(parser, None, SELECTION_HELP)
     add_onnx_args(parser)
     add_runtime_args(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    roles = flag_roles()  # a flag without a declared role stops every launch here, before anything starts
     args = parser.parse_args(argv)
     check_onnx_args(parser, args)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
@@ -143,8 +229,52 @@ def parse_args(argv=None):
             parser.error(str(err))
     check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
-        use_model_settings(args, print)
+        use_model_settings(args, print, roles.exported())
     return args
+
+
+# Each flag's role (utils/checkpoint.py ROLE_MEANINGS; the shared helpers' flags beside their add_*_args):
+# MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
+# kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START; `.recorded()`: the
+# exported model records it (best_model/trained_with.json) and evaluation results carry it. Every option of
+# build_parser() has exactly one entry: parse_args refuses to start otherwise.
+FLAG_ROLES = {
+    # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
+    "--data_dir": kept_by(DATA_KEY), "--train_file": kept_by(DATA_KEY), "--validation_file": MAY_CHANGE,
+    "--test_file": THIS_LAUNCH, "--predict_file": THIS_LAUNCH, "--labels_file": kept_by("labels"),
+    "--max_seq_len": MUST_KEEP.recorded(),  # another length changes the inputs themselves
+    **DATASET_ROLES, **TEXT_FORMAT_ROLES, **PADDING_ROLES,
+    "--group_by_length": MUST_KEEP,  # the sampler: which samples each step sees
+    # model: its shape must match; the starting weights matter to a fresh run only
+    "--model_name_or_path": kept_by("model"), "--from_scratch": FRESH_START, "--config_overrides": kept_by("model"),
+    "--init_from_legacy": FRESH_START, "--trust_remote_code": THIS_LAUNCH, **MODEL_SOURCE_ROLES,
+    **this_launch("--do_train", "--do_eval", "--do_test", "--do_predict"),
+    # training: the global batch, its accumulation and the seed decide which samples each step sees; the optimizer's
+    # hyperparameters, the schedule's length and the loss's smoothing apply from the resumed step on
+    "--train_batch_size": MUST_KEEP, "--eval_batch_size": THIS_LAUNCH, "--learning_rate": MAY_CHANGE,
+    "--weight_decay": MAY_CHANGE, "--warmup_ratio": MAY_CHANGE, "--num_train_epochs": MAY_CHANGE,
+    "--max_train_steps": MAY_CHANGE, "--max_grad_norm": MAY_CHANGE, "--label_smoothing": MAY_CHANGE,
+    "--class_weights": kept_by("class_weights"), "--gradient_accumulation_steps": MUST_KEEP, "--seed": MUST_KEEP,
+    "--num_workers": THIS_LAUNCH,
+    # output: when to validate may change (named: early stopping counts validations); the rest is this launch's
+    "--eval_steps": MAY_CHANGE,
+    **this_launch("--output_dir", "--overwrite_output_dir", "--logging_steps", "--checkpointing_steps",
+                  "--save_total_limit", "--resume_from_checkpoint", "--allow_data_change", "--metric"),
+    **SELECTION_ROLES, **LONG_TEXT_ROLES, **ONNX_ROLES,
+    **this_launch("--cpu", "--mixed_precision", "--dist_backend", "--ddp_timeout", "--data_parallel", "--report_to",
+                  "--with_tracking", "--gradient_checkpointing", "--auto_find_batch_size"),
+}
+
+
+@functools.cache
+def flag_roles():
+    """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
+    return FlagRoles(build_parser(), FLAG_ROLES)
+
+
+def trained_with(args):
+    """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
+    return flag_roles().exported_settings(args)
 
 
 def load_splits(args, checkpoint_labels, say=print):
@@ -182,32 +312,42 @@ def load_splits(args, checkpoint_labels, say=print):
     return labels, examples
 
 
+def model_config(args, labels):
+    """The model's config with our label mapping and task (and --config_overrides for a model built from it)."""
+    label_kwargs = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                    "label2id": {label: i for i, label in enumerate(labels)},
+                    "problem_type": problem_type(args.multi_label, args.do_regression)}
+    source = args.config_name or args.model_name_or_path
+    with loading(source, "config"):
+        config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code, **hub_options(args),
+                                            **label_kwargs)
+    if from_config(args) and args.config_overrides:
+        config.update_from_string(args.config_overrides)
+    return config
+
+
+def from_config(args):
+    """Whether the model starts from its config alone (--init_from_legacy's weights replace every pretrained one)."""
+    return bool(args.from_scratch or args.init_from_legacy)
+
+
 def build_model(args, labels, say=print):
-    """Tokenizer and AutoModelForSequenceClassification with our label mapping in its config; --max_seq_len fitted to
-    the model's positions."""
+    """(tokenizer, model): the adaptation section's, with our label mapping in the model's config and its starting
+    weights checked; --max_seq_len fitted to the model's positions."""
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
-    from_config = args.from_scratch or args.init_from_legacy  # legacy weights replace every pretrained one
-    if path.is_dir() and not has_weights and not from_config:
+    if path.is_dir() and not has_weights and not from_config(args):
         raise UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); "
                         "pass --from_scratch to train a randomly initialised model from its config.json")
-    label_kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                        label2id={label: i for i, label in enumerate(labels)},
-                        problem_type=problem_type(args.multi_label, args.do_regression))
-    hub, remote = hub_options(args), args.trust_remote_code
-    tokenizer_source, config_source = args.tokenizer_name or path, args.config_name or path
+    remote = args.trust_remote_code
+    tokenizer_source = args.tokenizer_name or path
     with loading(tokenizer_source, "tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=remote, **hub)
-    with loading(config_source, "config"):
-        config = AutoConfig.from_pretrained(config_source, trust_remote_code=remote, **hub, **label_kwargs)
-        if from_config and args.config_overrides:
-            config.update_from_string(args.config_overrides)
-    args.max_seq_len = fit_max_seq_len(args.max_seq_len, config, config_source, say, remote)
+        tokenizer = load_tokenizer(tokenizer_source, remote, hub_options(args))
+    config = model_config(args, labels)
+    empty_model = on_meta_device(lambda: new_model(config, remote))
+    args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or path, say)
     with loading(path, "model"):
-        if from_config:
-            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
-        else:
-            model = load_classifier(args.model_name_or_path, config, remote, hub)
+        model = new_model(config, remote) if from_config(args) else load_checked(args, config)
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
     if args.gradient_checkpointing:
@@ -217,6 +357,13 @@ def build_model(args, labels, say=print):
         raise UserError(f"{tokenizer_source}: tokenizer has {len(tokenizer)} tokens but the model expects "
                         f"{config.vocab_size}; is vocab.txt there and read?")
     return tokenizer, model
+
+
+def load_checked(args, config):
+    """load_model's model, refused where its encoder would start from random weights."""
+    model, new_weights = load_model(args.model_name_or_path, config, args.trust_remote_code, hub_options(args))
+    check_starting_weights(model, new_weights, args.model_name_or_path)
+    return model
 
 
 def build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding=None):
@@ -248,44 +395,15 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
     return loaders, stats
 
 
-@torch.no_grad()
-def predict_logits(accelerator, model, dataloader, desc, pool="mean"):
-    """Logits (N, C) and labels (N,) of exactly the N texts of the dataset, on every rank; a text cut into windows
-    (--doc_stride: the batches carry each window's text index, `doc`) has its windows' logits pooled (`pool`)."""
-    model.eval()
-    all_logits, all_labels, all_docs = [], [], []
-    for batch in progress(accelerator, dataloader, desc=desc, leave=False):
-        labels, docs = batch.pop("labels", None), batch.pop("doc", None)
-        logits = model(**batch).logits.float()  # (B, C)
-        all_logits.append(accelerator.gather_for_metrics(logits).cpu())
-        all_labels.append(accelerator.gather_for_metrics(labels).cpu() if labels is not None else None)
-        all_docs.append(accelerator.gather_for_metrics(docs).cpu() if docs is not None else None)
-    model.train()
-    logits = torch.cat(all_logits)
-    labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
-    if all_docs and all_docs[0] is not None:  # (W, C) window logits -> (N, C) text logits
-        logits, labels = pool_windows(logits, labels, torch.cat(all_docs), pool)
-    return logits, labels
-
-
-def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
-    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
-    `extra`: --metric's results (under their own keys too, which never collide with these)."""
-    logits, targets = predict_logits(accelerator, model, dataloader, desc, args.pool)
-    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
-    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
-    return {**metrics["extra"], **metrics}
-
-
-def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card_results, step=None):
+def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card_results, step=None, remote=False):
     """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, with what it was
     trained with (`settings`, TRAINED_WITH; the tokenizer truncates at max_seq_len, in pipeline() too), its model card
     (README.md, from `card_results`) and the selected `step` (best_step.json), swapped in atomically; a full disk
-    stops every rank with one line and keeps the previous best_model/."""
+    stops every rank with one line and keeps the previous best_model/. `remote`: --trust_remote_code."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     tokenizer.model_max_length = settings["max_seq_len"]
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
-    state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
+    state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: new_model(bare.config, remote)))
     with writing(accelerator, best_dir.parent, unfinished=tmp):
         if accelerator.is_main_process:
             # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
@@ -296,12 +414,6 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card
             if step is not None:
                 mark_selection(tmp, step)
             replace_dir_atomically(tmp, best_dir)
-
-
-# Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
-RESUMABLE_FLAGS = {"--learning_rate": "learning_rate", "--weight_decay": "weight_decay",
-                   "--warmup_ratio": "warmup_ratio", "--num_train_epochs": "num_train_epochs",
-                   "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm", **EARLY_STOPPING_FLAGS}
 
 
 @dataclass
@@ -345,7 +457,7 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
-                              resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
+                              resume_settings(args, flag_roles().resumable()), exports=["best_model"],
                               allow_data_change=args.allow_data_change)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
@@ -399,8 +511,12 @@ class TrainResult:
 def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, loaders, log, task, attempt.resume)
-    model, optimizer, scheduler, state, cadence, selection = (training.model, training.optimizer, training.scheduler,
-                                                              training.state, training.cadence, training.selection)
+    model = training.model
+    optimizer = training.optimizer
+    scheduler = training.scheduler
+    state = training.state
+    cadence = training.cadence
+    selection = training.selection
     best_dir = args.output_dir / "best_model"
     guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
     meter = LossMeter(accelerator.device)
@@ -409,7 +525,10 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
                            args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
-    completed_steps, samples_seen, preempted, stopped_at = state["completed_steps"], 0, False, None
+    completed_steps = state["completed_steps"]
+    samples_seen = 0
+    preempted = False
+    stopped_at = None  # the step of an early stop
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
@@ -419,9 +538,8 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
         for batch in speed.epoch(batches):
             with accelerator.accumulate(model):
                 for offset, part in attempt.micro_batches(model, batch):  # the batch, or its micro-batches
-                    logits = model(**{k: v for k, v in part.items() if k != "labels"}).logits
-                    losses = training_loss(logits, part["labels"], args.multi_label, args.label_smoothing,  # (b,)
-                                           task.class_weights, args.do_regression)
+                    inputs = {k: v for k, v in part.items() if k != "labels"}
+                    losses = sample_losses(model, inputs, part["labels"], args, task.class_weights)  # (b,)
                     # a mean over the real samples of the whole optimizer step, padding and short windows included
                     loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch, offset)
                     accelerator.backward(loss)
@@ -455,7 +573,8 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
                     best.keep(model)
                     with speed.pause("save"):
                         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log,
-                                        {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps)
+                                        {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps,
+                                        args.trust_remote_code)
                 stopped_at = completed_steps if selection.should_stop(state) else None
             preempted = guard.should_stop(completed_steps) and stopped_at is None  # an early stop needs no resume
             if (due.checkpoint and stopped_at is None) or preempted:
@@ -469,7 +588,8 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
             break
     bar.close()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
-        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {})
+        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {},
+                        remote=args.trust_remote_code)
     best_eval = select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir)
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime,
@@ -496,7 +616,8 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
     """--do_eval / --do_test on the selected model: `eval{tag}_*` / `test{tag}_*` results with the settings they used;
     the validation `trained` (this run's TrainResult) measured last is reused when it was the selected model's (and no
     --metric module asks for more)."""
-    results, step = {}, trained.results["train_steps"] if trained else 0
+    results = {}
+    step = trained.results["train_steps"] if trained else 0
     for split, mode in (("validation", "eval"), ("test", "test")):
         prefix = mode + tag
         if getattr(args, f"do_{mode}") and split in prepared:
@@ -558,7 +679,8 @@ def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
-    results_tag = use_model_settings(args, accelerator.print)  # "" unless evaluating with other settings than trained
+    # "" unless evaluating with other settings than trained
+    results_tag = use_model_settings(args, accelerator.print, flag_roles().exported())
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
@@ -578,15 +700,14 @@ def main(args):
     if class_weights:
         accelerator.print(class_weights.line())
     tokenizer, model = build_model(args, labels, accelerator.print)
-    must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
-                  "regression": args.do_regression, "class_weights": class_weights and class_weights.by_label,
-                  "model": {k: getattr(model.config, k, None) for k in
-                            ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
-                  # another value would change which samples each step sees (or the inputs themselves)
-                  "--train_batch_size": args.train_batch_size, **data_must_match(args),
-                  "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len,
-                  DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")),
-                  **selection.must_match()}
+    # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
+    # MUST_KEEP flags' values (FLAG_ROLES)
+    must_match = flag_roles().must_match(args, {
+        "labels": labels, "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
+        "model": {k: getattr(model.config, k, None) for k in
+                  ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
+        DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")),
+        **selection.must_match()})
     model = maybe_data_parallel(model, args)
     retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
                              args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)

@@ -11,6 +11,8 @@ from conftest import ENV, ROOT, launch, read_json, read_jsonl, run, run_here
 
 SCRIPT = "train_bert_cls.py"
 
+HEAD_CUT = {"truncation": "head", "head_tokens": 128, "doc_stride": None}  # long texts: the first tokens (the default)
+
 
 def bert_args(data, out, *extra, epochs=5):
     # 16 tokens cut most headlines (up to 24 tokens with [CLS] and [SEP]): an evaluation at another length differs
@@ -86,7 +88,7 @@ def test_outputs_load_anywhere(trained, text_data):
     assert [config["id2label"][str(i)] for i in range(len(labels))] == labels  # sorted, deterministic
     assert (out / "labels.txt").read_text().split() == labels
     # what it was trained with travels with it; the tokenizer (and so pipeline()) truncates at the training's length
-    assert read_json(best / "trained_with.json") == {"max_seq_len": 16, "multi_label": False}
+    assert read_json(best / "trained_with.json") == {"max_seq_len": 16, "multi_label": False, **HEAD_CUT}
     assert read_json(best / "tokenizer_config.json")["model_max_length"] == 16
     from safetensors.torch import load_file
 
@@ -191,9 +193,9 @@ def test_evaluation_with_other_settings_keeps_the_training_numbers(trained, text
     assert "--max_seq_len 8 differs from the model's 16 (trained with): evaluating with 8" in proc.stdout
     merged = read_json(out / "all_results.json")
     assert {k: merged[k] for k in training} == training and training["test_settings"] == {
-        "max_seq_len": 16, "multi_label": False}
+        "max_seq_len": 16, "multi_label": False, **HEAD_CUT}
     other = read_json(out / "test_max_seq_len_8_results.json")
-    assert other["test_max_seq_len_8_settings"] == {"max_seq_len": 8, "multi_label": False}
+    assert other["test_max_seq_len_8_settings"] == {"max_seq_len": 8, "multi_label": False, **HEAD_CUT}
     assert merged["test_max_seq_len_8_accuracy"] == other["test_max_seq_len_8_accuracy"]
     assert (out / "test_report.json").read_text() == report and (out / "test_max_seq_len_8_report.json").is_file()
 

@@ -8,7 +8,7 @@ import torchvision
 from conftest import launch, one_thread, read_jsonl, run_here
 
 from utils.export import load_torch_checkpoint
-from utils.image_augment import val_transform
+from train_resnet import val_transform
 from utils.image_data import decode_rgb
 
 SCRIPT = "train_resnet.py"

@@ -99,7 +99,8 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
     predictions = read_jsonl(out / "predictions.jsonl")
     assert [p["text"] for p in predictions] == [t for _, t in rows[:9]] + [""] and "skipped" in predictions[-1]
     assert read_json(out / "best_model" / "trained_with.json") == {
-        "max_seq_len": LEN, "multi_label": False, "doc_stride": 4, "pool": pool}
+        "max_seq_len": LEN, "multi_label": False, "truncation": "head", "head_tokens": 128, "doc_stride": 4,
+        "pool": pool}
     card = (out / "best_model" / "README.md").read_text(encoding="utf-8")
     assert f"stride=4, return_overflowing_tokens=True" in card
     if n == 2:  # evaluating the export later: the model's windows, the training's numbers

@@ -10,7 +10,7 @@ import torchvision
 from conftest import launch, one_thread, read_json, run, run_here
 
 from utils.export import load_torch_checkpoint
-from utils.image_augment import val_transform
+from train_resnet import val_transform
 from utils.image_data import decode_rgb
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")

@@ -1,6 +1,6 @@
-"""Training and validation transforms under the user's control (torchvision's ClassificationPresetTrain/Eval
-names and order), the repeated-augmentation sampler (DeiT's / torchvision's RASampler) in a form that splits over any
-number of processes, and MixUp / CutMix on training batches.
+"""The augmentation flags and image sizes of train_resnet.py's transforms (its adaptation section builds the
+pipelines, in torchvision's ClassificationPresetTrain/Eval order), the repeated-augmentation sampler (DeiT's /
+torchvision's RASampler) in a form that splits over any number of processes, and MixUp / CutMix on training batches.
 
 Randomness: RGBImageFolder (utils/image_data.py) seeds every sample from (seed, epoch, index[, repeat]) before these
 transforms run, so flips, crops, auto-augment and erasing are the same for any number of processes, workers or
@@ -26,19 +26,11 @@ import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
+from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by
 from utils.export import settings_from_model
 from utils.runtime import UserError, nonnegative_float, positive_int
 
-from .image_data import IMAGENET_MEAN, IMAGENET_STD
-
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the last three: AutoAugment policies
-
-# torchvision's defaults of the image settings, which a model's exports record: {args attribute: default}
-IMAGE_DEFAULTS = {"train_crop_size": 224, "val_crop_size": 224, "val_resize": 256, "interpolation": "bilinear"}
-# the validation's part of them, which a resumed run may change (named) and which results record: {flag: attribute}
-EVAL_IMAGE_FLAGS = {"--val_crop_size": "val_crop_size", "--val_resize": "val_resize",
-                    "--interpolation": "interpolation"}
-
 
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
@@ -72,6 +64,22 @@ def add_augment_args(parser):
     group.add_argument("--ra_reps", "--ra-reps", type=positive_int, default=3,
                        help="copies per image with --ra_sampler")
     return group
+
+
+# add_augment_args' flags (utils/checkpoint.py Role). The exports record the image sizes and resampling, with
+# torchvision's defaults where neither the command line nor the model gives one; the validation's part of them may
+# change on resume and is recorded with the results. Which images a step sees depends on the repeated-augmentation
+# sampler; the other augmentations apply from the resumed step on.
+AUGMENT_ROLES = {"--image_size": kept_by("--train_crop_size"),
+                 "--train_crop_size": MUST_KEEP.recorded(224, evaluation=False),
+                 "--val_crop_size": MAY_CHANGE.recorded(224), "--val_resize": MAY_CHANGE.recorded(256),
+                 "--interpolation": MAY_CHANGE.recorded("bilinear"), "--crop_scale": MAY_CHANGE,
+                 "--crop_ratio": MAY_CHANGE, "--hflip": MAY_CHANGE, "--auto_augment": MAY_CHANGE,
+                 "--ra_magnitude": MAY_CHANGE, "--augmix_severity": MAY_CHANGE, "--random_erase": MAY_CHANGE,
+                 "--ra_sampler": MUST_KEEP, "--ra_reps": MUST_KEEP}
+IMAGE_ROLES = FlagRoles.of(add_augment_args, AUGMENT_ROLES)
+IMAGE_DEFAULTS = IMAGE_ROLES.exported()  # {args attribute: default} of the image settings a model's exports record
+EVAL_IMAGE_FLAGS = IMAGE_ROLES.evaluation()  # {flag: args attribute}: the validation's part, recorded with results
 
 
 def resolve_augment_args(args, sizes_from_model=False):
@@ -121,37 +129,6 @@ def resolve_image_sizes(args, recorded, source, say):
     return tag
 
 
-def train_transform(args):
-    """(3, H, W) uint8 -> (3, crop, crop) float, normalised: torchvision's ClassificationPresetTrain order."""
-    mode = v2.InterpolationMode(args.interpolation)
-    steps = [v2.RandomResizedCrop(args.train_crop_size, scale=(args.crop_scale, 1.0), ratio=tuple(args.crop_ratio),
-                                  interpolation=mode, antialias=True)]
-    # on tensors, rotations and shears resample with nearest or bilinear only (torchvision raises for bicubic)
-    mode = mode if mode != v2.InterpolationMode.BICUBIC else v2.InterpolationMode.BILINEAR
-    if args.hflip > 0:
-        steps.append(v2.RandomHorizontalFlip(args.hflip))
-    if args.auto_augment == "ta_wide":
-        steps.append(v2.TrivialAugmentWide(interpolation=mode))
-    elif args.auto_augment == "ra":
-        steps.append(v2.RandAugment(magnitude=args.ra_magnitude, interpolation=mode))
-    elif args.auto_augment == "augmix":
-        steps.append(v2.AugMix(severity=args.augmix_severity, interpolation=mode))
-    elif args.auto_augment:
-        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy(args.auto_augment), interpolation=mode))
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    if args.random_erase > 0:
-        steps.append(v2.RandomErasing(p=args.random_erase))
-    return v2.Compose(steps)
-
-
-def val_transform(args):
-    """Resize the shorter side, center crop, normalise: torchvision's ClassificationPresetEval."""
-    return v2.Compose([v2.Resize(args.val_resize, interpolation=v2.InterpolationMode(args.interpolation),
-                                 antialias=True),
-                       v2.CenterCrop(args.val_crop_size), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-
-
 class RepeatedAugmentationSampler(Sampler):
     """torchvision's RASampler as ONE global order that accelerate splits over the processes (split_batches).
 
@@ -180,6 +157,11 @@ class RepeatedAugmentationSampler(Sampler):
         for start in range(0, len(self) // self.reps, per_batch):
             images = order[start:start + per_batch].tolist()
             yield from ((index, repeat) for repeat in range(self.reps) for index in images)
+
+
+# add_mixing_args' flags: each group's mixing is drawn from (seed, epoch, batch, group), so they apply from the
+# resumed step on
+MIXING_ROLES = {"--mixup_alpha": MAY_CHANGE, "--cutmix_alpha": MAY_CHANGE, "--mixup_mode": MAY_CHANGE}
 
 
 def add_mixing_args(parser):

@@ -32,6 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+from utils.checkpoint import this_launch
+
+# how the ONNX export is made and checked concerns that launch only (utils/checkpoint.py ROLE_MEANINGS)
+ONNX_ROLES = this_launch("--export_onnx", "--onnx_int8", "--onnx_check_samples")
 CHECK_FILE = "onnx_check.json"
 INPUTS_FILE = "check_inputs.npz"
 OPSET = 17  # onnxruntime 1.16+ runs it; LayerNormalization is one op from 17 on

@@ -1,7 +1,8 @@
-"""The text classifier's model: where its files come from (run_classification.py's --config_name, --tokenizer_name,
---cache_dir, --model_revision, --token), loading it from any checkpoint layout users bring, the checks that it fits
-the text and the task, the reference repository's best.pt, gradient checkpointing, AdamW's parameter groups, and
-what its model card says (best_model/README.md: labels, settings, data, a pipeline() call).
+"""Around the text classifier's model (train_bert_cls.py's adaptation section builds and loads it; nothing here names
+a model class): where its files come from (run_classification.py's --config_name, --tokenizer_name, --cache_dir,
+--model_revision, --token), the checks that a checkpoint of any layout users bring fits it, the text and the task,
+the reference repository's best.pt, gradient checkpointing, AdamW's parameter groups, and what its model card says
+(best_model/README.md: labels, settings, data, a pipeline() call).
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
@@ -21,9 +22,8 @@ the hub's form (NAME or ORG/NAME, huggingface_hub's validate_repo_id) and ORG is
 line, before transformers could go to the hub for it.
 
 What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
-max_seq_len, the label mode and, for multi-label, the threshold, how long texts are cut (--truncation, --head_tokens,
---doc_stride windows and their --pool), which evaluation-only runs use unless given
-(`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
+the flags the script's FLAG_ROLES mark `.recorded()` (max_seq_len, the label mode and, for multi-label, the
+threshold, how long texts are cut), which evaluation-only runs use unless given (`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
 the config describes the architecture, and transformers copies it into every model built from this one, where a
 training's settings would then pass for that model's own.
 
@@ -39,19 +39,21 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from accelerate.utils import broadcast
-from transformers import AutoModelForSequenceClassification
-
-from utils.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
+from utils.checkpoint import MUST_KEEP, kept_by, this_launch
+from utils.export import load_torch_checkpoint, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, hf_bool
-from utils.text_data import LONG_TEXT_DEFAULTS
 
 TRAINED_WITH = "trained_with.json"
-# the flags' defaults where no trained model supplies them; --max_seq_len's waits for the config (fit_max_seq_len)
-MODEL_SETTINGS = {"max_seq_len": None, "threshold": 0.5, **LONG_TEXT_DEFAULTS}
 DEFAULT_MAX_SEQ_LEN = 512  # the reference's, and BERT's positions
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
+
+
+# add_model_source_args' flags (utils/checkpoint.py Role): the config's shape is part of what a resume must match
+# (the scripts' `model` entry); another tokenizer would change the inputs; the rest say where files come from
+MODEL_SOURCE_ROLES = {"--config_name": kept_by("model"), "--tokenizer_name": MUST_KEEP,
+                      **this_launch("--cache_dir", "--model_revision", "--token", "--use_fast_tokenizer")}
 
 
 def add_model_source_args(group):
@@ -97,27 +99,32 @@ def hub_options(args):
     return {"cache_dir": args.cache_dir and str(args.cache_dir), "revision": args.model_revision, "token": args.token}
 
 
-def load_classifier(model_name_or_path, config, trust_remote_code=False, hub=None):
-    """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised;
-    hub: `hub_options`. A local safetensors file that is cut short is named first (transformers' error would not
-    name it)."""
+def check_weight_files(model_name_or_path):
+    """A local safetensors file that is cut short, named before transformers reads it (its error would not name it)."""
     for weights in sorted(Path(model_name_or_path).glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem:
             raise UserError(problem)
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        model_name_or_path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
-        trust_remote_code=trust_remote_code, output_loading_info=True, **(hub or {}))
-    mismatched = {key[0] if isinstance(key, tuple) else key for key in info.get("mismatched_keys", ())}
-    new = sorted(set(info.get("missing_keys", ())) | mismatched)
+
+
+def new_weight_names(loading_info):
+    """The weights from_pretrained(output_loading_info=True) started new: missing from the checkpoint, or of another
+    shape there (ignore_mismatched_sizes)."""
+    mismatched = {key[0] if isinstance(key, tuple) else key for key in loading_info.get("mismatched_keys", ())}
+    return sorted(set(loading_info.get("missing_keys", ())) | mismatched)
+
+
+def check_starting_weights(model, new_weights, source):
+    """Stop when a weight of the model's encoder (`base_model_prefix`, transformers' name for the part a checkpoint
+    of another head shares) is among `new_weights` and would start from random; its pooler alone may be new."""
     encoder = model.base_model_prefix + "."
-    random_encoder = [key for key in new if key.startswith(encoder)
+    random_encoder = [key for key in new_weights if key.startswith(encoder)
                       and not key[len(encoder):].startswith(ALLOWED_NEW_IN_ENCODER)]
     if random_encoder:
-        raise UserError(f"{model_name_or_path}: {len(random_encoder)} encoder weights are not in the checkpoint "
-                        f"and would start from random (e.g. {random_encoder[0]}); is it a {config.model_type} "
+        raise UserError(f"{source}: {len(random_encoder)} encoder weights are not in the checkpoint "
+                        f"and would start from random (e.g. {random_encoder[0]}); is it a {model.config.model_type} "
                         "checkpoint? (--from_scratch trains from random on purpose)")
-    return model
+
 
 MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
 
@@ -270,23 +277,22 @@ def _check_hub_id_or_path(flag, value):
         raise UserError(f"{flag} {value}: no such file or directory (a local path, since {reason})")
 
 
-def position_limit(config, trust_remote_code=False):
-    """The most tokens the model takes: the rows of its learned position table, less the rows before the first position
+def position_limit(model):
+    """The most tokens `model` takes: the rows of its learned position table, less the rows before the first position
     of models that number positions after the padding index (RoBERTa); None for a model without such a table
-    (relative or rotary positions). Read from the model built on the meta device: no weights, no memory."""
-    model = on_meta_device(lambda: AutoModelForSequenceClassification.from_config(
-        config, trust_remote_code=trust_remote_code))
+    (relative or rotary positions). `model` may be built on the meta device (on_meta_device): no weights, no memory."""
     for name, module in model.named_modules():
         if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
             return module.num_embeddings - (module.padding_idx + 1 if module.padding_idx is not None else 0)
     return None
 
 
-def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
+def fit_max_seq_len(max_seq_len, empty_model, source, say):
     """--max_seq_len for this model, before any text is tokenised: a value given (or the trained model's) above the
     model's positions is refused (a longer batch would stop training with a tensor-size error at the first long
-    text); none given, DEFAULT_MAX_SEQ_LEN, or the model's limit where it is lower (said in one line)."""
-    limit = position_limit(config, trust_remote_code)
+    text); none given, DEFAULT_MAX_SEQ_LEN, or the model's limit where it is lower (said in one line).
+    `empty_model`: the model to train, built on the meta device."""
+    limit = position_limit(empty_model)
     if max_seq_len is None:
         if limit is not None and limit < DEFAULT_MAX_SEQ_LEN:
             say(f"--max_seq_len {limit}: the most {source} takes (its learned position embeddings), not the default "
@@ -297,16 +303,6 @@ def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
         raise UserError(f"--max_seq_len {max_seq_len}: {source} takes at most {limit} tokens (its learned position "
                         f"embeddings); pass --max_seq_len {limit} or less")
     return max_seq_len
-
-
-def trained_with(args):
-    """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
-    return {"max_seq_len": args.max_seq_len, "multi_label": args.multi_label,
-            **({"threshold": args.threshold} if args.multi_label else {}),
-            # the head, the default, goes unrecorded: files without the entry mean it
-            **({"truncation": args.truncation} if args.truncation != "head" else {}),
-            **({"head_tokens": args.head_tokens} if args.truncation == "head_tail" else {}),
-            **({"doc_stride": args.doc_stride, "pool": args.pool} if args.doc_stride is not None else {})}
 
 
 def recorded_settings(model_name_or_path):
@@ -320,17 +316,20 @@ def recorded_settings(model_name_or_path):
     return {"multi_label": problem_type == "multi_label_classification"} if problem_type else {}
 
 
-def use_model_settings(args, say):
-    """--max_seq_len, --threshold and --multi_label: given, else (a run without --do_train, which evaluates or predicts
+def use_model_settings(args, say, settings):
+    """The settings a trained model records (`settings`: {args attribute: default}, the script's FlagRoles.exported:
+    --max_seq_len, --multi_label, --threshold): given, else (a run without --do_train, which evaluates or predicts
     with a trained model) the model's, else the defaults (--max_seq_len's once the config is read: fit_max_seq_len).
-    Returns settings_from_model's results tag."""
+    The label mode first: the others' meaning depends on it. Returns settings_from_model's results tag."""
     recorded = {} if args.do_train else recorded_settings(args.model_name_or_path)
     if args.multi_label is None:
-        args.multi_label = bool(recorded.get("multi_label", False))
+        args.multi_label = bool(recorded.get("multi_label", settings["multi_label"]))
         if args.multi_label and args.metric:
             raise UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes one "
                             "class id per sample; use the built-in exact-match accuracy and micro/macro F1")
-    return settings_from_model(args, MODEL_SETTINGS, recorded, args.model_name_or_path, say)
+    others = {dest: default for dest, default in settings.items() if dest != "multi_label"}
+    return settings_from_model(args, others, recorded, args.model_name_or_path, say)
+
 
 def long_text_usage(args):
     """The model card's lines telling pipeline() users how to cut long texts as the training did, where pipeline()'s
