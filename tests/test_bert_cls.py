@@ -127,7 +127,8 @@ def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):
     proc = launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--data_dir", text_data, "--do_test",
                            "--do_predict", "--predict_file", predict_file, "--eval_batch_size", "16",
                            "--output_dir", pred_out], num_processes=2)
-    assert f"{out / 'best_model'} was trained with --max_seq_len 16: evaluating with the same" in proc.stdout
+    assert (f"{out / 'best_model'} was trained with --max_seq_len 16, --truncation head, --head_tokens 128: "
+            "evaluating with the same") in proc.stdout
     rows = read_jsonl(pred_out / "predictions.jsonl")
     assert [(r["line"], r["text"]) for r in rows] == list(enumerate(lines, start=1))
     assert rows[1] == {"line": 2, "text": "", "skipped": "blank line"}
