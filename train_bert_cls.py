@@ -27,17 +27,20 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
 from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
                                resume_settings)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
+from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, OPTIMIZERS, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
+                         TUTORIAL_IGNORED, Ignored, Parser, PerDevice, batch_line, json_object, say_command,
+                         steps_or_epoch, whole_epochs)
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection)
 from utils.outputs import RunLog, check_output_dir, format_step_line, progress
-from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
+from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
                             run_cli, run_info, writing)
@@ -50,7 +53,7 @@ from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
 from utils.text_model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
-                        check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
+                        check_problem_type, check_scheduler_args, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
                         load_classifier, load_legacy_bert, loading, model_card, optimizer_groups, problem_type,
                         saved_labels,
                         trained_with, use_model_settings)
@@ -60,7 +63,10 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(description=__doc__)
+    parser.refuse("the Chinese BERT tutorial", TUTORIAL_FLAGS)
+    parser.refuse("accelerate's examples", ACCELERATE_EXAMPLE_FLAGS)
+    parser.refuse("transformers' text-classification examples", TRANSFORMERS_EXAMPLE_FLAGS)
     data = parser.add_argument_group("data")
     data.add_argument("--data_dir", type=Path,
                       help="directory with train/val/test files (also dev, validation, cnews.*), any supported type")
@@ -69,7 +75,7 @@ def parse_args(argv=None):
     data.add_argument("--test_file", type=Path)
     data.add_argument("--predict_file", type=Path, help="texts to predict (docs/bert_data_formats.md); default: test")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
-    data.add_argument("--max_seq_len", "--max_seq_length", type=positive_int, default=None,
+    data.add_argument("--max_seq_len", "--max_seq_length", "--max_length", type=positive_int, default=None,
                       help="tokens; longer are truncated (default: 512 or the model's positions if fewer; without "
                            "--do_train: the trained model's)")
     add_dataset_args(data)
@@ -78,7 +84,7 @@ def parse_args(argv=None):
     data.add_argument("--group_by_length", action="store_true",
                       help="training batches of similar-length texts (less padding; see utils/text_data.py)")
     model = parser.add_argument_group("model")
-    model.add_argument("--model_name_or_path", required=True, help="hub id or local directory")
+    model.add_argument("--model_name_or_path", "--bert_dir", required=True, help="hub id or local directory")
     model.add_argument("--from_scratch", action="store_true",
                        help="random init from the directory's config.json + vocab.txt")
     model.add_argument("--config_overrides", default=None,
@@ -87,6 +93,10 @@ def parse_args(argv=None):
                        help="weights from the reference repo's best.pt (bert.* + linear.*, `module.` or not)")
     model.add_argument("--trust_remote_code", action="store_true", help="allow code from the model repo (off)")
     add_model_source_args(model)
+    model.add_argument("--num_tags", "--num_labels", type=positive_int, default=None,
+                       help="the number of labels the data must have (the Chinese BERT tutorial's); default: any")
+    for flag, reason in TUTORIAL_IGNORED.items():
+        model.add_argument(flag, action=Ignored, reason=reason, help=argparse.SUPPRESS)
     modes = parser.add_argument_group("modes")
     modes.add_argument("--do_train", action="store_true")
     modes.add_argument("--do_eval", action="store_true", help="evaluate the best model on the validation file")
@@ -94,9 +104,21 @@ def parse_args(argv=None):
     modes.add_argument("--do_predict", action="store_true", help="write predictions.jsonl for --predict_file")
     train = parser.add_argument_group("training")
     train.add_argument("--train_batch_size", type=positive_int, default=32,
-                       help="GLOBAL samples per optimizer micro-step")
+                       help=f"GLOBAL samples per optimizer micro-step, split over the processes: {BERT_BATCH_RULE}")
+    train.add_argument("--per_device_train_batch_size", type=positive_int, action=PerDevice, dest="train_batch_size",
+                       global_flag="--train_batch_size", help="the Trainer's: times the processes = --train_batch_size")
     train.add_argument("--eval_batch_size", type=positive_int, default=64, help="GLOBAL samples per evaluation batch")
-    train.add_argument("--learning_rate", type=positive_float, default=3e-5, help="peak AdamW learning rate")
+    train.add_argument("--per_device_eval_batch_size", type=positive_int, action=PerDevice, dest="eval_batch_size",
+                       global_flag="--eval_batch_size", help="the Trainer's: times the processes = --eval_batch_size")
+    train.add_argument("--learning_rate", "--lr", type=positive_float, default=3e-5, help="peak learning rate")
+    train.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch",
+                       help="the Trainer's names; both are torch's AdamW, fused on CPU and CUDA")
+    train.add_argument("--lr_scheduler_type", choices=[kind.value for kind in SchedulerType if kind.value != "reduce_lr_on_plateau"], default="linear",
+                       help="transformers.get_scheduler's schedule, after the warmup")
+    train.add_argument("--lr_scheduler_kwargs", type=json_object, default={}, metavar="JSON",
+                       help='the schedule\'s own arguments, e.g. \'{"num_cycles": 2}\' for cosine_with_restarts')
+    train.add_argument("--warmup_steps", type=nonnegative_int, default=None,
+                       help="optimizer steps of warmup; default: --warmup_ratio of the total")
     train.add_argument("--weight_decay", type=nonnegative_float, default=0.01, help="not applied to bias and LayerNorm")
     train.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear warmup")
     train.add_argument("--max_grad_norm", type=nonnegative_float, default=1.0, help="0 disables clipping")
@@ -104,7 +126,8 @@ def parse_args(argv=None):
                        help="training loss only (Trainer's label_smoothing_factor); eval loss stays plain")
     train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
     train.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
-    train.add_argument("--num_train_epochs", type=positive_int, default=3)
+    train.add_argument("--num_train_epochs", "--train_epochs", type=whole_epochs, default=3,
+                       help="whole epochs (the Trainer's 3.0 is 3)")
     train.add_argument("--max_train_steps", "--max_steps", type=positive_int, default=None,
                        help="optimizer steps, not epochs")
     train.add_argument("--seed", type=int, default=42)
@@ -116,8 +139,9 @@ def parse_args(argv=None):
     output.add_argument("--logging_steps", type=positive_int, default=50, help="optimizer steps between log lines")
     output.add_argument("--eval_steps", type=positive_int, default=None,
                         help="optimizer steps between evals; default per epoch")
-    output.add_argument("--checkpointing_steps", "--save_steps", type=positive_int, default=None,
-                        help="optimizer steps between resumable checkpoints; default: end of each epoch")
+    output.add_argument("--checkpointing_steps", "--save_steps", type=steps_or_epoch, default=None,
+                        help="optimizer steps between resumable checkpoints, or 'epoch': at the end of each epoch "
+                             "(the default)")
     output.add_argument("--save_total_limit", type=nonnegative_int, default=2,
                         help="resumable checkpoints kept (0: all)")
     output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
@@ -130,7 +154,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
-    for check in (check_dataset_args, check_text_format_args, check_task_args, check_model_source_args):
+    for check in (check_dataset_args, check_text_format_args, check_task_args, check_model_source_args,
+                  check_scheduler_args):
         try:
             check(args)
         except UserError as err:
@@ -283,7 +308,8 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card
 
 # Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
 RESUMABLE_FLAGS = {"--learning_rate": "learning_rate", "--weight_decay": "weight_decay",
-                   "--warmup_ratio": "warmup_ratio", "--num_train_epochs": "num_train_epochs",
+                   "--warmup_ratio": "warmup_ratio", "--warmup_steps": "warmup_steps",
+                   "--lr_scheduler_type": "lr_scheduler_type", "--lr_scheduler_kwargs": "lr_scheduler_kwargs", "--num_train_epochs": "num_train_epochs",
                    "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm", **EARLY_STOPPING_FLAGS}
 
 
@@ -321,8 +347,9 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
     optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate,
                                   fused=accelerator.device.type in ("cpu", "cuda"))
     # Sized from the UNprepared loader; with split_batches the prepared scheduler steps once per optimizer step.
-    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * max_train_steps),
-                                                max_train_steps)
+    warmup_steps = args.warmup_steps if args.warmup_steps is not None else math.ceil(args.warmup_ratio * max_train_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps,
+                              num_training_steps=max_train_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
     eval_loader = loaders.get("validation")
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, loaders["train"], scheduler)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
@@ -517,6 +544,8 @@ def write_results(log, args, results, results_tag):
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    say_command(accelerator.print, args, batch_line("--train_batch_size", args.train_batch_size,
+                                                    accelerator.num_processes, BERT_BATCH_RULE))
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
     results_tag = use_model_settings(args, accelerator.print)  # "" unless evaluating with other settings than trained
@@ -530,6 +559,9 @@ def main(args):
     labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path),
                                    accelerator.print)
     predict_examples = examples.pop("predict", None)
+    if args.num_tags and args.num_tags != len(labels):
+        raise UserError(f"--num_tags {args.num_tags}: the data has {len(labels)} labels ({', '.join(labels[:5])}"
+                        f"{', ...' if len(labels) > 5 else ''})")
     metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
     resolve_selection(args, selectable_metrics(metric_modules, len(labels), args.do_regression),
                       validation="validation" in examples, default=default_metric(args.do_regression))

@@ -22,9 +22,9 @@ load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.js
 """
 import argparse
 import difflib
+import importlib.util
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +38,13 @@ from torch.utils.data import DataLoader
 from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
                                load_checkpoint_weights, read_training_state, resume_settings)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
+from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights)
 from utils.outputs import RunLog, check_output_dir, plot_training_curves, progress
-from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
-                            hold_output_dir, launched_world_size, loader_generator, loader_settings,
+from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
+                            hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info)
 from utils.image_augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_augment_args, add_mixing_args,
                             build_mixer, dominant_labels, eval_image_settings, image_settings, recorded_image_settings,
@@ -56,21 +57,35 @@ from utils.image_model import (add_model_args, build_image_model, check_model_ar
                           is_weights_file, weights_file_fields)
 from utils.image_optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, update_ema)
-from utils.image_references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
-                               export_main_py_checkpoints, global_batch_size, model_card)
+from utils.image_references import (BATCH_RULE, MAIN_PY_FLAGS, TIMM_FLAGS, TORCHVISION_FLAGS, check_legacy_compatible,
+                               export_main_py_checkpoints, model_card)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
 TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
 
 
+def unknown_arch(arch):
+    """The one line for an --arch that torchvision does not have: the closest torchvision names, and timm:NAME
+    where timm has the model (timm's --model seresnet34 is -a timm:seresnet34 here)."""
+    close = difflib.get_close_matches(arch, MODEL_NAMES, n=3)
+    line = f"--arch {arch}: not a torchvision classification model"
+    if importlib.util.find_spec("timm") is not None:
+        import timm
+        if timm.is_model(arch):
+            return f"{line}; timm's {arch} is -a timm:{arch}"
+    return line + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}")
+
+
 def parse_args(argv=None):
-    # allow_abbrev=False: otherwise main.py's --dist-backend and our --dist_backend could be taken for each other
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
-                                     allow_abbrev=False)
+    parser = Parser(description=__doc__)
+    parser.refuse("pytorch/examples imagenet/main.py", MAIN_PY_FLAGS)
+    parser.refuse("torchvision's references/classification/train.py", TORCHVISION_FLAGS)
+    parser.refuse("timm's train.py", TIMM_FLAGS)
     data = parser.add_argument_group("data")
     data.add_argument("data", nargs="?", type=Path, help="ImageFolder root holding train/<class>/ and val/<class>/")
-    data.add_argument("--data-path", "--data_path", type=Path, dest="data_path", help="torchvision's: the same")
+    data.add_argument("--data-path", "--data_path", "--data-dir", type=Path, dest="data_path",
+                      help="torchvision's --data-path, timm's --data-dir: the same")
     data.add_argument("-j", "--workers", type=nonnegative_int, default=4, help="DataLoader workers per process")
     data.add_argument("--dummy", nargs="?", type=positive_int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
                       help="random images instead of data (main.py's FakeData); default: ImageNet's count")
@@ -83,25 +98,29 @@ def parse_args(argv=None):
                        help="any torchvision classification model name, or timm:NAME for a timm model")
     add_model_args(model)  # --pretrained [PATH], --weights NAME|PATH, --drop_path, --drop
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
-    model.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster on tensor cores)")
+    model.add_argument("--channels_last", "--channels-last", action="store_true",
+                       help="NHWC memory format (faster on tensor cores)")
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=positive_int, default=90)
     train.add_argument("--start-epoch", type=nonnegative_int, default=0, help="epochs done (the schedule starts there)")
     train.add_argument("-b", "--batch-size", "--batch_size", type=positive_int, default=256,
-                       help="GLOBAL images per step, split over processes (torchvision's per-process --batch-size: "
-                            "see docs/resnet_recipes.md)")
-    train.add_argument("--label_smoothing", "--label-smoothing", type=float, default=0.0, help="training loss only")
+                       help=f"GLOBAL images per step, split over the processes: {BATCH_RULE}")
+    train.add_argument("--per_device_batch_size", type=positive_int, action=PerDevice, dest="batch_size",
+                       global_flag="-b", help="images per process per step (torchvision's and timm's -b): times the "
+                                              "processes = -b")
+    train.add_argument("--label_smoothing", "--label-smoothing", "--smoothing", type=float, default=0.0, help="training loss only")
     train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
-    train.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="batches per optimizer step")
+    train.add_argument("--gradient_accumulation_steps", "--grad-accum-steps", type=positive_int, default=1,
+                       help="batches per optimizer step")
     train.add_argument("--seed", type=int, default=42, help="model init, shuffling and augmentation")
     output = parser.add_argument_group("output")
     output.add_argument("--output_dir", "--output-dir", type=Path, default=Path("outputs/resnet"))
     output.add_argument("--overwrite_output_dir", action="store_true")
-    output.add_argument("-p", "--print-freq", type=positive_int, default=10, help="optimizer steps between log lines")
+    output.add_argument("-p", "--print-freq", "--log-interval", type=positive_int, default=10, help="optimizer steps between log lines")
     output.add_argument("--checkpointing_steps", type=positive_int, default=None,
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
     output.add_argument("--save_total_limit", type=nonnegative_int, default=2, help="checkpoints kept (0: all)")
-    output.add_argument("--resume", default=None, metavar="PATH",
+    output.add_argument("--resume", "--resume_from_checkpoint", default=None, metavar="PATH",
                         help="'latest' or checkpoints/step_N (exact resume), or a .pth/.pth.tar file (main.py's, "
                              "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
     output.add_argument("-e", "--evaluate", "--test-only", "--test_only", action="store_true",
@@ -110,9 +129,6 @@ def parse_args(argv=None):
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
         add_group(parser)
     add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
-    add_replaced_flags(parser)
-    add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
             and not is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data
@@ -123,15 +139,11 @@ def parse_args(argv=None):
     if args.data is None and args.dummy is None:
         parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
     try:
-        # -b is GLOBAL, but torchvision's per-process -b in a torchvision command (one naming --model/--data-path)
-        args.batch_size, args.batch_size_note = global_batch_size(argv, args.batch_size, launched_world_size())
         resolve_augment_args(args, sizes_from_model=args.evaluate)
     except UserError as err:
         parser.error(str(err))
     if not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
-        close = difflib.get_close_matches(args.arch, MODEL_NAMES, n=3)
-        parser.error(f"--arch {args.arch}: not a torchvision classification model"
-                     + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}"))
+        parser.error(unknown_arch(args.arch))
     check_model_args(parser, args)  # and --weights from --pretrained
     if args.evaluate and args.model_ema:
         parser.error("--evaluate/--test-only evaluates one model: for the EMA, --resume checkpoint_ema.pth or "
@@ -356,7 +368,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "images_per_optimizer_step": args.batch_size * args.gradient_accumulation_steps,
         "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "total_steps": total_steps,
-        "start_step": state["completed_steps"], "batch_size": args.batch_size_note or "-b (global)",
+        "start_step": state["completed_steps"],
         "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
         "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
     # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
@@ -457,6 +469,7 @@ def train(args, accelerator, model, data, log, task, attempt):
 
 def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    say_command(accelerator.print, args, batch_line("-b", args.batch_size, accelerator.num_processes, BATCH_RULE))
     hold_output_dir(accelerator, args.output_dir)
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.batch_size, "--batch-size")

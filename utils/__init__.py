@@ -6,6 +6,9 @@ both scripts
                  an output directory: its lock), DataLoader settings, the --help look and the parser's number
                  checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on one rank
                  stopping all of them (a failure to write: a full disk)
+  flags.py       the command line: the parser (a refused flag or value costs one line, with what replaces it or
+                 the closest flag), the peers' spellings (Trainer, run_classification, accelerate's examples, the
+                 Chinese BERT tutorial, main.py, torchvision, timm) read with their meaning and said once
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
                  epoch_batches; Selection (the best model's metric and early stopping); micro-batches and the retry
@@ -34,7 +37,7 @@ train_resnet.py
   image_optim.py torchvision's optimizer, weight-decay groups and schedule; the model EMA
   image_model.py the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local
                  files) with a new head for the data's classes, drop path, gradient checkpointing
-  image_references.py main.py's and torchvision's flags, batch-size convention and .pth checkpoint files
+  image_references.py main.py's, torchvision's and timm's refused flags, the batch-size rule, .pth checkpoint files
   image_device_decode.py --decode_on_device: JPEGs decoded and augmented on the training device
 
 Dependencies point one way: text_* and image_* use the shared modules, never each other; among those, runtime.py is used by

@@ -43,7 +43,7 @@ EVAL_IMAGE_FLAGS = {"--val_crop_size": "val_crop_size", "--val_resize": "val_res
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
     group = parser.add_argument_group("augmentation (torchvision's presets; timm's names in docs/resnet_recipes.md)")
-    group.add_argument("--image_size", type=positive_int, default=None,
+    group.add_argument("--image_size", "--img-size", type=positive_int, default=None,
                        help="pixels: default of --train_crop_size and --val_crop_size (default: 224; -e: the model's)")
     group.add_argument("--train_crop_size", "--train-crop-size", type=positive_int, default=None,
                        help="pixels: RandomResizedCrop output (default --image_size)")

@@ -43,7 +43,7 @@ def add_model_args(group):
     group.add_argument("--pretrained", nargs="?", const="DEFAULT", default=None, metavar="PATH",
                        help="start from pretrained weights: torchvision's ImageNet ones, timm's default ones (from the "
                             "Hugging Face cache), or a .safetensors/.pth file's; a new head for other classes")
-    group.add_argument("--weights", default=None, metavar="NAME|PATH",
+    group.add_argument("--weights", "--initial-checkpoint", default=None, metavar="NAME|PATH",
                        help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2, or a weights file")
     group.add_argument("--drop_path", "--drop-path", type=float, default=None,
                        help="stochastic depth rate (timm's drop_path_rate, torchvision's stochastic_depth_prob)")

@@ -21,12 +21,15 @@ from utils.runtime import UserError, nonnegative_float, positive_float, positive
 NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
                torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)  # torchvision's list
 
-SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannealinglr": "cosine"}
+# torchvision's names (steplr, cosineannealinglr, exponentiallr) and timm's (--sched step, cosine) of each schedule
+SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannealinglr": "cosine",
+              "exponential": "exponential", "exponentiallr": "exponential"}
 
 
 def add_optim_args(parser):
     group = parser.add_argument_group("optimisation (torchvision's names)")
-    group.add_argument("--opt", choices=["sgd", "sgd_nesterov", "adamw", "rmsprop"], default="sgd")
+    group.add_argument("--opt", type=str.lower, choices=["sgd", "sgd_nesterov", "adamw", "rmsprop"], default="sgd",
+                       help="any case, as torchvision lower-cases it (--opt SGD)")
     # > 0: the cosine schedule is a fraction of --lr (lr_lambda), and a learning rate of 0 trains nothing
     group.add_argument("--lr", "--learning-rate", type=positive_float, default=0.1, help="peak learning rate")
     group.add_argument("--momentum", type=nonnegative_float, default=0.9, help="sgd, sgd_nesterov, rmsprop")
@@ -36,20 +39,23 @@ def add_optim_args(parser):
                        help="weight decay of normalisation layers' weights and biases (default: --wd)")
     group.add_argument("--bias_weight_decay", "--bias-weight-decay", type=nonnegative_float, default=None,
                        help="weight decay of every parameter named 'bias' (default: --wd)")
-    group.add_argument("--lr_scheduler", "--lr-scheduler", choices=list(SCHEDULERS), default="step",
-                       help="step|steplr: x--lr_gamma every --lr_step_epochs (main.py); "
-                            "cosine|cosineannealinglr: to --lr_min at the last step")
-    group.add_argument("--lr_step_epochs", "--lr-step-size", type=positive_int, default=30,
+    group.add_argument("--lr_scheduler", "--lr-scheduler", "--sched", type=str.lower, choices=list(SCHEDULERS),
+                       default="step", help="step|steplr: x--lr_gamma every --lr_step_epochs (main.py); "
+                                            "cosine|cosineannealinglr: to --lr_min at the last step; "
+                                            "exponential|exponentiallr: x--lr_gamma every epoch")
+    group.add_argument("--lr_step_epochs", "--lr-step-size", "--decay-epochs", type=positive_int, default=30,
                        help="epochs between decays")
-    group.add_argument("--lr_gamma", "--lr-gamma", type=float, default=0.1, help="factor of each 'step' decay")
-    group.add_argument("--lr_min", "--lr-min", type=nonnegative_float, default=0.0,
+    group.add_argument("--lr_gamma", "--lr-gamma", "--decay-rate", type=float, default=0.1,
+                       help="factor of each 'step' or 'exponential' decay")
+    group.add_argument("--lr_min", "--lr-min", "--min-lr", type=nonnegative_float, default=0.0,
                        help="last learning rate of 'cosine'")
-    group.add_argument("--warmup_epochs", "--lr_warmup_epochs", "--lr-warmup-epochs", type=nonnegative_float,
+    group.add_argument("--warmup_epochs", "--lr_warmup_epochs", "--lr-warmup-epochs", "--warmup-epochs",
+                       type=nonnegative_float,
                        default=0.0, dest="warmup_epochs", help="epochs of warmup")
     group.add_argument("--lr_warmup_method", "--lr-warmup-method", choices=["linear", "constant"], default="linear")
     group.add_argument("--lr_warmup_decay", "--lr-warmup-decay", type=float, default=0.01,
                        help="warmup starts at this fraction of --lr (torchvision's default)")
-    group.add_argument("--clip_grad_norm", "--clip-grad-norm", type=positive_float, default=None,
+    group.add_argument("--clip_grad_norm", "--clip-grad-norm", "--clip-grad", type=positive_float, default=None,
                        help="largest global L2 norm of the gradients")
     return group
 
@@ -102,7 +108,7 @@ def lr_lambda(args, steps_per_epoch, total_steps):
     """The factor of --lr after `step` optimizer steps: warmup, then step decay or cosine to --lr_min."""
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
     kind = SCHEDULERS[args.lr_scheduler]
-    if kind == "step" and args.lr_min:
+    if kind != "cosine" and args.lr_min:
         raise UserError("--lr_min applies to --lr_scheduler cosine only")
 
     def factor(step):
@@ -112,6 +118,8 @@ def lr_lambda(args, steps_per_epoch, total_steps):
             return args.lr_warmup_decay + (1 - args.lr_warmup_decay) * (step + 1) / warmup_steps
         if kind == "step":
             return args.lr_gamma ** (step // steps_per_epoch // args.lr_step_epochs)
+        if kind == "exponential":  # torchvision's ExponentialLR, stepped once per epoch
+            return args.lr_gamma ** (step // steps_per_epoch)
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return (args.lr_min + (args.lr - args.lr_min) * 0.5 * (1 + math.cos(math.pi * progress))) / args.lr
 

@@ -1,10 +1,11 @@
 """What users bring from the scripts train_resnet.py replaces, pytorch/examples imagenet/main.py and torchvision's
 references/classification/train.py: their flags, their batch-size convention and their checkpoint files.
 
-- main.py's distribution flags are replaced by the launcher, and a few torchvision flags have no counterpart:
-  passing one prints what replaces it (MAIN_PY_FLAGS, TORCHVISION_FLAGS).
-- torchvision's -b/--batch-size is per process, main.py's and ours global: `global_batch_size` decides from the
-  command which one it is, and the run summary says so.
+- main.py's distribution flags are replaced by the launcher, and a few torchvision and timm flags have no
+  counterpart: passing one prints, in one line, what replaces it (MAIN_PY_FLAGS, TORCHVISION_FLAGS, TIMM_FLAGS,
+  refused by utils/flags.py Parser).
+- -b/--batch-size is always the GLOBAL batch (main.py's "total batch size of all GPUs on the current node", on every
+  node together here); torchvision's and timm's per-process -b is --per_device_batch_size (BATCH_RULE).
 - main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
   prefix of DataParallel/DDP) load with `weights_only=True` (utils/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
@@ -14,7 +15,6 @@ references/classification/train.py: their flags, their batch-size convention and
 
 Neighbours: utils/image_optim.py, utils/export.py.
 """
-import argparse
 import os
 from pathlib import Path
 
@@ -43,55 +43,33 @@ MAIN_PY_FLAGS = {
 # (its other flags are accepted under their own spelling: docs/resnet_recipes.md).
 TORCHVISION_FLAGS = {
     "--device": "the launcher and accelerate_configs/*.yaml choose the device (--cpu forces the CPU)",
-    "--amp": "accelerate launch --mixed_precision bf16|fp16 (or this script's --mixed_precision)",
     "--cache-dataset": "nothing: the ImageFolder is scanned in seconds; drop the flag",
     "--use-deterministic-algorithms": "nothing: runs are already reproducible per (seed, epoch, image); drop it",
     "--backend": "nothing: images are always decoded to tensors (torchvision's --backend tensor); drop it",
     "--use-v2": "nothing: transforms are always torchvision.transforms.v2; drop it",
-    "--transformer-embedding-decay": "not supported for ResNets; use --norm_weight_decay / --bias_weight_decay",
+    "--transformer-embedding-decay": "no separate decay of the position embeddings and class token of swin/vit "
+                                     "models; --norm_weight_decay / --bias_weight_decay for the other groups",
 }
 
+# timm train.py flags with no counterpart here, or another meaning, and what to pass instead (its others are accepted
+# under their own spelling, with timm's meaning: docs/resnet_recipes.md)
+TIMM_FLAGS = {
+    "--num-classes": "the classes are the folders of train/; drop --num-classes",
+    "--output": "--output_dir DIR (the files go straight into DIR; timm's --output adds a folder per run)",
+    "--torchcompile": "accelerate launch --dynamo_backend inductor ... (or --dynamo_backend in the accelerate config)",
+    "--reprob": "--random_erase P (torchvision's RandomErasing fills with zeros, timm's --remode const; timm's "
+                "default --remode pixel fills with noise, which is not built here)",
+    "--remode": "--random_erase P erases with zeros (timm's --remode const); drop --remode",
+    "--aa": "--auto_augment NAME with torchvision's policies (ra, ta_wide, augmix, imagenet); timm's "
+            "rand-m9-mstd0.5 strings are not parsed here",
+    "--warmup-lr": "--lr_warmup_decay F (the warmup starts at F x --lr)",
+    "--sched-on-updates": "nothing: the schedule is stepped every optimizer step here; drop it",
+    "--amp-dtype": "--mixed_precision bf16|fp16",
+}
 
-class _ReplacedFlag(argparse.Action):
-    """A flag that no longer exists: print what replaces it, and every other one, then exit 2."""
+BATCH_RULE = ("-b/--batch-size is the GLOBAL batch on any number of processes (main.py's total batch); torchvision's "
+              "and timm's per-process -b N is --per_device_batch_size N")
 
-    def __init__(self, option_strings, dest, replacements, source, **kwargs):
-        self.replacements, self.source = replacements, source
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        width = max(map(len, self.replacements))
-        table = "\n".join(f"  {flag:<{width}}  ->  {text}" for flag, text in self.replacements.items())
-        parser.exit(2, f"error: {option_string} is a {self.source} flag; here it is replaced by:\n"
-                       f"  {option_string}  ->  {self.replacements[option_string]}\n"
-                       f"All of {self.source}'s flags of this kind and what replaces them:\n{table}\n")
-
-
-def add_replaced_flags(parser, replacements=MAIN_PY_FLAGS, source="pytorch/examples imagenet/main.py"):
-    """Accept the old flags only to explain them (the parser needs allow_abbrev=False to tell
-    main.py's --dist-backend from our --dist_backend)."""
-    for flag in replacements:
-        parser.add_argument(flag, action=_ReplacedFlag, replacements=replacements, source=source)
-
-
-def global_batch_size(argv, parsed_batch_size, world_size):
-    """(global batch, note or None). torchvision's -b/--batch-size is PER PROCESS, main.py's and ours GLOBAL.
-
-    The command decides: one that names torchvision's --model or --data-path is a torchvision command, and its
-    -b/--batch-size is multiplied by the number of processes (and said so at start). --batch_size (underscore)
-    is always global; a command mixing it with a per-process -b/--batch-size is refused.
-    """
-    flags = {arg.split("=")[0] for arg in argv if arg.startswith("-")}
-    flags |= {"-b" for arg in argv if arg.startswith("-b") and not arg.startswith("--")}  # -b64
-    if not flags & {"-b", "--batch-size"} or not flags & {"--model", "--data-path"}:
-        return parsed_batch_size, None
-    if "--batch_size" in flags:
-        raise UserError("-b/--batch-size (torchvision's, per process, in a command with --model/--data-path) and "
-                        "--batch_size (global) both given; pass one of them")
-    total = parsed_batch_size * world_size
-    return total, (f"-b/--batch-size {parsed_batch_size} is torchvision's per-process batch (the command uses "
-                   f"--model/--data-path): global batch {parsed_batch_size} x {world_size} processes = {total}; "
-                   "--batch_size sets the global batch directly")
 
 
 def check_legacy_compatible(checkpoint, expected, path):

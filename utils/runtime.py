@@ -270,11 +270,16 @@ def elastic_restart_warning(environ=os.environ):
 def add_runtime_args(parser):
     """Flags both scripts share for how the run is executed (not what it trains)."""
     group = parser.add_argument_group("runtime")
-    group.add_argument("--cpu", action="store_true",
+    group.add_argument("--cpu", "--no-accel", action="store_true",
                        help="CPU only, whatever the machine holds (GPUs are hidden from the process); needed for "
-                            "multi-process CPU (gloo) DDP")
+                            "multi-process CPU (gloo) DDP (main.py's --no-accel)")
     group.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                        help="default: whatever the launcher / accelerate config says")
+    group.add_argument("--fp16", "--amp", dest="mixed_precision", action="store_const", const="fp16",
+                       help="the same as --mixed_precision fp16 (the Trainer's and accelerate's examples' --fp16, "
+                            "torchvision's and timm's --amp)")
+    group.add_argument("--bf16", dest="mixed_precision", action="store_const", const="bf16",
+                       help="the same as --mixed_precision bf16 (the Trainer's --bf16)")
     group.add_argument("--dist_backend", choices=["nccl", "gloo"], default=None,
                        help="process-group backend; default nccl on GPU, gloo on CPU and on Windows")
     group.add_argument("--ddp_timeout", type=positive_float, default=300.0,

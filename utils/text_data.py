@@ -701,7 +701,7 @@ def select_examples(examples, args):
     selected, notes = {}, []
     for split, items in examples.items():
         if split == "train" and args.shuffle_train_dataset:
-            order = np.random.default_rng(args.shuffle_seed or SHUFFLE_SEED).permutation(len(items))
+            order = np.random.default_rng(shuffle_seed(args)).permutation(len(items))
             items = [items[i] for i in order]
         selected[split] = items[:limits[split]]
         if limits[split] is not None:
@@ -729,6 +729,11 @@ def add_dataset_args(group):
                        help="shuffle the training examples once, before --max_train_samples")
     group.add_argument("--shuffle_seed", type=int, default=None,
                        help=f"with --shuffle_train_dataset; default {SHUFFLE_SEED}")
+
+
+def shuffle_seed(args):
+    """--shuffle_seed, run_classification.py's 42 when not given (0 is a seed like any other)."""
+    return SHUFFLE_SEED if args.shuffle_seed is None else args.shuffle_seed
 
 
 def check_dataset_args(args):
@@ -760,7 +765,7 @@ def data_must_match(args):
     """The data flags a resumed run must share with its checkpoint: another value changes the examples."""
     return {"--max_train_samples": args.max_train_samples, "--max_eval_samples": args.max_eval_samples,
             "--shuffle_train_dataset": args.shuffle_train_dataset,
-            "--shuffle_seed": (args.shuffle_seed or SHUFFLE_SEED) if args.shuffle_train_dataset else None}
+            "--shuffle_seed": shuffle_seed(args) if args.shuffle_train_dataset else None}
 
 
 def read_labels_file(path, encoding="utf-8"):

@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from accelerate.utils import broadcast
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, get_scheduler
 
 from utils.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
@@ -235,6 +235,18 @@ def optimizer_groups(model, weight_decay):
 
 
 HUB_OR_PATH_FLAGS = ("--model_name_or_path", "--config_name", "--tokenizer_name", "--dataset_name", "--metric")
+
+
+def check_scheduler_args(args):
+    """--lr_scheduler_type with its --lr_scheduler_kwargs, built once on a stand-in optimizer, so that a schedule that
+    lacks an argument (cosine_with_min_lr's min_lr) or gets a wrong one stops here, not after the data is read."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
+                      scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs "
+                        f"{json.dumps(args.lr_scheduler_kwargs)}: {err}") from None
 
 
 def check_hub_ids_or_paths(args, flags=HUB_OR_PATH_FLAGS):
