@@ -62,7 +62,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-def parse_args(argv=None):
+def build_parser():
+    """Every flag of the script (utils/flags.py Parser: one-line errors, the other tools' spellings)."""
     parser = Parser(description=__doc__)
     parser.refuse("the Chinese BERT tutorial", TUTORIAL_FLAGS)
     parser.refuse("accelerate's examples", ACCELERATE_EXAMPLE_FLAGS)
@@ -151,6 +152,11 @@ def parse_args(argv=None):
                              "validation/test results beside accuracy and F1; repeatable")
     add_selection_args(parser, None, SELECTION_HELP)
     add_runtime_args(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")

@@ -77,7 +77,8 @@ def unknown_arch(arch):
     return line + (f" (did you mean {', '.join(close)}?)" if close else f"; choose from {', '.join(MODEL_NAMES)}")
 
 
-def parse_args(argv=None):
+def build_parser():
+    """Every flag of the script (utils/flags.py Parser: one-line errors, the other tools' spellings)."""
     parser = Parser(description=__doc__)
     parser.refuse("pytorch/examples imagenet/main.py", MAIN_PY_FLAGS)
     parser.refuse("torchvision's references/classification/train.py", TORCHVISION_FLAGS)
@@ -129,6 +130,11 @@ def parse_args(argv=None):
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_runtime_args):
         add_group(parser)
     add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
             and not is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data

@@ -755,7 +755,9 @@ def check_dataset_args(args):
             raise UserError(f"--{name}: nothing of that kind is read in this run")
     if args.shuffle_seed is not None and not args.shuffle_train_dataset:
         raise UserError("--shuffle_seed needs --shuffle_train_dataset")
-    test_split = args.test_file or args.dataset_name or (args.data_dir and find_split_file(args.data_dir, "test"))
+    # a --data_dir that does not exist is named by the data loading, in its own line
+    test_split = args.test_file or args.dataset_name or (args.data_dir and (not Path(args.data_dir).is_dir()
+                                                                            or find_split_file(args.data_dir, "test")))
     if args.do_predict and not (args.predict_file or test_split):
         raise UserError("--do_predict needs --predict_file, or a test split to predict (run_classification.py's "
                         "--test_file, --data_dir with a test file, --dataset_name)")
