@@ -128,8 +128,8 @@ def test_every_spelling_that_is_not_the_flag_own_is_said_once(monkeypatch):
     (train_bert_cls, ["--model_name_or_path", "m", "--do_train", "--lr_scheduler_type", "cosin"],
      "error: argument --lr_scheduler_type: invalid choice 'cosin': did you mean cosine? (choose from linear, "),
     (train_bert_cls, ["--model_name_or_path", "m", "--do_train", "--num_train_epochs", "2.5"],
-     "error: argument --num_train_epochs/--train_epochs: 2.5: whole epochs only here; for part of an epoch pass "
-     "--max_train_steps"),
+     "error: argument --num_train_epochs/--train_epochs: must be a positive integer, not '2.5': whole epochs only "
+     "here; for part of an epoch pass --max_train_steps"),
     (train_bert_cls, ["--model_name_or_path", "m", "--do_train", "--fp16", "--mixed_precision", "bf16"],
      "error: --fp16 and --mixed_precision set the same thing (--mixed_precision); pass one\n"),
     (train_bert_cls, ["--model_name_or_path", "m", "--do_train", "--lr_scheduler_type", "cosine_with_min_lr"],

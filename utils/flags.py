@@ -18,6 +18,7 @@ Neighbours: utils/runtime.py (UserError, the number types, HelpFormatter).
 import argparse
 import difflib
 import json
+import math
 import sys
 
 from utils.runtime import HelpFormatter, launched_world_size
@@ -96,18 +97,14 @@ class Parser(argparse.ArgumentParser):
         return kept, booleans
 
     def _unparsed_optional_values(self, argv):
-        """argv where an optional value that its flag's type refuses and that is not a number goes to the next
-        argument instead (main.py's `--dummy DATA`: --dummy takes an optional image count here)."""
+        """argv where the word after a flag with an optional number is not that number but the next argument
+        (main.py's `--dummy DATA`: --dummy takes an optional image count here)."""
         kept = list(argv)
         for i, word in enumerate(argv[:-1]):
             action = self._action_of(word)
             following = argv[i + 1]
-            if (action is None or action.nargs != "?" or action.type is None or "=" in word
-                    or following.startswith("-") or _is_number(following)):
-                continue
-            try:
-                action.type(following)
-            except (argparse.ArgumentTypeError, ValueError, TypeError):
+            if (action is not None and action.nargs == "?" and "=" not in word and _takes_numbers(action)
+                    and not following.startswith("-") and not _is_number(following)):
                 kept[i] = f"{word}={action.const}"
         return kept
 
@@ -166,6 +163,15 @@ def same_name(spelling, dest):
     return spelling.lstrip("-").replace("-", "_") == dest or len(spelling) == 2  # -b, -j: main.py's short forms
 
 
+def _takes_numbers(action):
+    """Whether an action's type reads numbers (positive_int, float), not words (hf_bool reads 1 but not 2)."""
+    try:
+        action.type("2")
+    except (argparse.ArgumentTypeError, ValueError, TypeError):
+        return False
+    return action.type is not None and not isinstance(action.type("2"), str)
+
+
 def _is_number(word):
     try:
         float(word)
@@ -208,10 +214,12 @@ def whole_epochs(text):
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of epochs, not {text!r}") from None
-    if value < 1 or not value.is_integer():
-        raise argparse.ArgumentTypeError(f"{text}: whole epochs only here; for part of an epoch pass "
-                                         "--max_train_steps (optimizer steps)")
+        value = 0.0
+    if value < 1 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}: whole epochs only here; for part "
+                                         "of an epoch pass --max_train_steps (optimizer steps)")
     return int(value)
 
 
