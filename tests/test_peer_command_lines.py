@@ -218,3 +218,57 @@ def test_timm_command_trains_with_timm_meanings(digits_data, tmp_path):
         assert proc.stdout.count(f"read as: {note}") == 1, note
     results = read_json(out / "all_results.json")
     assert results["global_batch_size"] == 32 and results["device"] == "cpu"
+
+
+class NotANamespace:
+    """A class a checkpoint may not hold: only argparse.Namespace is allowed beside the tensors."""
+
+    def __init__(self):
+        self.model = "resnet18"
+
+
+def test_torchvision_checkpoint_file_evaluates_and_resumes(digits_data, tmp_path):
+    """torchvision's checkpoint.pth (model, optimizer, lr_scheduler, epoch, args as a pickled argparse.Namespace):
+    -e evaluates its weights at the image sizes its args recorded; --resume continues after its epoch; any other
+    pickled class in it is refused in one line."""
+    import argparse
+
+    import torch
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    args = argparse.Namespace(model="resnet18", lr=0.1, val_resize_size=16, val_crop_size=16, train_crop_size=16,
+                              interpolation="bilinear")
+    checkpoint = tmp_path / "checkpoint.pth"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": {}, "epoch": 0,
+                "args": args}, checkpoint)
+    common = [digits_data, "-a", "resnet18", "-j", "0", "-b", "32", "--cpu"]
+    proc = run_here("train_resnet.py", [*common, "-e", "--resume", checkpoint, "--output_dir", tmp_path / "eval"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = read_json(tmp_path / "eval" / "eval_results.json")
+    assert results["eval_samples"] > 0 and "eval_acc1" in results
+    proc = run_here("train_resnet.py", [*common, "--image_size", "16", "--val_resize", "16", "--epochs", "2",
+                                        "--resume", checkpoint, "--output_dir", tmp_path / "resumed"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epochs = {event["epoch"] for event in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "epoch" in event}
+    assert epochs and min(epochs) >= 1, epochs  # torchvision's epoch 0 was done: the run trains epoch 1 (of 0, 1)
+    torch.save({"model": model.state_dict(), "epoch": 0, "args": NotANamespace()}, checkpoint)
+    proc = run_here("train_resnet.py", [*common, "-e", "--resume", checkpoint, "--output_dir", tmp_path / "evil"],
+                    check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "NotANamespace" in proc.stderr, proc.stderr
+
+
+def test_accelerate_examples_resume_path_names_this_layout(tmp_path):
+    """accelerate's examples resume from OUTPUT_DIR/step_N; here the checkpoints are OUTPUT_DIR/checkpoints/step_N:
+    the line names the one to pass."""
+    from utils.checkpoint import STATE_FILE, resolve_resume
+    from utils.runtime import UserError
+
+    (tmp_path / "checkpoints" / "step_5").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_5" / STATE_FILE).write_text("{}")
+    with pytest.raises(UserError, match=f"no such checkpoint directory; this run's checkpoints are in "
+                                        f"{tmp_path / 'checkpoints'}: --resume_from_checkpoint "
+                                        f"{tmp_path / 'checkpoints' / 'step_5'} "):
+        resolve_resume(str(tmp_path / "step_5"), tmp_path / "checkpoints")
+    assert resolve_resume(str(tmp_path / "checkpoints" / "step_5"), tmp_path / "checkpoints").name == "step_5"

@@ -80,9 +80,16 @@ def resolve_resume(resume, checkpoint_dir):
     if resume == "latest":
         return latest_checkpoint(checkpoint_dir)
     path = Path(resume)
+    if not path.exists():
+        ours = Path(checkpoint_dir) / path.name
+        hint = (f"this run's checkpoints are in {checkpoint_dir}: --resume_from_checkpoint {ours}" if (
+            ours / STATE_FILE).is_file() else f"resume from `latest` or one of {checkpoint_dir}/step_N")
+        raise UserError(f"{path}: no such checkpoint directory; {hint} (accelerate's examples save OUTPUT_DIR/step_N "
+                        "and epoch_N; this script saves OUTPUT_DIR/checkpoints/step_N)")
     if not (path / STATE_FILE).is_file():
-        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}); resume from `latest` or a "
-                        "checkpoints/step_N directory")
+        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}: an interrupted save, or a bare "
+                        "accelerate save_state directory, which lacks where the run stood); resume from `latest` or "
+                        "a checkpoints/step_N directory")
     return path
 
 

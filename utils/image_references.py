@@ -6,6 +6,8 @@ references/classification/train.py: their flags, their batch-size convention and
   refused by utils/flags.py Parser).
 - -b/--batch-size is always the GLOBAL batch (main.py's "total batch size of all GPUs on the current node", on every
   node together here); torchvision's and timm's per-process -b is --per_device_batch_size (BATCH_RULE).
+- torchvision's checkpoint.pth ({model, optimizer, lr_scheduler, epoch, args}) is read in main.py's layout
+  (utils/export.py from_torchvision_layout).
 - main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
   prefix of DataParallel/DDP) load with `weights_only=True` (utils/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
