@@ -278,3 +278,9 @@ def test_resnet_peer_spellings_are_accepted_or_refused_in_one_line():
     # timm's flags with no counterpart that the table itself says are not built here, by name
     assert unknown == {"--pretrained-path", "--input-size", "--crop-pct", "--scale", "--ratio", "--train-interpolation",
                        "--repeated-aug", "--patience-epochs"}, sorted(unknown)
+
+
+def test_readme_stays_scannable():
+    """README.md is read in two minutes: at most 150 lines; detail belongs in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
