@@ -272,3 +272,23 @@ def test_accelerate_examples_resume_path_names_this_layout(tmp_path):
                                         f"{tmp_path / 'checkpoints' / 'step_5'} "):
         resolve_resume(str(tmp_path / "step_5"), tmp_path / "checkpoints")
     assert resolve_resume(str(tmp_path / "checkpoints" / "step_5"), tmp_path / "checkpoints").name == "step_5"
+
+
+def test_run_classification_sentence_column_is_named(tmp_path):
+    """run_classification.py reads a `sentence` column by default; here --text_column is `text`: the line says which
+    flag reads that file."""
+    import csv
+
+    from utils.runtime import UserError
+    from utils.text_data import DEFAULT_FORMAT, read_examples
+
+    path = tmp_path / "train.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([["sentence", "label"], ["一个标题", "体育"]])
+    with pytest.raises(UserError, match=r"header lacks column\(s\) text \(--text_column\); it has 'sentence', "
+                                        r"run_classification.py's default text column: pass --text_column sentence"):
+        read_examples(path, fmt=DEFAULT_FORMAT)
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"sentence": "一个标题", "label": "体育"}\n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"no field 'text' \(--text_column\); it has 'sentence'"):
+        read_examples(path, fmt=DEFAULT_FORMAT)

@@ -281,7 +281,8 @@ def _table_rows(path, fmt, labelled, delimiter):
     header_line, header = next(((line, fields) for line, fields in records if fields), (1, []))
     missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled) if column not in header]
     if missing:
-        raise UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}")
+        raise UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}"
+                        + _sentence_hint(fmt, header))
     for line, fields in records:
         if not any(field.strip() for field in fields):
             yield line, None
@@ -454,8 +455,15 @@ def _check_columns(row, where, fmt, labelled):
     for column, flag in _columns(fmt, labelled):
         if column not in row:
             hint = ("; files to train or evaluate on need labels (texts without labels go to --predict_file)"
-                    if column == fmt.label_column else "")
+                    if column == fmt.label_column else _sentence_hint(fmt, row))
             raise UserError(f"{where}: no field '{column}' ({flag}){hint}")
+
+
+def _sentence_hint(fmt, fields):
+    """run_classification.py reads a `sentence` column by default, this script `text`: name the flag to pass."""
+    if fmt.text_column not in fields and "sentence" in fields and not fmt.joined_columns:
+        return "; it has 'sentence', run_classification.py's default text column: pass --text_column sentence"
+    return ""
 
 
 def _row_text(row, fmt):
