@@ -292,3 +292,11 @@ def test_run_classification_sentence_column_is_named(tmp_path):
     path.write_text('{"sentence": "一个标题", "label": "体育"}\n', encoding="utf-8")
     with pytest.raises(UserError, match=r"no field 'text' \(--text_column\); it has 'sentence'"):
         read_examples(path, fmt=DEFAULT_FORMAT)
+
+
+def test_timm_mixing_flags_mix_the_whole_batch_as_timm_does():
+    args = train_resnet.parse_args(["--dummy", "--mixup", "0.2", "--cutmix", "1.0"])
+    assert (args.mixup_alpha, args.cutmix_alpha, args.mixup_mode) == (0.2, 1.0, "batch")
+    assert "--cutmix: timm's whole-batch mixing = --mixup_mode batch" in args.command_notes
+    assert train_resnet.parse_args(["--dummy", "--mixup-alpha", "0.2"]).mixup_mode == "pair"  # ours and torchvision's
+    assert train_resnet.parse_args(["--dummy", "--mixup", "0.2", "--mixup_mode", "pair"]).mixup_mode == "pair"

@@ -21,6 +21,8 @@ defaults (224 and 256 pixels, bilinear).
 
 Neighbours: utils/image_data.py, utils/image_optim.py.
 """
+import argparse
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Sampler
@@ -77,6 +79,7 @@ def add_augment_args(parser):
 def resolve_augment_args(args, sizes_from_model=False):
     """Fill the image sizes from --image_size and the defaults, unless `sizes_from_model` (-e: resolve_image_sizes
     does it once the model is known), and check ranges (before anything starts)."""
+    resolve_mixup_mode(args)
     if not sizes_from_model:
         args.image_size = args.image_size or IMAGE_DEFAULTS["train_crop_size"]
         for key, default in IMAGE_DEFAULTS.items():
@@ -184,14 +187,35 @@ class RepeatedAugmentationSampler(Sampler):
 
 def add_mixing_args(parser):
     group = parser.add_argument_group("batch mixing (torchvision's MixUp/CutMix; timm's names in the docs)")
-    group.add_argument("--mixup_alpha", "--mixup-alpha", "--mixup", type=nonnegative_float, default=0.0,
+    group.add_argument("--mixup_alpha", "--mixup-alpha", type=nonnegative_float, default=0.0,
                        help="MixUp Beta(alpha, alpha); 0: off")
-    group.add_argument("--cutmix_alpha", "--cutmix-alpha", "--cutmix", type=nonnegative_float, default=0.0,
+    group.add_argument("--cutmix_alpha", "--cutmix-alpha", type=nonnegative_float, default=0.0,
                        help="CutMix Beta(alpha, alpha); 0: off. Both set: one of the two per group")
-    group.add_argument("--mixup_mode", "--mixup-mode", choices=["pair", "batch"], default="pair",
+    group.add_argument("--mixup", type=nonnegative_float, dest="mixup_alpha", action=TimmMixing,
+                       help="timm's: --mixup_alpha with timm's --mixup-mode batch (unless --mixup_mode is given)")
+    group.add_argument("--cutmix", type=nonnegative_float, dest="cutmix_alpha", action=TimmMixing,
+                       help="timm's: --cutmix_alpha with timm's --mixup-mode batch (unless --mixup_mode is given)")
+    group.add_argument("--mixup_mode", "--mixup-mode", choices=["pair", "batch"], default=None,
                        help="pair: each 2 images mixed together (exact for any process count); batch: each "
-                            "process's share together (torchvision's)")
+                            "process's share together (torchvision's); default pair, batch with timm's --mixup/--cutmix")
     return group
+
+
+class TimmMixing(argparse.Action):
+    """timm's --mixup / --cutmix: the alpha, and timm's batch mode unless --mixup_mode says otherwise."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.timm_mixing = option_string
+
+
+def resolve_mixup_mode(args):
+    """--mixup_mode as given; else timm's batch for a command with timm's --mixup/--cutmix (said), else pair."""
+    if args.mixup_mode is None:
+        timm_flag = getattr(args, "timm_mixing", None)
+        args.mixup_mode = "batch" if timm_flag else "pair"
+        if timm_flag:
+            args.command_notes = (*args.command_notes, f"{timm_flag}: timm's whole-batch mixing = --mixup_mode batch")
 
 
 def build_mixer(args, num_classes, per_process_batch):
