@@ -33,7 +33,7 @@ from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agre
                                resume_settings)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, OPTIMIZERS, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
+from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
                          TUTORIAL_IGNORED, Ignored, Parser, PerDevice, batch_line, json_object, say_command,
                          steps_or_epoch, whole_epochs)
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
@@ -54,7 +54,8 @@ from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics
                           selectable_metrics, training_loss)
 from utils.text_model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
                         check_problem_type, check_scheduler_args, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
-                        load_classifier, load_legacy_bert, loading, model_card, optimizer_groups, problem_type,
+                        OPTIMIZERS, build_optimizer, load_classifier, load_legacy_bert, loading, model_card,
+                        optimizer_groups, problem_type,
                         saved_labels,
                         trained_with, use_model_settings)
 
@@ -113,7 +114,16 @@ def build_parser():
                        global_flag="--eval_batch_size", help="the Trainer's: times the processes = --eval_batch_size")
     train.add_argument("--learning_rate", "--lr", type=positive_float, default=3e-5, help="peak learning rate")
     train.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch",
-                       help="the Trainer's names; both are torch's AdamW, fused on CPU and CUDA")
+                       help="the Trainer's names and optimizers; adamw_torch and adamw_torch_fused are both torch's "
+                            "AdamW, fused on CPU and CUDA")
+    train.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's beta1 (the Trainer's)")
+    train.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's beta2 (the Trainer's)")
+    train.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon (the Trainer's)")
+    train.add_argument("--layerwise_lr_decay", type=positive_float, default=1.0, metavar="FACTOR",
+                       help="layer-wise learning-rate decay: encoder layer i of L at --learning_rate x "
+                            "FACTOR^(L - i), the embeddings x FACTOR^(L + 1); 1: off")
+    train.add_argument("--head_learning_rate", type=positive_float, default=None,
+                       help="the classification head's (and pooler's) learning rate; default --learning_rate")
     train.add_argument("--lr_scheduler_type", choices=[kind.value for kind in SchedulerType if kind.value != "reduce_lr_on_plateau"], default="linear",
                        help="transformers.get_scheduler's schedule, after the warmup")
     train.add_argument("--lr_scheduler_kwargs", type=json_object, default={}, metavar="JSON",
@@ -349,9 +359,9 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
     prints the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
-    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate,
-                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    groups = optimizer_groups(model, args.weight_decay, args.learning_rate, args.layerwise_lr_decay,
+                              args.head_learning_rate)
+    optimizer = build_optimizer(groups, args, accelerator.device)
     # Sized from the UNprepared loader; with split_batches the prepared scheduler steps once per optimizer step.
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else math.ceil(args.warmup_ratio * max_train_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps,
@@ -584,6 +594,9 @@ def main(args):
                   # another value would change which samples each step sees (or the inputs themselves)
                   "--train_batch_size": args.train_batch_size, **data_must_match(args),
                   "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len,
+                  # the optimizer's state and its groups are those of the checkpoint
+                  "--optim": args.optim, "--layerwise_lr_decay": args.layerwise_lr_decay,
+                  "--head_learning_rate": args.head_learning_rate,
                   DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")),
                   **selection.must_match()}
     model = maybe_data_parallel(model, args)

@@ -174,7 +174,7 @@ def test_torchvision_exponential_schedule():
 
 def test_trainer_command_trains_with_trainer_meanings(text_data, tmp_path):
     """The Trainer's spellings on 2 processes: a per-device batch of 8 is the global 16, said once, first; the cosine
-    schedule with 2 warmup steps is transformers' own."""
+    schedule with 2 warmup steps is transformers' own; the Trainer's Adafactor trains."""
     from transformers import get_cosine_schedule_with_warmup
     import torch
     out = tmp_path / "trainer"
@@ -183,6 +183,7 @@ def test_trainer_command_trains_with_trainer_meanings(text_data, tmp_path):
         "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--lr", "2e-3",
         "--num_train_epochs", "1.0", "--max_steps", "6", "--lr_scheduler_type", "cosine", "--warmup_steps", "2",
         "--checkpointing_steps", "epoch", "--logging_steps", "1", "--do_train", "True", "--do_eval", "True",
+        "--optim", "adafactor",
         "--do_test", "False", "--num_tags", "10", "--log_dir", "logs", "--output_dir", out,
         "--overwrite_output_dir", "True"], num_processes=2)
     assert proc.stdout.splitlines()[0].startswith("batch: --train_batch_size 16 = 8 per process x 2 processes")
@@ -300,3 +301,37 @@ def test_timm_mixing_flags_mix_the_whole_batch_as_timm_does():
     assert "--cutmix: timm's whole-batch mixing = --mixup_mode batch" in args.command_notes
     assert train_resnet.parse_args(["--dummy", "--mixup-alpha", "0.2"]).mixup_mode == "pair"  # ours and torchvision's
     assert train_resnet.parse_args(["--dummy", "--mixup", "0.2", "--mixup_mode", "pair"]).mixup_mode == "pair"
+
+
+def test_layerwise_learning_rate_decay_and_head_learning_rate():
+    """Each parameter's learning rate: the head's own, encoder layer i of L at lr x decay^(L - i), the embeddings
+    at lr x decay^(L + 1); no weight decay on biases and LayerNorm; without either flag the two plain groups."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from utils.text_model import optimizer_groups
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=16, num_labels=3))
+    groups = optimizer_groups(model, 0.01, 1e-3, 0.5, 1e-2)
+    rate = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert rate[id(named["classifier.weight"])] == (1e-2, 0.01)
+    assert rate[id(named["bert.pooler.dense.weight"])] == (1e-2, 0.01)
+    assert rate[id(named["bert.encoder.layer.1.attention.self.query.weight"])] == (1e-3 * 0.5, 0.01)
+    assert rate[id(named["bert.encoder.layer.0.output.LayerNorm.weight"])] == (1e-3 * 0.25, 0.0)
+    assert rate[id(named["bert.embeddings.word_embeddings.weight"])] == (1e-3 * 0.125, 0.01)
+    assert len(rate) == len(named)
+    assert [g["weight_decay"] for g in optimizer_groups(model, 0.01)] == [0.01, 0.0]
+
+
+@pytest.mark.parametrize("optim, kind", [("adamw_torch", "AdamW"), ("sgd", "SGD"), ("adafactor", "Adafactor"),
+                                         ("adagrad", "Adagrad"), ("rmsprop", "RMSprop")])
+def test_trainer_optimizers(optim, kind):
+    import torch
+
+    from utils.text_model import build_optimizer
+
+    args = train_bert_cls.parse_args(["--model_name_or_path", "m", "--train_file", "t.csv", "--do_train",
+                                      "--optim", optim, "--learning_rate", "0.01"])
+    optimizer = build_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}], args, torch.device("cpu"))
+    assert type(optimizer).__name__ == kind and optimizer.param_groups[0]["lr"] == 0.01

@@ -250,7 +250,6 @@ def json_object(text):
 
 BERT_BATCH_RULE = ("--train_batch_size and --eval_batch_size are GLOBAL on any number of processes; the Trainer's "
                    "per-device sizes are --per_device_train_batch_size / --per_device_eval_batch_size")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")  # the Trainer's --optim names of torch's AdamW
 
 # The Chinese BERT tutorial's flags (taishan1994/pytorch_bert_chinese_text_classification, main.py and
 # main_distributed.py) with no counterpart here; its others are aliases (--bert_dir, --lr, --train_epochs) or, for

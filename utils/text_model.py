@@ -30,6 +30,7 @@ Neighbours: utils/text_data.py (tokenising), utils/text_metrics.py, utils/export
 """
 import json
 import os
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +39,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from accelerate.utils import broadcast
-from transformers import AutoModelForSequenceClassification, get_scheduler
+from transformers import Adafactor, AutoModelForSequenceClassification, get_scheduler
 
 from utils.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
@@ -224,14 +225,52 @@ def saved_labels(model_name_or_path):
     return [id2label[str(i)] for i in range(len(id2label))]
 
 
-def optimizer_groups(model, weight_decay):
-    """AdamW parameter groups: no weight decay on biases and LayerNorm weights."""
-    no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
+NO_DECAY = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
+
+
+def optimizer_groups(model, weight_decay, learning_rate=None, layer_decay=1.0, head_learning_rate=None):
+    """Parameter groups: no weight decay on biases and LayerNorm weights. With `layer_decay` < 1 (layer-wise
+    learning-rate decay) or a `head_learning_rate`, one group per depth and decay: the classification head (and the
+    pooler) at head_learning_rate (default learning_rate), encoder layer i of L at learning_rate x layer_decay^(L - i),
+    the embeddings at learning_rate x layer_decay^(L + 1)."""
     named = list(model.named_parameters())
-    return [
-        {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
-        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
-    ]
+    if layer_decay == 1.0 and head_learning_rate is None:
+        return [
+            {"params": [p for n, p in named if not any(nd in n for nd in NO_DECAY)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if any(nd in n for nd in NO_DECAY)], "weight_decay": 0.0},
+        ]
+    layers = model.config.num_hidden_layers
+    groups = {}
+    for name, parameter in named:
+        rate = _layer_learning_rate(name, model.base_model_prefix, layers, learning_rate, layer_decay,
+                                    head_learning_rate)
+        decay = 0.0 if any(nd in name for nd in NO_DECAY) else weight_decay
+        groups.setdefault((rate, decay), []).append(parameter)
+    return [{"params": params, "lr": rate, "weight_decay": decay} for (rate, decay), params in groups.items()]
+
+
+def _layer_learning_rate(name, base_prefix, layers, learning_rate, layer_decay, head_learning_rate):
+    if not name.startswith(f"{base_prefix}.") or ".pooler." in f".{name}":
+        return head_learning_rate or learning_rate
+    layer = re.search(r"\.layer\.(\d+)\.", name)
+    depth = int(layer.group(1)) + 1 if layer else 0  # the embeddings below layer 0
+    return learning_rate * layer_decay ** (layers + 1 - depth)
+
+
+# the Trainer's --optim names, each the optimizer the Trainer builds for it
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adagrad", "rmsprop")
+
+
+def build_optimizer(groups, args, device):
+    """The Trainer's --optim over `groups` (optimizer_groups), with its --adam_* settings for AdamW."""
+    if args.optim in ("adamw_torch", "adamw_torch_fused"):
+        # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
+        return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                 eps=args.adam_epsilon, fused=device.type in ("cpu", "cuda"))
+    if args.optim == "adafactor":  # the Trainer's: a fixed learning rate, not Adafactor's relative step
+        return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False)
+    optimizers = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
+    return optimizers[args.optim](groups, lr=args.learning_rate)
 
 
 HUB_OR_PATH_FLAGS = ("--model_name_or_path", "--config_name", "--tokenizer_name", "--dataset_name", "--metric")
