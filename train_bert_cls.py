@@ -107,10 +107,10 @@ def build_parser():
     train = parser.add_argument_group("training")
     train.add_argument("--train_batch_size", type=positive_int, default=32,
                        help=f"GLOBAL samples per optimizer micro-step, split over the processes: {BERT_BATCH_RULE}")
-    train.add_argument("--per_device_train_batch_size", type=positive_int, action=PerDevice, dest="train_batch_size",
+    train.add_argument("--per_device_train_batch_size", type=positive_int, action=PerDevice, dest="train_batch_size", metavar="N",
                        global_flag="--train_batch_size", help="the Trainer's: times the processes = --train_batch_size")
     train.add_argument("--eval_batch_size", type=positive_int, default=64, help="GLOBAL samples per evaluation batch")
-    train.add_argument("--per_device_eval_batch_size", type=positive_int, action=PerDevice, dest="eval_batch_size",
+    train.add_argument("--per_device_eval_batch_size", type=positive_int, action=PerDevice, dest="eval_batch_size", metavar="N",
                        global_flag="--eval_batch_size", help="the Trainer's: times the processes = --eval_batch_size")
     train.add_argument("--learning_rate", "--lr", type=positive_float, default=3e-5, help="peak learning rate")
     train.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch",

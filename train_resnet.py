@@ -106,7 +106,7 @@ def build_parser():
     train.add_argument("--start-epoch", type=nonnegative_int, default=0, help="epochs done (the schedule starts there)")
     train.add_argument("-b", "--batch-size", "--batch_size", type=positive_int, default=256,
                        help=f"GLOBAL images per step, split over the processes: {BATCH_RULE}")
-    train.add_argument("--per_device_batch_size", type=positive_int, action=PerDevice, dest="batch_size",
+    train.add_argument("--per_device_batch_size", type=positive_int, action=PerDevice, dest="batch_size", metavar="N",
                        global_flag="-b", help="images per process per step (torchvision's and timm's -b): times the "
                                               "processes = -b")
     train.add_argument("--label_smoothing", "--label-smoothing", "--smoothing", type=float, default=0.0, help="training loss only")
