@@ -82,7 +82,8 @@ RESNET_COMMANDS = [
       "print_freq": 50, "gradient_accumulation_steps": 2, "lr_gamma": 0.5}),
     ("DATA --model resnet50 --reprob 0.5 --remode pixel", "error: --reprob is a flag of timm's train.py; here: "
      "--random_erase P"),
-    ("DATA --opt rmsproptf", "error: argument --opt: invalid choice 'rmsproptf': did you mean rmsprop?"),
+    ("DATA --opt rmsproptf --momentum 0.9", {"opt": "rmsproptf"}),
+    ("DATA --opt lamb", "error: argument --opt: invalid choice 'lamb': (choose from sgd, sgd_nesterov, adamw, "),
 ]
 
 
@@ -335,3 +336,15 @@ def test_trainer_optimizers(optim, kind):
                                       "--optim", optim, "--learning_rate", "0.01"])
     optimizer = build_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}], args, torch.device("cpu"))
     assert type(optimizer).__name__ == kind and optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_timm_rmsproptf_is_timms_own():
+    import torch
+    from timm.optim import RMSpropTF
+
+    from utils.image_optim import build_optimizer
+
+    args = train_resnet.parse_args(["--dummy", "--opt", "rmsproptf", "--lr", "0.016", "--momentum", "0.9"])
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), args)
+    assert isinstance(optimizer, RMSpropTF)
+    assert (optimizer.defaults["alpha"], optimizer.defaults["momentum"], optimizer.defaults["lr"]) == (0.9, 0.9, 0.016)

@@ -10,6 +10,7 @@ epochs it copies the weights instead. world_size * batch_size_per_gpu is our glo
 
 Neighbours: utils/image_augment.py, utils/image_references.py.
 """
+import importlib.util
 import math
 
 import torch
@@ -28,8 +29,9 @@ SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannea
 
 def add_optim_args(parser):
     group = parser.add_argument_group("optimisation (torchvision's names)")
-    group.add_argument("--opt", type=str.lower, choices=["sgd", "sgd_nesterov", "adamw", "rmsprop"], default="sgd",
-                       help="any case, as torchvision lower-cases it (--opt SGD)")
+    group.add_argument("--opt", type=str.lower, choices=["sgd", "sgd_nesterov", "adamw", "rmsprop", "rmsproptf"],
+                       default="sgd", help="any case, as torchvision lower-cases it (--opt SGD); rmsproptf: timm's "
+                                           "TensorFlow-style RMSprop")
     # > 0: the cosine schedule is a fraction of --lr (lr_lambda), and a learning rate of 0 trains nothing
     group.add_argument("--lr", "--learning-rate", type=positive_float, default=0.1, help="peak learning rate")
     group.add_argument("--momentum", type=nonnegative_float, default=0.9, help="sgd, sgd_nesterov, rmsprop")
@@ -90,6 +92,11 @@ def build_optimizer(model, args):
         return torch.optim.SGD(groups, args.lr, momentum=args.momentum, nesterov=args.opt == "sgd_nesterov")
     if args.opt == "rmsprop":  # torchvision's eps and alpha (TF's RMSProp)
         return torch.optim.RMSprop(groups, args.lr, momentum=args.momentum, eps=0.0316, alpha=0.9)
+    if args.opt == "rmsproptf":  # timm's --opt rmsproptf, as timm.optim.create_optimizer_v2 builds it
+        if importlib.util.find_spec("timm") is None:
+            raise UserError("--opt rmsproptf is timm's optimizer: pip install timm")
+        from timm.optim import RMSpropTF
+        return RMSpropTF(groups, args.lr, alpha=0.9, momentum=args.momentum)
     return torch.optim.AdamW(groups, args.lr)
 
 
