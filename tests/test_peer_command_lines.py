@@ -348,3 +348,14 @@ def test_timm_rmsproptf_is_timms_own():
     optimizer = build_optimizer(torch.nn.Linear(2, 2), args)
     assert isinstance(optimizer, RMSpropTF)
     assert (optimizer.defaults["alpha"], optimizer.defaults["momentum"], optimizer.defaults["lr"]) == (0.9, 0.9, 0.016)
+
+
+def test_do_eval_without_validation_says_what_run_classification_would_do(text_data, tmp_path):
+    """run_classification.py falls back to the test split for --do_eval; here the line says so and names --do_test."""
+    proc = run_here("train_bert_cls.py", ["--model_name_or_path", text_data / "model", "--from_scratch",
+                                          "--train_file", text_data / "train.txt", "--test_file",
+                                          text_data / "test.txt", "--do_train", "--do_eval",
+                                          "--output_dir", tmp_path / "out"], check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "needs a validation file" in proc.stderr and "run_classification.py would evaluate on the test split " \
+        "instead: here that is --do_test" in proc.stderr, proc.stderr

@@ -565,6 +565,12 @@ class Splits:
     notes: list[str] = field(default_factory=list)
 
 
+# run_classification.py evaluates on the test split when there is no validation split; here the test set is only
+# ever evaluated by --do_test, once, on the selected model
+TEST_FOR_EVAL = ("; run_classification.py would evaluate on the test split instead: here that is --do_test (or "
+                 "pass the test file as --validation_file)")
+
+
 def read_file_splits(args, fmt, say=print):
     """The files of --train_file/--validation_file/--test_file (or --data_dir's) this run needs; the ones found in
     --data_dir are set on args, so that run_config.json records them."""
@@ -575,7 +581,8 @@ def read_file_splits(args, fmt, say=print):
     for split, need in needed.items():
         if need and files[split] is None:
             raise UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
-                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)")
+                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)"
+                            + (TEST_FOR_EVAL if split == "validation" and files["test"] is not None else ""))
     if args.do_train and files["validation"] is not None:
         needed["validation"] = True  # model selection uses the validation set, never the test set
     return Splits({split: read_examples(files[split], fmt=fmt, say=say) for split, need in needed.items() if need})
@@ -680,7 +687,8 @@ def read_dataset_splits(args, fmt):
     for role, need in needed.items():
         if need and roles[role] is None:
             raise UserError(f"--do_{'eval' if role == 'validation' else role} needs a {role} split: "
-                            f"{args.dataset_name} has {', '.join(dataset_dict)} (--{role}_split_name NAME)")
+                            f"{args.dataset_name} has {', '.join(dataset_dict)} (--{role}_split_name NAME)"
+                            + (TEST_FOR_EVAL if role == "validation" and roles["test"] is not None else ""))
     if args.do_predict and not args.predict_file and roles["test"] is None:
         raise UserError(f"--do_predict needs --predict_file or a test split: {args.dataset_name} has "
                         f"{', '.join(dataset_dict)} (--test_split_name NAME)")
