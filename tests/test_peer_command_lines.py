@@ -161,10 +161,11 @@ def test_trainer_boolean_values_and_optional_values():
 
 
 def test_shuffle_seed_zero_is_a_seed():
-    from utils.text_data import data_must_match
     args = train_bert_cls.parse_args(["--model_name_or_path", "m", "--train_file", "t.csv", "--do_train",
                                       "--shuffle_train_dataset", "True", "--shuffle_seed", "0"])
-    assert data_must_match(args)["--shuffle_seed"] == 0
+    computed = dict.fromkeys(["labels", "model", "training_data", "class_weights", "metric_for_best_model",
+                              "greater_is_better"])
+    assert args.shuffle_seed == 0 and train_bert_cls.flag_roles().must_match(args, computed)["--shuffle_seed"] == 0
 
 
 def test_torchvision_exponential_schedule():

@@ -73,7 +73,6 @@ BATCH_RULE = ("-b/--batch-size is the GLOBAL batch on any number of processes (m
               "and timm's per-process -b N is --per_device_batch_size N")
 
 
-
 def check_legacy_compatible(checkpoint, expected, path):
     """Fields a checkpoint records (arch, class_to_idx) must match this run's; main.py's lack class_to_idx."""
     for key, value in expected.items():
