@@ -44,6 +44,7 @@ utils/outputs.py.
 """
 import argparse
 import atexit
+import ctypes
 import datetime
 import importlib.util
 import json
@@ -90,6 +91,13 @@ def run_cli(main, args):
             tqdm.write(line, file=sys.stderr)  # on its own line even under a progress bar
         record_for_launcher(line)
         code = 2
+    except RuntimeError as err:
+        if not is_lost_peer(err):
+            raise
+        line = lost_peer_line(getattr(args, "ddp_timeout", None))
+        tqdm.write(line, file=sys.stderr)
+        record_for_launcher(line)
+        code = 1
     except KeyboardInterrupt as err:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on too: one line, not two
         line = str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)"
@@ -105,6 +113,94 @@ def run_cli(main, args):
     if code:
         sys.exit(code)
     return result
+
+
+LOST_PEER_MARKS = ("Timed out waiting", "Connection closed by peer", "onnection reset by peer")  # gloo's words
+
+
+def is_lost_peer(err):
+    """Whether `err` is a collective that another rank never answered (gloo: a timeout after --ddp_timeout, or the
+    peer's connection closed) in a multi-process launch."""
+    return launched_world_size() > 1 and any(mark in str(err) for mark in LOST_PEER_MARKS)
+
+
+def lost_peer_line(ddp_timeout):
+    """`rank R: rank S stopped answering ...`: the one line a surviving rank prints when a collective failed for want
+    of another rank, naming the ranks that missed the roll call (RollCall.absent) and ending those frozen on this
+    host, so that the launcher ends the job now rather than after its own grace."""
+    absent, ended = RollCall.absent(), []
+    for rank in absent:
+        if RollCall.end_if_here(rank):
+            ended.append(rank)
+    who = (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}" if absent
+           else "another rank (the launcher's store did not say which)")
+    waited = f"no reply within --ddp_timeout {ddp_timeout:g} s" if ddp_timeout else "its connection closed"
+    note = f"; ended the frozen process of rank {', '.join(map(str, ended))} on this machine" if ended else ""
+    return (f"rank {os.environ.get('RANK', '?')}: {who} stopped answering ({waited}: a frozen or dead process, a stuck "
+            f"disk or network){note}; the job ends here: continue from its latest checkpoint")
+
+
+class RollCall:
+    """Who is still there, asked through the launcher's store (torch elastic's TCPStore at MASTER_ADDR:MASTER_PORT,
+    which a frozen rank does not hold up): each rank enters its host, PID and start time when the run starts
+    (`enter`); after a failed collective, each surviving rank answers, and the ranks that do not within a few
+    seconds are the ones that stopped answering (`absent`)."""
+    ANSWER_SECONDS = 5.0  # how long survivors wait for each other's answers: their collectives time out together
+    _store = None
+
+    @classmethod
+    def store(cls):
+        """This launch attempt's keys in the launcher's store, or None where there is none to reach."""
+        if cls._store is None and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+            attempt = f"roll_call/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+            client = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                is_master=False, timeout=datetime.timedelta(seconds=5))
+            cls._store = torch.distributed.PrefixStore(attempt, client)
+        return cls._store
+
+    @classmethod
+    def enter(cls):
+        """Record this rank's host, PID and start time (at start-up, on every rank of a multi-process launch)."""
+        try:
+            store = cls.store()
+            if store is not None:
+                store.set(f"process/{os.environ['RANK']}", json.dumps(
+                    {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid())}))
+        except (RuntimeError, OSError):
+            cls._store = None  # no store to reach: a lost rank is then not named
+
+    @classmethod
+    def absent(cls):
+        """The ranks that do not answer within ANSWER_SECONDS; [] where the store cannot be reached."""
+        try:
+            store = cls.store()
+            if store is None:
+                return []
+            store.set(f"here/{os.environ['RANK']}", "1")
+            deadline = time.monotonic() + cls.ANSWER_SECONDS
+            while True:
+                missing = [rank for rank in range(launched_world_size()) if not store.check([f"here/{rank}"])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.2)
+        except (RuntimeError, OSError):
+            return []
+
+    @classmethod
+    def end_if_here(cls, rank):
+        """SIGKILL `rank`'s process if it runs on this host (the same PID and start time as it entered); whether it
+        did. The launcher would SIGKILL it after its grace: a stopped (SIGSTOP) process does not act on SIGTERM."""
+        try:
+            entry = json.loads(cls.store().get(f"process/{rank}"))
+        except (RuntimeError, OSError, ValueError, AttributeError):
+            return False
+        if entry.get("host") != socket.gethostname() or _process_start(entry["pid"]) != entry.get("pid_start"):
+            return False
+        try:
+            os.kill(entry["pid"], signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
 
 def leave_process(code):
@@ -373,6 +469,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives."""
     hide_gpus_under_cpu(args)
     check_launch(args)
+    stop_with_launcher()
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
     # backend=None lets accelerate choose (nccl on GPU, gloo on CPU)
@@ -392,6 +489,8 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=os.path.join(output_dir, "runs")),
     )
     check_sharding_applies(accelerator)
+    if accelerator.num_processes > 1:
+        RollCall.enter()
     if effective_precision(accelerator) != accelerator.mixed_precision:
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")
@@ -475,9 +574,38 @@ def print_run_summary(accelerator, title, rows):
 
 
 def loader_settings(num_workers):
-    """DataLoader keyword arguments for `num_workers` worker processes on the device this run trains on."""
+    """DataLoader keyword arguments for `num_workers` worker processes on the device this run trains on; the workers
+    leave stopping to their parent (ignore_stop_signals)."""
     return {"num_workers": num_workers, "pin_memory": PartialState().device.type == "cuda",
-            "persistent_workers": num_workers > 0}
+            "persistent_workers": num_workers > 0, "worker_init_fn": ignore_stop_signals if num_workers else None}
+
+
+def ignore_stop_signals(worker_id):
+    """A DataLoader worker's start: SIGTERM and Ctrl-C are its parent's to act on. A scheduler signals every process
+    of the job (Slurm's time limit, scancel), and torch's worker dies of a SIGTERM that its parent did not send; the
+    parent then fails with "DataLoader worker (pid N) is killed by signal" instead of saving. The parent ends its
+    workers itself, and they end when it dies (torch's own watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_launcher():
+    """A process started by torch's elastic agent (torchrun, accelerate launch) gets SIGTERM when the agent dies (a
+    SIGKILL, the OOM killer), and so stops as on a scheduler's SIGTERM (utils/loop.py PreemptionGuard): it saves
+    where the ranks can still agree, then leaves, and lets go of the output directory. Without this, the ranks (in
+    sessions of their own) train on as orphans, holding the directory's lock. Linux only (prctl); a process started
+    otherwise (python script.py, nohup) is left as it is."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getppid()
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        return  # the kernel refused: the job then ends as it did without it
+    if os.getppid() != parent:  # the launcher died while the request was being made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check_sharding_applies(accelerator):
