@@ -55,6 +55,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -583,10 +584,19 @@ def loader_settings(num_workers):
 def ignore_stop_signals(worker_id):
     """A DataLoader worker's start: SIGTERM and Ctrl-C are its parent's to act on. A scheduler signals every process
     of the job (Slurm's time limit, scancel), and torch's worker dies of a SIGTERM that its parent did not send; the
-    parent then fails with "DataLoader worker (pid N) is killed by signal" instead of saving. The parent ends its
-    workers itself, and they end when it dies (torch's own watchdog)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent then fails with "DataLoader worker (pid N) is killed by signal" instead of saving. Here the worker leaves
+    on its parent's SIGTERM alone (multiprocessing's exit ends daemon workers so), as torch's own handler does, and
+    ignores everyone else's; it also ends when its parent dies (torch's watchdog)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pending until _leave_on_parents_sigterm takes it
+    threading.Thread(target=_leave_on_parents_sigterm, args=(os.getppid(),), daemon=True).start()
+
+
+def _leave_on_parents_sigterm(parent):
+    """Take every SIGTERM sent to this process (blocked in all its threads); leave at once on the parent's."""
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
