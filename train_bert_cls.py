@@ -372,6 +372,7 @@ def validate_and_stop(accelerator, training, task, args, log, keeping, guard, co
     ((step, metrics), the step of an early stop or None, whether a SIGTERM stops it). A stop during the validation
     abandons it, leaving it due at this step (VALIDATION_DUE): (None, None, True)."""
     state, selection, model = training.state, training.selection, training.model
+    guard.step = completed_steps  # the step an abandoned validation names
     state[VALIDATION_DUE] = True
     try:
         with keeping.speed.pause("eval") as evaluation:

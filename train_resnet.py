@@ -296,6 +296,7 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
 def validate_and_stop(accelerator, training, args, log, task, guard, epoch, completed_steps):
     """The epoch's validation and exports, then whether the run stops there: (metrics, the step of an early stop or
     None, whether a SIGTERM stops it). A stop during the validation abandons it: (None, None, True)."""
+    guard.step = completed_steps  # the step an abandoned validation names
     try:
         metrics = end_of_epoch(accelerator, training, args, log, epoch, completed_steps,
                                task.must_match["class_to_idx"], guard)

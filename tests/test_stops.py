@@ -213,5 +213,5 @@ def test_a_frozen_rank_is_named_by_the_survivor_and_the_job_ends_within_the_time
     lines = [line for line in log.splitlines() if line.startswith("rank 0: rank 1 stopped answering")]
     assert len(lines) == 1 and f"no reply within --ddp_timeout {timeout} s" in lines[0], log[-3000:]
     assert not rank_tracebacks(log, "train_bert_cls.py"), log[-3000:]
-    assert job.returncode != 0 and seconds < timeout + 15, f"{seconds:.1f} s"
+    assert job.returncode != 0 and seconds < timeout + 20, f"{seconds:.1f} s"  # the launcher's grace: 30 s more
     print(f"frozen rank: launcher exit {job.returncode}, {seconds:.1f} s")
