@@ -5,12 +5,18 @@ left behind."""
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from accelerate.state import AcceleratorState
+from torch.utils.data import DataLoader
 from conftest import (descendants, kill_job, launch, launch_cmd, read_json, read_jsonl, run_here, start, wait_for,
                       workers)
+
+from utils.runtime import loader_settings
 
 GRACE = 30  # seconds torch's elastic agent (accelerate launch, torchrun) waits between its SIGTERM and its SIGKILL
 RESNET_STEPS_PER_EPOCH = 1348 // 64  # the digits' training images, -b 64, drop_last
@@ -77,6 +83,29 @@ def end_all(pids):
 def rank_tracebacks(log, script):
     """Lines of a training process's traceback (the launcher's own traceback is its business)."""
     return [line for line in log.splitlines() if f'{script}", line' in line or "killed by signal" in line]
+
+
+def test_loader_workers_leave_on_their_parents_sigterm_alone():
+    """A worker ignores Ctrl-C and a SIGTERM from anyone else (a scheduler signalling every process): the epoch goes
+    on. Its parent's SIGTERM (multiprocessing's exit ends daemon workers so) ends it at once, with exit status 0."""
+    try:
+        settings = loader_settings(2)  # what every loader of both scripts is built with
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # loader_settings asked PartialState for the device
+    batches = iter(DataLoader(list(range(64)), batch_size=4, **settings))
+    next(batches)
+    next(batches)  # from the second worker: both have started (a signal before the start is torch's to handle)
+    started = psutil.Process().children()
+    pids = [str(child.pid) for child in started]
+    assert len(pids) == 2
+    for sig in ("-TERM", "-INT"):
+        subprocess.run(["kill", sig, *pids], check=True)  # from another process
+    time.sleep(1)
+    assert len(list(batches)) == 14 and all(child.is_running() for child in started)
+    started[0].send_signal(signal.SIGTERM)  # from the parent
+    assert started[0].wait(timeout=10) == 0
+    started[1].send_signal(signal.SIGTERM)
+    assert started[1].wait(timeout=10) == 0
 
 
 @pytest.mark.parametrize("name", ["resnet", "bert"])
