@@ -19,6 +19,12 @@ instead of "To enable traceback see ...". The launcher's own traceback above tha
 there, the processes exit 2. Every process of a multi-process launch leaves through `leave_process`: its atexit
 handlers, then os._exit, without the interpreter's finalization, where gloo's worker threads can abort a finished
 run.
+Stops (utils/loop.py PreemptionGuard acts on them): DataLoader workers leave SIGTERM and Ctrl-C to their parent
+(`ignore_stop_signals`, in every loader's settings); a process started by torch's elastic agent gets SIGTERM when the
+agent dies (`stop_with_launcher`), and so saves and leaves instead of training on as an orphan; a collective that
+another rank never answered ends each surviving rank with one line naming the ranks that missed a roll call in the
+launcher's store (`RollCall`), and a frozen one on the same host is ended, so the job ends within --ddp_timeout
+and a few seconds.
 A problem found on one rank must stop every rank, or the others wait in their next collective until --ddp_timeout:
 `stop_together` shares it (a collective), and `writing` does so for a block that writes files, where a full disk
 surfaces as torch.save's "unexpected pos" or safetensors' "os error 28" and becomes one line naming the directory and
@@ -95,7 +101,7 @@ def run_cli(main, args):
     except RuntimeError as err:
         if not is_lost_peer(err):
             raise
-        line = lost_peer_line(getattr(args, "ddp_timeout", None))
+        line = lost_peer_line(err, getattr(args, "ddp_timeout", None))
         tqdm.write(line, file=sys.stderr)
         record_for_launcher(line)
         code = 1
@@ -116,7 +122,8 @@ def run_cli(main, args):
     return result
 
 
-LOST_PEER_MARKS = ("Timed out waiting", "Connection closed by peer", "onnection reset by peer")  # gloo's words
+TIMEOUT_MARK = "Timed out waiting"  # gloo's words for a collective that waited --ddp_timeout
+LOST_PEER_MARKS = (TIMEOUT_MARK, "Connection closed by peer", "onnection reset by peer")
 
 
 def is_lost_peer(err):
@@ -125,7 +132,7 @@ def is_lost_peer(err):
     return launched_world_size() > 1 and any(mark in str(err) for mark in LOST_PEER_MARKS)
 
 
-def lost_peer_line(ddp_timeout):
+def lost_peer_line(err, ddp_timeout):
     """`rank R: rank S stopped answering ...`: the one line a surviving rank prints when a collective failed for want
     of another rank, naming the ranks that missed the roll call (RollCall.absent) and ending those frozen on this
     host, so that the launcher ends the job now rather than after its own grace."""
@@ -135,7 +142,8 @@ def lost_peer_line(ddp_timeout):
             ended.append(rank)
     who = (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}" if absent
            else "another rank (the launcher's store did not say which)")
-    waited = f"no reply within --ddp_timeout {ddp_timeout:g} s" if ddp_timeout else "its connection closed"
+    waited = (f"no reply within --ddp_timeout {ddp_timeout:g} s" if TIMEOUT_MARK in str(err) and ddp_timeout
+              else "its connection closed")
     note = f"; ended the frozen process of rank {', '.join(map(str, ended))} on this machine" if ended else ""
     return (f"rank {os.environ.get('RANK', '?')}: {who} stopped answering ({waited}: a frozen or dead process, a stuck "
             f"disk or network){note}; the job ends here: continue from its latest checkpoint")
