@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
                                resume_settings)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
-                           prepare_for_inference)
+                           prepare_for_inference, selected_step)
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection)
@@ -329,7 +329,8 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
-                              allow_data_change=args.allow_data_change)
+                              allow_data_change=args.allow_data_change,
+                              best_export_step=lambda: selected_step(args.output_dir / "best_model"))
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)

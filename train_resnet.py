@@ -57,8 +57,8 @@ from utils.image_model import (add_model_args, build_image_model, check_model_ar
 from utils.image_optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, schedule_from, update_ema)
 from utils.image_references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
-                               continuation_line, export_main_py_checkpoints, global_batch_size, model_card,
-                               selection_from_file, start_epoch_of)
+                               continuation_line, export_main_py_checkpoints, exported_step, global_batch_size,
+                               model_card, selection_from_file, start_epoch_of)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
@@ -275,8 +275,8 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
                 f"{selection.best(state) if state['best_epoch'] else float('nan'):.3f} (epoch {state['best_epoch']})"
                 f"{ema_text}")
     # best_epoch: a run continued from the file (--resume checkpoint.pth) knows which epoch model_best.pth holds
-    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, best_epoch=state["best_epoch"],
-                  **image_settings(args))
+    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, step=completed_steps,
+                  best_epoch=state["best_epoch"], **image_settings(args))
     best_key = selection.best_key
     export_weights(accelerator, training.model, args,
                    {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
@@ -350,7 +350,9 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
                               resume_settings(args, {**RESUMABLE_FLAGS, **EVAL_IMAGE_FLAGS, **EARLY_STOPPING_FLAGS}),
                               exports=["model_best.pth", "model_card.md", "model_best_ema.pth", "checkpoint_ema.pth"],
                               modules={"ema": ema} if ema else None,  # ema.safetensors in every checkpoint
-                              allow_data_change=args.allow_data_change)
+                              allow_data_change=args.allow_data_change,
+                              best_export_step=lambda: exported_step(args.output_dir / "model_best.pth",
+                                                                     steps_per_epoch))
     # Another run's file: its best was measured elsewhere, model_best.pth is the best of this run. This directory's
     # own file (the run goes on): the best it records stays the one to beat.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,

@@ -1,14 +1,19 @@
 """Between runs: a run continued from main.py-style files (--resume FILE.pth, --start-epoch) goes on with its schedule,
 and a finished run can be extended."""
 import math
+import shutil
 
 import pytest
 import torch
-from conftest import launch, read_json, read_jsonl, run_here
+from conftest import assert_same_weights, launch, read_json, read_jsonl, run_here
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file
 
 from utils.demo_data import write_digits_imagefolder
+from utils.export import selected_step
 
 RESNET = "train_resnet.py"
+BERT = "train_bert_cls.py"
 LR = 0.05
 STEPS_PER_EPOCH = 3  # 120 training images at -b 40
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
@@ -91,3 +96,64 @@ def test_start_epoch_starts_inside_the_schedule(digits, tmp_path):
     assert_schedule_goes_on(out, 4, 2 * STEPS_PER_EPOCH)
     assert [e["step"] for e in logged(out, "train")][0] == 4
     assert read_json(out / "all_results.json")["train_steps"] == 2 * STEPS_PER_EPOCH
+
+
+# ---- a kill between a best-model export and the next checkpoint, then a resume with another learning rate ----
+
+def test_resnet_best_model_from_after_the_checkpoint_goes_aside(digits, tmp_path):
+    """2 processes. A run killed after exporting epoch 2 as model_best.pth, before checkpointing step 6, resumed from
+    step 3 with another --lr: the dead run's model_best.pth and card go aside, and model_best.pth, its card and
+    all_results.json then name the resumed run's one selected epoch."""
+    out = tmp_path / "run"
+    args = ["--checkpointing_steps", "3", "--save_total_limit", "0"]
+    launch(RESNET, resnet_args(digits, out, 2, *args), num_processes=2)
+    dead = torch.load(out / "checkpoint.pth", weights_only=True)  # epoch 2, as the dead run exported it as the best
+    torch.save({**dead, "best_acc1": dead["acc1"], "best_epoch": 2}, out / "model_best.pth")
+    shutil.rmtree(out / "checkpoints" / "step_6")
+    (out / "all_results.json").unlink()
+    proc = launch(RESNET, resnet_args(digits, out, 2, *args, "--resume", "latest", "--lr", "0.01"), num_processes=2)
+    assert ("the best model was exported at step 6, after this checkpoint (step 3): model_best.pth, model_card.md "
+            "moved aside (*.abandoned_on_resume_from_step_3)") in proc.stdout
+    aside = torch.load(out / "model_best.pth.abandoned_on_resume_from_step_3", weights_only=True)
+    assert aside["step"] == 6 and (out / "model_card.md.abandoned_on_resume_from_step_3").is_file()
+    results = read_json(out / "all_results.json")
+    best = torch.load(out / "model_best.pth", weights_only=True)
+    [evaluation] = [e for e in logged(out, "eval") if e["step"] == 6]
+    assert results["best_epoch"] == best["epoch"] == 2 and best["step"] == 6  # the resumed run's only validation
+    assert results["best_metric"] == best["best_acc1"] == evaluation["acc1"]
+    assert_same_weights(best["state_dict"], torch.load(out / "checkpoint.pth", weights_only=True)["state_dict"])
+    assert not all(torch.equal(best["state_dict"][k], aside["state_dict"][k]) for k in best["state_dict"])
+    card = ModelCard.load(out / "model_card.md")
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
+        k: evaluation[k] for k in ("acc1", "acc5", "loss")}
+
+
+def bert_args(data, out, *extra):
+    return ["--cpu", "--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch", "--do_train",
+            "--do_eval", "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "32",
+            "--learning_rate", "1e-3", "--max_train_steps", "30", "--checkpointing_steps", "10", "--eval_steps", "10",
+            "--logging_steps", "10", "--save_total_limit", "0", "--output_dir", out, *extra]
+
+
+def test_bert_best_model_from_after_the_checkpoint_goes_aside(text_data, tmp_path):
+    """A run killed after exporting step 30's weights as best_model/, before checkpointing step 30, resumed from step
+    20 with another --learning_rate: the dead run's best_model/ goes aside, and the resumed run ends (instead of
+    stopping on a best_model/ of the wrong step) with best_model/, its card and all_results.json naming one step."""
+    out = tmp_path / "run"
+    run_here(BERT, bert_args(text_data, out))
+    best = out / "best_model"
+    shutil.copy(out / "checkpoints" / "step_30" / "model.safetensors", best / "model.safetensors")
+    (best / "best_step.json").write_text('{"step": 30}\n')  # as the dead run exported it
+    shutil.rmtree(out / "checkpoints" / "step_30")
+    (out / "all_results.json").unlink()
+    proc = run_here(BERT, bert_args(text_data, out, "--resume_from_checkpoint", "latest", "--learning_rate", "5e-4"))
+    assert ("the best model was exported at step 30, after this checkpoint (step 20): best_model moved aside "
+            "(*.abandoned_on_resume_from_step_20)") in proc.stdout
+    assert selected_step(out / "best_model.abandoned_on_resume_from_step_20") == 30
+    results = read_json(out / "all_results.json")
+    assert results["best_step"] == selected_step(best) == 30  # the resumed run's only validation
+    [evaluation] = [e for e in logged(out, "eval") if e["step"] == 30]
+    assert results["best_metric"] == evaluation[results["metric_for_best_model"]]
+    assert f"at step {results['best_step']}" in (best / "README.md").read_text()
+    assert_same_weights(load_file(best / "model.safetensors"),
+                        load_file(out / "checkpoints" / "step_30" / "model.safetensors"))

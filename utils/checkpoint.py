@@ -148,6 +148,29 @@ def start_new_branch(accelerator, path, output_dir, writer, exports=()):
     return bool(moved_exports)
 
 
+def set_aside_exports_beyond(accelerator, step, output_dir, writer, exports, best_export_step):
+    """A best-model export written after checkpoint `step` (a run killed between its best-model export and its next
+    checkpoint) belongs to no checkpoint this run can resume from: move `exports` aside as start_new_branch does,
+    so that the results, the model card and the weights name one step. `best_export_step()`: the step the best-model
+    export holds, None without one (read by the main process). Returns whether it did (the resumed run then selects
+    its best model afresh)."""
+    found = [best_export_step() if accelerator.is_main_process else None]
+    broadcast_object_list(found)
+    accelerator.wait_for_everyone()  # every rank has read what it needs before the writer moves anything
+    if found[0] is None or found[0] <= step:
+        return False
+    moved = [Path(output_dir) / e for e in exports if (Path(output_dir) / e).exists()]
+    suffix = f".abandoned_on_resume_from_step_{step}"
+    if writer:
+        for old in moved:
+            os.replace(old, old.with_name(old.name + suffix))
+    accelerator.wait_for_everyone()
+    accelerator.print(f"the best model was exported at step {found[0]}, after this checkpoint (step {step}): "
+                      f"{', '.join(p.name for p in moved)} moved aside (*{suffix}); the best model is selected afresh "
+                      "from here")
+    return True
+
+
 def read_training_state(path):
     try:
         return json.loads((Path(path) / STATE_FILE).read_text())
@@ -215,15 +238,18 @@ class Checkpoints:
     abandoned branch's best model replaced (start_new_branch). `modules`: {name: nn.Module} saved beside accelerate's
     files as `<name>.safetensors` and restored from there (the same on every rank, written once), instead of
     accelerate's pickled register_for_checkpointing. `allow_data_change`: resume on changed training data.
+    `best_export_step()`: the step the best-model export in output_dir holds, None without one
+    (set_aside_exports_beyond).
 
     Constructing it is a collective: every rank finds out whether output_dir is one disk shared by the nodes or each
     node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
 
     def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), modules=None,
-                 allow_data_change=False):
+                 allow_data_change=False, best_export_step=lambda: None):
         self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
         self.dir = self.output_dir / "checkpoints"
         self.must_match, self.settings, self.exports = must_match, settings, exports
+        self.best_export_step = best_export_step
         self.modules, self.allow_data_change = modules or {}, allow_data_change
         shared = output_dir_is_shared(accelerator, self.dir)
         accelerator.project_configuration.save_on_each_node = not shared
@@ -284,7 +310,8 @@ class Checkpoints:
         A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
         optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and `settings`
         that differ from the checkpoint's are named in one line. A checkpoint older than the newest starts a new
-        branch (start_new_branch).
+        branch (start_new_branch), and a best-model export from after the checkpoint goes aside
+        (set_aside_exports_beyond).
         """
         state = dict(fresh_state)
         if path is not None:
@@ -292,7 +319,9 @@ class Checkpoints:
             # an entry an older checkpoint lacks (the early-stopping count) starts fresh
             state = {**fresh_state, **load_checkpoint(self.accelerator, path, self.must_match, self.modules,
                                                       self.allow_data_change)}
-            if start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports):
+            branched = start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports)
+            if set_aside_exports_beyond(self.accelerator, state["completed_steps"], self.output_dir, self.writer,
+                                        self.exports, self.best_export_step) or branched:
                 state.update({k: v for k, v in fresh_state.items() if k.startswith(SELECTION_PREFIXES)})
             _apply_hyperparameters(optimizer, scheduler, command_line)
             self.accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")

@@ -125,6 +125,15 @@ def mark_selection(best_dir, step):
     (Path(best_dir) / SELECTION_FILE).write_text(json.dumps({"step": step}) + "\n")
 
 
+def selected_step(best_dir):
+    """The step whose weights the export `best_dir` holds (mark_selection's), None when there is no such record."""
+    selection = Path(best_dir) / SELECTION_FILE
+    try:
+        return json.loads(selection.read_text(encoding="utf-8-sig"))["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_selected_weights(accelerator, model, best_dir, step):
     """The best weights of a run that resumed after selecting them: from the main process's export, after
     checking (there) that it is whole and holds that step, every rank stopping at once if not."""

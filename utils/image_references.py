@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from utils.export import check_same_keys, export_state_dict, strip_module_prefix
+from utils.export import check_same_keys, export_state_dict, load_torch_checkpoint, strip_module_prefix
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, writing
 from utils.image_data import IMAGENET_MEAN, IMAGENET_STD
@@ -99,6 +99,15 @@ def check_legacy_compatible(checkpoint, expected, path):
     for key, value in expected.items():
         if checkpoint.get(key) is not None and checkpoint[key] != value:
             raise UserError(f"{path}: checkpoint's {key}: {_describe(checkpoint[key])}; this run's: {_describe(value)}")
+
+
+def exported_step(path, steps_per_epoch):
+    """The optimizer step whose weights the export `path` (model_best.pth) holds, None without the file: its `step`,
+    or, in a file that records only its epoch, that epoch's last step."""
+    if not Path(path).is_file():
+        return None
+    fields = load_torch_checkpoint(path)
+    return fields.get("step", fields.get("epoch", 0) * steps_per_epoch)
 
 
 def start_epoch_of(checkpoint, start_epoch):
