@@ -29,8 +29,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
-                               resume_settings)
+from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, per_process_differences,
+                               replace_dir_atomically, resume_settings)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference, selected_step)
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
@@ -330,7 +330,8 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
                               resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
                               allow_data_change=args.allow_data_change,
-                              best_export_step=lambda: selected_step(args.output_dir / "best_model"))
+                              best_export_step=lambda: selected_step(args.output_dir / "best_model"),
+                              per_process=per_process_differences(model))
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
@@ -458,6 +459,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime,
                "train_samples_per_second": samples_seen / runtime, "train_steps": completed_steps,
+               "launches": training.checkpoints.launches,
                f"best_eval_{selection.metric}": selection.best(state), **selection.results(state, stopped_at)}
     return TrainResult(model, results, preempted, best_eval)
 

@@ -36,7 +36,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
-                               load_checkpoint_weights, read_training_state, resume_settings)
+                               load_checkpoint_weights, per_process_differences, read_training_state, resume_settings)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
 from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
@@ -352,7 +352,8 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
                               modules={"ema": ema} if ema else None,  # ema.safetensors in every checkpoint
                               allow_data_change=args.allow_data_change,
                               best_export_step=lambda: exported_step(args.output_dir / "model_best.pth",
-                                                                     steps_per_epoch))
+                                                                     steps_per_epoch),
+                              per_process=per_process_differences(model))
     # Another run's file: its best was measured elsewhere, model_best.pth is the best of this run. This directory's
     # own file (the run goes on): the best it records stays the one to beat.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
@@ -459,6 +460,7 @@ def train(args, accelerator, model, data, log, task, attempt):
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime, "train_steps": completed_steps,
+               "launches": training.checkpoints.launches,
                "train_images_per_second": images_seen / runtime, "train_skipped_images": counts.skipped_total,
                selection.best_key: selection.best(state), **selection.results(state, stopped_at, ema=bool(ema))}
     return TrainResult(model, last_metrics, results, preempted)

@@ -157,3 +157,38 @@ def test_bert_best_model_from_after_the_checkpoint_goes_aside(text_data, tmp_pat
     assert f"at step {results['best_step']}" in (best / "README.md").read_text()
     assert_same_weights(load_file(best / "model.safetensors"),
                         load_file(out / "checkpoints" / "step_30" / "model.safetensors"))
+
+
+# ---- a resume on another number of processes or in another precision ----
+
+def assert_launches_named(proc, out, per_process):
+    """The lines of a resume from 2 fp32 processes on 1 in bf16, and all_results.json's record of both launches."""
+    assert ("resumed on 1 process from a checkpoint of 2 processes: the global batch and the sample order are the "
+            f"same; {per_process}; sums over the processes add up in another order: training goes on as on 1 process, "
+            "not bit for bit as on 2") in proc.stdout
+    assert "identically" not in proc.stdout
+    assert "resumed in bf16 from a checkpoint trained in fp32: the steps from here compute in bf16" in proc.stdout
+    assert read_json(out / "all_results.json")["launches"] == [
+        {"processes": 2, "mixed_precision": "no", "resume_step": None},
+        {"processes": 1, "mixed_precision": "bf16", "resume_step": 20 if "dropout" in per_process else 3}]
+
+
+def test_resnet_resume_on_other_processes_and_precision_says_what_changes(digits, tmp_path):
+    """2 processes in fp32, resumed on 1 in bf16: one line names what a process computes on its own (BatchNorm
+    statistics), one the precision; all_results.json records both launches."""
+    out = tmp_path / "run"
+    args = ["--checkpointing_steps", "3", "--save_total_limit", "0"]
+    launch(RESNET, resnet_args(digits, out, 2, *args), num_processes=2)
+    shutil.rmtree(out / "checkpoints" / "step_6")
+    proc = run_here(RESNET, ["--cpu", *resnet_args(digits, out, 2, *args, "--resume", "latest",
+                                                   "--mixed_precision", "bf16")])
+    assert_launches_named(proc, out, "BatchNorm statistics are computed per process, over its share of each batch")
+
+
+def test_bert_resume_on_other_processes_and_precision_says_what_changes(text_data, tmp_path):
+    """The same for BERT, whose dropout masks come from each process's own random stream."""
+    out = tmp_path / "run"
+    launch(BERT, bert_args(text_data, out)[1:], num_processes=2)
+    shutil.rmtree(out / "checkpoints" / "step_30")
+    proc = run_here(BERT, bert_args(text_data, out, "--resume_from_checkpoint", "latest", "--mixed_precision", "bf16"))
+    assert_launches_named(proc, out, "dropout masks are drawn from each process's own random stream")
