@@ -49,11 +49,10 @@ from utils.text_data import (LengthGroupedSampler, add_dataset_args, add_padding
 from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
-from utils.text_model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
-                        check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
-                        load_classifier, load_legacy_bert, loading, model_card, optimizer_groups, problem_type,
-                        saved_labels,
-                        trained_with, use_model_settings)
+from utils.text_model import (TRAINED_WITH, add_model_source_args, check_custom_code, check_hub_ids_or_paths,
+                        check_model_source_args, check_problem_type, check_unk_rate, enable_gradient_checkpointing,
+                        fit_max_seq_len, hub_options, load_classifier, load_legacy_bert, loading, model_card,
+                        optimizer_groups, problem_type, saved_labels, trained_with, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -190,6 +189,8 @@ def build_model(args, labels, say=print):
                         problem_type=problem_type(args.multi_label, args.do_regression))
     hub, remote = hub_options(args), args.trust_remote_code
     tokenizer_source, config_source = args.tokenizer_name or path, args.config_name or path
+    for source in dict.fromkeys((tokenizer_source, config_source)):
+        check_custom_code(source, remote)
     with loading(tokenizer_source, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=remote, **hub)
     with loading(config_source, "config"):

@@ -1,6 +1,8 @@
 """Between runs: a run continued from main.py-style files (--resume FILE.pth, --start-epoch) goes on with its schedule,
 and a finished run can be extended."""
+import json
 import math
+import os
 import shutil
 
 import pytest
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 from utils.demo_data import write_digits_imagefolder
 from utils.export import selected_step
+from utils.loop import read_class_weights_file
 
 RESNET = "train_resnet.py"
 BERT = "train_bert_cls.py"
@@ -192,3 +195,97 @@ def test_bert_resume_on_other_processes_and_precision_says_what_changes(text_dat
     shutil.rmtree(out / "checkpoints" / "step_30")
     proc = run_here(BERT, bert_args(text_data, out, "--resume_from_checkpoint", "latest", "--mixed_precision", "bf16"))
     assert_launches_named(proc, out, "dropout masks are drawn from each process's own random stream")
+
+
+# ---- files handed from one run (or one editor) to the next: one line each, pointing the right way ----
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def bert_model(text_data, tmp_path_factory):
+    """A trained best_model/ (30 steps), copied by each test that changes it."""
+    out = tmp_path_factory.mktemp("bert") / "run"
+    run_here(BERT, bert_args(text_data, out))
+    return out / "best_model"
+
+
+def test_model_json_files_re_saved_with_a_bom_or_cut_short(bert_model, text_data, tmp_path):
+    """trained_with.json re-saved by Windows Notepad (a BOM) is read; config.json so saved, which transformers cannot
+    read, and a file cut short are one line naming the file."""
+    model = tmp_path / "model"
+    shutil.copytree(bert_model, model)
+    test = ["--cpu", "--model_name_or_path", model, "--data_dir", text_data, "--do_test", "--eval_batch_size", "32"]
+    trained_with = model / "trained_with.json"
+    trained_with.write_bytes(b"\xef\xbb\xbf" + trained_with.read_bytes())
+    run_here(BERT, [*test, "--output_dir", tmp_path / "bom"])
+    config = model / "config.json"
+    original = config.read_bytes()
+    config.write_bytes(b"\xef\xbb\xbf" + original)
+    assert_one_line_error(run_here(BERT, [*test, "--output_dir", tmp_path / "a"], check=False),
+                          f"{config}: starts with a UTF-8 byte-order mark", "save it as UTF-8 without a BOM")
+    config.write_bytes(original[:len(original) // 2])
+    assert_one_line_error(run_here(BERT, [*test, "--output_dir", tmp_path / "b"], check=False),
+                          f"{config}: not a readable JSON file (cut short")
+    config.write_bytes(original)
+    trained_with.write_text(trained_with.read_text(encoding="utf-8-sig")[:20])
+    assert_one_line_error(run_here(BERT, [*test, "--output_dir", tmp_path / "c"], check=False),
+                          f"{trained_with}: not a readable JSON file (cut short")
+
+
+def test_custom_code_model_asks_for_trust_remote_code(text_data, tmp_path):
+    """A model whose type only its own code defines (config.json auto_map) needs --trust_remote_code: said so, not
+    reported as a tokenizer that cannot load."""
+    model = tmp_path / "model"
+    shutil.copytree(text_data / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="custom_bert", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (model / "config.json").write_text(json.dumps(config))
+    proc = run_here(BERT, [*bert_args(text_data, tmp_path / "out"), "--model_name_or_path", model], check=False)
+    assert_one_line_error(proc, f"{model}: its", "is custom code in the model's files", "pass --trust_remote_code")
+
+
+def test_utf16_text_file_is_named_utf16(text_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(text_data, data)
+    (data / "train.txt").write_text((text_data / "train.txt").read_text(encoding="utf-8"), encoding="utf-16")
+    proc = run_here(BERT, bert_args(data, tmp_path / "out"), check=False)
+    line = assert_one_line_error(proc, f"{data / 'train.txt'}", "it is UTF-16", "save it as UTF-8")
+    assert "gb18030" not in line
+
+
+def test_class_weights_file_with_a_bom_is_read(tmp_path):
+    path = tmp_path / "weights.json"
+    path.write_text('{"cat": 1, "dog": 2.5}', encoding="utf-8-sig")
+    assert read_class_weights_file(path, ["cat", "dog"]) == {"cat": 1.0, "dog": 2.5}
+
+
+def test_a_pickle_that_runs_code_is_refused_as_such(digits, tmp_path):
+    """-e --resume on a .pth whose pickle names os.system: refused as holding it, never with torch's advice to load
+    it with weights_only=False."""
+    class Planted:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    evil = tmp_path / "model_best.pth"
+    torch.save({"state_dict": {}, "arch": "resnet18", "hook": Planted()}, evil)
+    proc = run_here(RESNET, ["--cpu", digits, "--image_size", "16", "--val_resize", "16", "-j", "0", "-e",
+                             "--resume", evil, "--output_dir", tmp_path / "out"], check=False)
+    line = assert_one_line_error(proc, f"{evil}: holds a pickled posix.system", "refuses")
+    assert "weights_only` set to `False`" not in line and not (tmp_path / "ran").exists()
+
+
+def test_a_lock_that_is_a_dangling_symlink_is_named(digits, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").symlink_to(tmp_path / "gone")
+    proc = run_here(RESNET, ["--cpu", *resnet_args(digits, out, 1)], check=False)
+    line = assert_one_line_error(proc, f"{out / '.lock'}: a symbolic link to {tmp_path / 'gone'}", "remove it")
+    assert "None" not in line

@@ -195,7 +195,8 @@ def torch_load_problem(path, err):
     """One line for what torch.load(weights_only=True) raised on `path`; the error itself if it is none of those."""
     if not isinstance(err, _LOAD_ERRORS):
         raise err
-    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    # torch's wordings: "Unsupported global: GLOBAL x.y", and for a blocked module "unsupported GLOBAL posix.system"
+    refused = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(err))
     if refused:
         return (f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; only "
                 "tensors and plain values are loaded from checkpoints")

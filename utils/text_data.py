@@ -222,6 +222,12 @@ def _open_text(path, codec, newline=None):
     return open(path, encoding="utf-8-sig" if codec == "utf-8" else codec, newline=newline)
 
 
+def looks_utf16(data):
+    """A UTF-16 byte-order mark, or NUL bytes in a quarter of the first 4 KB (ASCII text in UTF-16 without one)."""
+    head = data[:4096]
+    return head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or head.count(0) > len(head) // 4
+
+
 def _decode_error(path, codec):
     """The UserError for a file that is not valid `codec`: the line and byte of its first undecodable byte."""
     data = Path(path).read_bytes()
@@ -229,6 +235,9 @@ def _decode_error(path, codec):
     utf8 = codec == "utf-8"
     hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
             "; pass the file's real --encoding")
+    if looks_utf16(data):
+        hint = ("; it is UTF-16 (Windows' \"Unicode\": a byte-order mark, a NUL byte beside each ASCII character), "
+                "whose line breaks no --encoding here reads: save it as UTF-8")
     try:
         data[skip:].decode(codec)
     except UnicodeDecodeError as err:
