@@ -289,3 +289,12 @@ def test_a_lock_that_is_a_dangling_symlink_is_named(digits, tmp_path):
     proc = run_here(RESNET, ["--cpu", *resnet_args(digits, out, 1)], check=False)
     line = assert_one_line_error(proc, f"{out / '.lock'}: a symbolic link to {tmp_path / 'gone'}", "remove it")
     assert "None" not in line
+
+
+def test_dataset_name_on_a_directory_with_a_loading_script(text_data, tmp_path):
+    data = tmp_path / "my_dataset"
+    data.mkdir()
+    (data / "my_dataset.py").write_text("import datasets\n")
+    args = [a for a in bert_args(text_data, tmp_path / "out") if a != "--data_dir" and a != text_data]
+    proc = run_here(BERT, [*args, "--dataset_name", data], check=False)
+    assert_one_line_error(proc, f"--dataset_name {data}: holds a loading script (my_dataset.py)", "save_to_disk")

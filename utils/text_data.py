@@ -590,6 +590,11 @@ def load_dataset_dict(name, config_name, cache_dir=None, token=None):
     if saved and config_name:
         raise UserError(f"--dataset_config_name {config_name}: {name} was written by save_to_disk, which has no "
                         "configurations")
+    scripts = sorted(path.glob("*.py")) if path.is_dir() and not saved else []
+    if scripts:  # datasets 4 no longer runs loading scripts (a RuntimeError)
+        raise UserError(f"--dataset_name {name}: holds a loading script ({scripts[0].name}), which datasets no longer "
+                        "runs; load the data with it once and save_to_disk, or convert it to parquet/csv/json files "
+                        "in that directory")
     try:
         loaded = (datasets.load_from_disk(str(path)) if saved else
                   datasets.load_dataset(name, config_name, cache_dir=cache_dir and str(cache_dir), token=token))
