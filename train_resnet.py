@@ -176,10 +176,11 @@ def build_dataloaders(accelerator, args):
     return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
 
 
-def build_model(args, num_classes, print_fn=print):
-    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
-    new head, and --drop_path/--drop (utils/image_model.py)."""
-    return build_image_model(args, num_classes, print_fn)
+def build_model(args, num_classes, print_fn=print, class_to_idx=None):
+    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count or
+    other class names, a new head (rows reordered for the same names in another order), and --drop_path/--drop
+    (utils/image_model.py)."""
+    return build_image_model(args, num_classes, print_fn, class_to_idx)
 
 
 def place_model(model, args):
@@ -495,7 +496,7 @@ def main(args):
     class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
     if class_weights:
         accelerator.print(class_weights.line())
-    model = build_model(args, len(class_to_idx), accelerator.print)
+    model = build_model(args, len(class_to_idx), accelerator.print, class_to_idx)
     must_match = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
                   "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
                   # another value would change what each step sees

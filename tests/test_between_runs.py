@@ -298,3 +298,42 @@ def test_dataset_name_on_a_directory_with_a_loading_script(text_data, tmp_path):
     args = [a for a in bert_args(text_data, tmp_path / "out") if a != "--data_dir" and a != text_data]
     proc = run_here(BERT, [*args, "--dataset_name", data], check=False)
     assert_one_line_error(proc, f"--dataset_name {data}: holds a loading script (my_dataset.py)", "save_to_disk")
+
+
+# ---- models handed to the next run: classes matched by name ----
+
+@pytest.fixture(scope="module")
+def resnet_best(digits, tmp_path_factory):
+    """A 2-epoch model_best.pth of the digits and its -e top-1 on them."""
+    out = tmp_path_factory.mktemp("resnet") / "run"
+    run_here(RESNET, ["--cpu", *resnet_args(digits, out, 2)])
+    evaluated = tmp_path_factory.mktemp("resnet") / "eval"
+    run_here(RESNET, ["--cpu", digits, "-j", "0", "-e", "--weights", out / "model_best.pth", "--output_dir", evaluated])
+    return out / "model_best.pth", read_json(evaluated / "eval_results.json")["eval_acc1"]
+
+
+def test_evaluate_weights_matches_classes_by_name(resnet_best, digits, tmp_path):
+    """-e --weights on a file whose head lists the classes in another order scores as the file in its own order;
+    on a folder whose class names differ it is refused in one line (by position it would score one class as
+    another)."""
+    path, acc1 = resnet_best
+    saved = torch.load(path, weights_only=True)
+    names = sorted(saved["class_to_idx"], key=saved["class_to_idx"].get)[::-1]  # the same classes, reversed
+    head = {k: v.flip(0) for k, v in saved["state_dict"].items() if k.startswith("fc.")}
+    reordered = tmp_path / "reordered.pth"
+    torch.save({**saved, "class_to_idx": {name: i for i, name in enumerate(names)},
+                "state_dict": {**saved["state_dict"], **head}}, reordered)
+    proc = run_here(RESNET, ["--cpu", digits, "-j", "0", "-e", "--weights", reordered, "--output_dir", tmp_path / "e"])
+    assert "its head lists the same 10 classes in another order: its rows are reordered" in proc.stdout
+    assert read_json(tmp_path / "e" / "eval_results.json")["eval_acc1"] == pytest.approx(acc1)
+    renamed = tmp_path / "renamed"
+    shutil.copytree(digits, renamed)
+    for split in ("train", "val"):
+        for folder in (renamed / split).iterdir():
+            folder.rename(folder.with_name(f"digit_{folder.name}"))
+    proc = run_here(RESNET, ["--cpu", renamed, "-j", "0", "-e", "--weights", path, "--output_dir", tmp_path / "r"],
+                    check=False)
+    assert_one_line_error(proc, f"{path}: classes digit_0, digit_1, digit_2, digit_3 of the data are not among its "
+                                "classes (it has 0, 1, 2, 3)", "evaluating by position would score one class as another")
+    proc = run_here(RESNET, ["--cpu", *resnet_args(renamed, tmp_path / "t", 1, "--weights", path)])
+    assert f"{path}: classes digit_0" in proc.stdout and "the head starts new (random)" in proc.stdout
