@@ -51,8 +51,8 @@ from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics
                           selectable_metrics, training_loss)
 from utils.text_model import (TRAINED_WITH, add_model_source_args, check_custom_code, check_hub_ids_or_paths,
                         check_model_source_args, check_problem_type, check_unk_rate, enable_gradient_checkpointing,
-                        fit_max_seq_len, hub_options, load_classifier, load_legacy_bert, loading, model_card,
-                        optimizer_groups, problem_type, saved_labels, trained_with, use_model_settings)
+                        fit_max_seq_len, head_by_name, hub_options, load_classifier, load_legacy_bert, loading,
+                        model_card, optimizer_groups, problem_type, saved_labels, trained_with, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -203,6 +203,8 @@ def build_model(args, labels, say=print):
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
         else:
             model = load_classifier(args.model_name_or_path, config, remote, hub)
+            if not args.do_regression:
+                head_by_name(model, path, labels, say)
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
     if args.gradient_checkpointing:

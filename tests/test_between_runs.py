@@ -9,7 +9,9 @@ import pytest
 import torch
 from conftest import assert_same_weights, launch, read_json, read_jsonl, run_here
 from huggingface_hub import ModelCard
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+
+import train_bert_cls
 
 from utils.demo_data import write_digits_imagefolder
 from utils.export import selected_step
@@ -337,3 +339,35 @@ def test_evaluate_weights_matches_classes_by_name(resnet_best, digits, tmp_path)
                                 "classes (it has 0, 1, 2, 3)", "evaluating by position would score one class as another")
     proc = run_here(RESNET, ["--cpu", *resnet_args(renamed, tmp_path / "t", 1, "--weights", path)])
     assert f"{path}: classes digit_0" in proc.stdout and "the head starts new (random)" in proc.stdout
+
+
+def test_bert_do_train_from_a_trained_model_matches_labels_by_name(bert_model, text_data, tmp_path):
+    """--do_train from a best_model/ whose labels are in another order starts with its head rows reordered by name
+    (the very weights of each label's row); from one trained for other labels it is refused in one line."""
+    original = load_file(bert_model / "model.safetensors")
+    config = json.loads((bert_model / "config.json").read_text())
+    labels = [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
+    reversed_model = tmp_path / "reversed"
+    shutil.copytree(bert_model, reversed_model)
+    config.update(id2label={str(i): name for i, name in enumerate(labels[::-1])},
+                  label2id={name: i for i, name in enumerate(labels[::-1])})
+    (reversed_model / "config.json").write_text(json.dumps(config))
+    save_file({k: v.flip(0) if k.startswith("classifier.") else v for k, v in original.items()},
+              reversed_model / "model.safetensors")
+    args = train_bert_cls.parse_args([str(a) for a in bert_args(text_data, tmp_path / "out")[1:]
+                                      if a != "--from_scratch"] + ["--model_name_or_path", str(reversed_model)])
+    said = []
+    _, model = train_bert_cls.build_model(args, labels, said.append)
+    assert said == [f"{reversed_model}: its head lists the same {len(labels)} labels in another order: its rows are "
+                    "reordered to this run's labels, matched by name"]
+    for key in ("classifier.weight", "classifier.bias"):
+        assert torch.equal(model.state_dict()[key], original[key])
+    renamed = tmp_path / "renamed"
+    shutil.copytree(bert_model, renamed)
+    config.update(id2label={str(i): f"x{i}" for i in range(len(labels))},
+                  label2id={f"x{i}": i for i in range(len(labels))})
+    (renamed / "config.json").write_text(json.dumps(config))
+    proc = run_here(BERT, [a for a in bert_args(text_data, tmp_path / "r") if a != "--from_scratch"]
+                    + ["--model_name_or_path", renamed], check=False)
+    assert_one_line_error(proc, f"{renamed}: trained for other labels (x0, x1, x2, x3; the data has",
+                          "by position each label would start as another's")

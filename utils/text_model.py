@@ -134,6 +134,28 @@ def load_classifier(model_name_or_path, config, trust_remote_code=False, hub=Non
                         "checkpoint? (--from_scratch trains from random on purpose)")
     return model
 
+def head_by_name(model, source, labels, say=print):
+    """A trained classifier (its config.json id2label) trained on further with this run's `labels`: its head rows
+    follow the labels by name. The same names in another order: the rows are reordered, said in one line; other
+    names with as many labels: refused in one line (by position each label would start as another's)."""
+    trained = saved_labels(source) if Path(source).is_dir() else None
+    if not trained or trained == labels or len(trained) != len(labels):  # another count: a new head (load_classifier)
+        return
+    if set(trained) != set(labels):
+        ours, theirs = sorted(set(labels) - set(trained)), sorted(set(trained) - set(labels))
+        raise UserError(f"{source}: trained for other labels ({', '.join(theirs[:4])}; the data has "
+                        f"{', '.join(ours[:4])}): by position each label would start as another's; train from its base "
+                        "model, or name the labels as the model does")
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == len(labels)][-1]
+    rows = [trained.index(label) for label in labels]
+    with torch.no_grad():
+        head.weight.copy_(head.weight[rows])
+        if head.bias is not None:
+            head.bias.copy_(head.bias[rows])
+    say(f"{source}: its head lists the same {len(labels)} labels in another order: its rows are reordered to this "
+        "run's labels, matched by name")
+
+
 MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
 
 
