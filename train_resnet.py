@@ -162,7 +162,7 @@ def build_dataloaders(accelerator, args):
     else:
         transforms = (train_transform(args), val_transform(args), args.train_crop_size, args.val_crop_size)
         folder = EncodedImageFolder if args.decode_on_device else RGBImageFolder
-        train_set, val_set = build_datasets(args.data, args.seed, transforms, folder)
+        train_set, val_set = build_datasets(args.data, args.seed, transforms, folder, accelerator.print)
     common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
     # a sampler seeded by (seed, epoch) itself; otherwise accelerate's seedable sampler shuffles
     order = (dict(sampler=RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps, args.seed))

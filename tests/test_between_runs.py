@@ -4,17 +4,20 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_same_weights, launch, read_json, read_jsonl, run_here
 from huggingface_hub import ModelCard
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import train_bert_cls
 
 from utils.demo_data import write_digits_imagefolder
 from utils.export import selected_step
+from utils.image_data import IMAGE_EXTENSIONS, MACOS_METADATA, RGBImageFolder
 from utils.loop import read_class_weights_file
 
 RESNET = "train_resnet.py"
@@ -371,3 +374,29 @@ def test_bert_do_train_from_a_trained_model_matches_labels_by_name(bert_model, t
                     + ["--model_name_or_path", renamed], check=False)
     assert_one_line_error(proc, f"{renamed}: trained for other labels (x0, x1, x2, x3; the data has",
                           "by position each label would start as another's")
+
+
+def test_macos_archive_metadata_skipped_and_every_readable_type_listed(digits, tmp_path):
+    """A folder unzipped from a macOS archive (__MACOSX/ with AppleDouble ._* files, ._* beside the images) trains on
+    its images alone, with one note; an AVIF image is read; a file of another type is named in a note."""
+    data = tmp_path / "digits"
+    shutil.copytree(digits, data)
+    for split in ("train", "val"):
+        for image in sorted((data / split).rglob("*.png"))[:3]:
+            (data / split / MACOS_METADATA / image.parent.name).mkdir(parents=True, exist_ok=True)
+            (data / split / MACOS_METADATA / image.parent.name / f"._{image.name}").write_bytes(b"\x00\x05\x16\x07")
+            image.with_name(f"._{image.name}").write_bytes(b"\x00\x05\x16\x07")
+    first = sorted((data / "train" / "3").glob("*.png"))[0]
+    Image.open(first).save(first.with_suffix(".avif"))
+    first.unlink()
+    (data / "train" / "3" / "notes.txt").write_text("not an image")
+    proc = run_here(RESNET, ["--cpu", *resnet_args(data, tmp_path / "out", 1)])
+    assert (f"{data / 'train'}: 6 macOS archive metadata files (__MACOSX/, AppleDouble ._*) skipped: not images"
+            in proc.stdout)
+    assert f"{data / 'train'}: files of types no decoder here reads left out (1 .txt); read: " in proc.stdout
+    assert ".avif" in IMAGE_EXTENSIONS
+    folder = RGBImageFolder(data / "train", None, 16)
+    assert list(folder.class_to_idx) == [str(d) for d in range(10)]
+    assert len(folder) == len(RGBImageFolder(digits / "train", None, 16).samples)  # every image, the AVIF one too
+    assert first.with_suffix(".avif") in {Path(path) for path, _ in folder.samples}
+    assert read_json(tmp_path / "out" / "all_results.json")["train_skipped_images"] == 0  # the AVIF decoded
