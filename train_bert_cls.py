@@ -34,10 +34,10 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               FlagRoles, add_allow_data_change, agree_on_resume, keep_as, kept_by, replace_dir_atomically,
-                               resume_settings, this_launch)
+                               FlagRoles, add_allow_data_change, agree_on_resume, keep_as, kept_by,
+                               per_process_differences, replace_dir_atomically, resume_settings, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
-                           prepare_for_inference)
+                           prepare_for_inference, selected_step)
 from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
                          TUTORIAL_IGNORED, Ignored, Parser, PerDevice, batch_line, json_object, say_command,
                          steps_or_epoch, whole_epochs)
@@ -57,10 +57,11 @@ from utils.text_data import (DATASET_ROLES, PADDING_ROLES, TEXT_FORMAT_ROLES, Le
 from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
-from utils.text_model import (MODEL_SOURCE_ROLES, OPTIMIZERS, TRAINED_WITH, build_optimizer, add_model_source_args, check_hub_ids_or_paths,
-                              check_model_source_args, check_problem_type, check_scheduler_args, check_starting_weights,
-                              check_unk_rate,
-                              check_weight_files, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
+from utils.text_model import (MODEL_SOURCE_ROLES, OPTIMIZERS, TRAINED_WITH, add_model_source_args, build_optimizer,
+                              check_custom_code, check_hub_ids_or_paths, check_model_source_args,
+                              check_problem_type, check_scheduler_args, check_starting_weights, check_unk_rate,
+                              check_weight_files, enable_gradient_checkpointing, fit_max_seq_len, head_by_name,
+                              hub_options,
                               load_legacy_bert, loading, model_card, new_weight_names, optimizer_groups, problem_type,
                               saved_labels, use_model_settings)
 
@@ -377,6 +378,8 @@ def build_model(args, labels, say=print):
                         "pass --from_scratch to train a randomly initialised model from its config.json")
     remote = args.trust_remote_code
     tokenizer_source = args.tokenizer_name or path
+    for source in dict.fromkeys((tokenizer_source, args.config_name or path)):
+        check_custom_code(source, remote)
     with loading(tokenizer_source, "tokenizer"):
         tokenizer = load_tokenizer(tokenizer_source, remote, hub_options(args))
     config = model_config(args, labels)
@@ -384,6 +387,8 @@ def build_model(args, labels, say=print):
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or path, say)
     with loading(path, "model"):
         model = new_model(config, remote) if from_config(args) else load_checked(args, config)
+    if not from_config(args) and not args.do_regression:
+        head_by_name(model, path, labels, say)
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
     if args.gradient_checkpointing:
@@ -490,7 +495,9 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
                               resume_settings(args, flag_roles().resumable()), exports=["best_model"],
-                              allow_data_change=args.allow_data_change)
+                              allow_data_change=args.allow_data_change,
+                              best_export_step=lambda: selected_step(args.output_dir / "best_model"),
+                              per_process=per_process_differences(model))
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None)
@@ -660,6 +667,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime,
                "train_samples_per_second": samples_seen / runtime, "train_steps": completed_steps,
+               "launches": training.checkpoints.launches,
                f"best_eval_{selection.metric}": selection.best(state), **selection.results(state, stopped_at)}
     return TrainResult(model, results, preempted, best_eval)
 

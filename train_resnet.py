@@ -42,7 +42,8 @@ from torchvision.transforms import v2
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
                                FlagRoles, add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
-                               load_checkpoint_weights, read_training_state, resume_settings, this_launch)
+                               load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
+                               this_launch)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
@@ -62,9 +63,10 @@ from utils.image_device_decode import EncodedImageFolder, check_decode_on_device
 from utils.image_model import (MODEL_ROLES, add_model_args, build_image_model, check_model_args,
                                enable_gradient_checkpointing, is_weights_file, weights_file_fields)
 from utils.image_optim import (EMA_ROLES, OPTIM_ROLES, add_ema_args, add_optim_args, build_ema, build_optimizer,
-                          load_optimizer_state, lr_lambda, update_ema)
+                          load_optimizer_state, lr_lambda, schedule_from, update_ema)
 from utils.image_references import (BATCH_RULE, MAIN_PY_FLAGS, TIMM_FLAGS, TORCHVISION_FLAGS, check_legacy_compatible,
-                               export_main_py_checkpoints, model_card)
+                                    continuation_line, export_main_py_checkpoints, exported_step, model_card,
+                                    selection_from_file, start_epoch_of)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
@@ -104,10 +106,11 @@ CURVES = (("loss", "loss"), ("acc1", "top-1 accuracy (%)"))  # training_curves.p
 CHECKPOINTED_BLOCKS = (BasicBlock, Bottleneck)  # --gradient_checkpointing recomputes each (timm models: their own)
 
 
-def build_model(args, num_classes, print_fn=print):
-    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
-    new head, and --drop_path/--drop (utils/image_model.py)."""
-    return build_image_model(args, num_classes, print_fn)
+def build_model(args, num_classes, print_fn=print, class_to_idx=None):
+    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count or
+    other class names, a new head (rows reordered for the same names in another order), and --drop_path/--drop
+    (utils/image_model.py)."""
+    return build_image_model(args, num_classes, print_fn, class_to_idx)
 
 
 def empty_model(args, num_classes):
@@ -339,7 +342,7 @@ def build_dataloaders(accelerator, args):
     else:
         transforms = (train_steps, val_steps, args.train_crop_size, args.val_crop_size)
         folder = EncodedImageFolder if args.decode_on_device else RGBImageFolder
-        train_set, val_set = build_datasets(args.data, args.seed, transforms, folder)
+        train_set, val_set = build_datasets(args.data, args.seed, transforms, folder, accelerator.print)
     common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
     # a sampler seeded by (seed, epoch) itself; otherwise accelerate's seedable sampler shuffles
     order = (dict(sampler=RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps, args.seed))
@@ -413,7 +416,9 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
                 f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best {selection.metric} "
                 f"{selection.best(state) if state['best_epoch'] else float('nan'):.3f} (epoch {state['best_epoch']})"
                 f"{ema_text}")
-    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, **image_settings(args))
+    # best_epoch: a run continued from the file (--resume checkpoint.pth) knows which epoch model_best.pth holds
+    fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, step=completed_steps,
+                  best_epoch=state["best_epoch"], **image_settings(args))
     best_key = selection.best_key
     export_weights(accelerator, training.model, args,
                    {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
@@ -456,6 +461,7 @@ class Task:
     selection: Selection  # the validation metric that selects model_best.pth, and early stopping
     class_weights: torch.Tensor | None  # (C,) --class_weights
     legacy: dict | None  # a main.py-layout checkpoint (--resume FILE) to start from
+    continues_run: bool  # --resume FILE lies in --output_dir: the run there goes on (its log, its best model)
 
 
 @dataclass
@@ -480,13 +486,15 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
     legacy, must_match, selection = task.legacy if resume_dir is None else None, task.must_match, task.selection
     steps_per_epoch = math.ceil(len(data.train_loader) / args.gradient_accumulation_steps)
     total_steps = args.epochs * steps_per_epoch
-    start_epoch = legacy.get("epoch", args.start_epoch) if legacy else args.start_epoch  # main.py: epochs done
+    start_epoch = start_epoch_of(legacy, args.start_epoch)  # main.py: epochs done
     optimizer = build_optimizer(model, args)
     if legacy and "optimizer" in legacy:
         load_optimizer_state(optimizer, legacy["optimizer"], args.resume)  # brings the momentum buffers
     # Per optimizer step, sized from the UNprepared loader; with split_batches the prepared one steps once per step.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps),
-                                                  last_epoch=start_epoch * steps_per_epoch - 1)
+    scheduler = schedule_from(optimizer, lr_lambda(args, steps_per_epoch, total_steps), start_epoch * steps_per_epoch)
+    if resume_dir is None and (legacy or start_epoch):
+        accelerator.print(continuation_line(args, legacy, start_epoch * steps_per_epoch, total_steps,
+                                            scheduler.get_last_lr()[0]))
     ema = build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
     if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
         load_weights(ema.module, strip_module_prefix(legacy["model_ema"]), args.resume)
@@ -499,12 +507,16 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
                               resume_settings(args, flag_roles().resumable()),
                               exports=["model_best.pth", "model_card.md", "model_best_ema.pth", "checkpoint_ema.pth"],
                               modules={"ema": ema} if ema else None,  # ema.safetensors in every checkpoint
-                              allow_data_change=args.allow_data_change)
-    # A legacy checkpoint's best_acc1 was measured elsewhere: model_best.pth is the best of this run.
+                              allow_data_change=args.allow_data_change,
+                              best_export_step=lambda: exported_step(args.output_dir / "model_best.pth",
+                                                                     steps_per_epoch),
+                              per_process=per_process_differences(model))
+    # Another run's file: its best was measured elsewhere, model_best.pth is the best of this run. This directory's
+    # own file (the run goes on): the best it records stays the one to beat.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
-             **selection.fresh_state()}
+             **selection.fresh_state(), **(selection_from_file(legacy, selection) if task.continues_run else {})}
     state = checkpoints.restore(resume_dir, fresh, len(train_loader), optimizer, scheduler)
-    log.open(resume_step=state["completed_steps"] if resume_dir else None)
+    log.open(resume_step=state["completed_steps"] if resume_dir or task.continues_run else None)
     print_run_summary(accelerator, "Running training", {
         **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(must_match["class_to_idx"]),
         "train_images": len(data.train_set), "val_images": len(data.val_set),
@@ -619,6 +631,7 @@ def train(args, accelerator, model, data, log, task, attempt):
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime, "train_steps": completed_steps,
+               "launches": training.checkpoints.launches,
                "train_images_per_second": images_seen / runtime, "train_skipped_images": counts.skipped_total,
                selection.best_key: selection.best(state), **selection.results(state, stopped_at, ema=bool(ema))}
     return TrainResult(model, last_metrics, results, preempted)
@@ -641,8 +654,9 @@ def main(args):
     if args.evaluate and args.resume and not legacy_file and resume_dir is None:
         raise UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
     resuming = resume_dir is not None or args.resume == "latest"
+    continues_run = legacy_file and Path(args.resume).resolve().parent == args.output_dir.resolve()
     if not args.evaluate:
-        check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming else None)
+        check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming or continues_run else None)
     legacy = load_torch_checkpoint(args.resume) if legacy_file else None
     if args.evaluate:  # at the sizes the model was trained with, unless given; the tag names other ones
         fields = legacy or (read_training_state(resume_dir) if resume_dir else weights_file_fields(args.weights))
@@ -653,7 +667,7 @@ def main(args):
     class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
     if class_weights:
         accelerator.print(class_weights.line())
-    model = build_model(args, len(class_to_idx), accelerator.print)
+    model = build_model(args, len(class_to_idx), accelerator.print, class_to_idx)
     # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
     # MUST_KEEP flags' values (FLAG_ROLES)
     must_match = flag_roles().must_match(args, {
@@ -683,9 +697,10 @@ def main(args):
         log.write_json(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
         log.merge_results(results, (f"{prefix}_",))
     else:
-        log.start(args, "resnet", clear=args.overwrite_output_dir and not resuming,
+        log.start(args, "resnet", clear=args.overwrite_output_dir and not (resuming or continues_run),
                   card=model_card(args, class_to_idx, data.train_set, data.val_set, results))
-        task = Task(must_match, selection, class_weights and class_weights.tensor(accelerator.device), legacy)
+        task = Task(must_match, selection, class_weights and class_weights.tensor(accelerator.device), legacy,
+                    continues_run)
         trained = retry.run(lambda attempt: train(args, accelerator, model, data, log, task, attempt),
                             resume=resume_dir)
         results.update(trained.results, **retry.results)

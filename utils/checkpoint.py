@@ -46,11 +46,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_model, save_model
 
 from .export import check_dcp_checkpoint, check_torch_file, safetensors_problem
-from .runtime import UserError, stop_together, writing
+from .runtime import UserError, effective_precision, stop_together, writing
 
 STATE_FILE = "training_state.json"
 SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
@@ -166,6 +167,29 @@ def start_new_branch(accelerator, path, output_dir, writer, exports=()):
     return bool(moved_exports)
 
 
+def set_aside_exports_beyond(accelerator, step, output_dir, writer, exports, best_export_step):
+    """A best-model export written after checkpoint `step` (a run killed between its best-model export and its next
+    checkpoint) belongs to no checkpoint this run can resume from: move `exports` aside as start_new_branch does,
+    so that the results, the model card and the weights name one step. `best_export_step()`: the step the best-model
+    export holds, None without one (read by the main process). Returns whether it did (the resumed run then selects
+    its best model afresh)."""
+    found = [best_export_step() if accelerator.is_main_process else None]
+    broadcast_object_list(found)
+    accelerator.wait_for_everyone()  # every rank has read what it needs before the writer moves anything
+    if found[0] is None or found[0] <= step:
+        return False
+    moved = [Path(output_dir) / e for e in exports if (Path(output_dir) / e).exists()]
+    suffix = f".abandoned_on_resume_from_step_{step}"
+    if writer:
+        for old in moved:
+            os.replace(old, old.with_name(old.name + suffix))
+    accelerator.wait_for_everyone()
+    accelerator.print(f"the best model was exported at step {found[0]}, after this checkpoint (step {step}): "
+                      f"{', '.join(p.name for p in moved)} moved aside (*{suffix}); the best model is selected afresh "
+                      "from here")
+    return True
+
+
 def read_training_state(path):
     try:
         return json.loads((Path(path) / STATE_FILE).read_text())
@@ -235,15 +259,21 @@ class Checkpoints:
     abandoned branch's best model replaced (start_new_branch). `modules`: {name: nn.Module} saved beside accelerate's
     files as `<name>.safetensors` and restored from there (the same on every rank, written once), instead of
     accelerate's pickled register_for_checkpointing. `allow_data_change`: resume on changed training data.
+    `best_export_step()`: the step the best-model export in output_dir holds, None without one
+    (set_aside_exports_beyond). `per_process`: what a resume on another number of processes computes differently
+    (BatchNorm statistics, dropout streams), named in the line that says so.
 
     Constructing it is a collective: every rank finds out whether output_dir is one disk shared by the nodes or each
     node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
 
     def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), modules=None,
-                 allow_data_change=False):
+                 allow_data_change=False, best_export_step=lambda: None, per_process=()):
         self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
         self.dir = self.output_dir / "checkpoints"
         self.must_match, self.settings, self.exports = must_match, settings, exports
+        self.best_export_step, self.per_process = best_export_step, per_process
+        # the run's launches so far (each checkpoint records them): processes, precision, the step each resumed at
+        self.launches = [launch_record(accelerator, None)]
         self.modules, self.allow_data_change = modules or {}, allow_data_change
         shared = output_dir_is_shared(accelerator, self.dir)
         accelerator.project_configuration.save_on_each_node = not shared
@@ -287,7 +317,8 @@ class Checkpoints:
                 if self.writer:
                     _write_json_durably(tmp / STATE_FILE, {
                         **training_state(self.must_match, state, self.settings, step, epoch, batches_in_epoch),
-                        "num_processes": self.accelerator.num_processes})
+                        "num_processes": self.accelerator.num_processes,
+                        "mixed_precision": effective_precision(self.accelerator), "launches": self.launches})
                     replace_dir_atomically(tmp, final)
                     if self.total_limit:
                         for old in complete_checkpoints(self.dir)[:-self.total_limit]:
@@ -304,7 +335,8 @@ class Checkpoints:
         A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
         optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and `settings`
         that differ from the checkpoint's are named in one line. A checkpoint older than the newest starts a new
-        branch (start_new_branch).
+        branch (start_new_branch), and a best-model export from after the checkpoint goes aside
+        (set_aside_exports_beyond).
         """
         state = {**fresh_state, VALIDATION_DUE: False}
         if path is not None:
@@ -312,11 +344,14 @@ class Checkpoints:
             # an entry an older checkpoint lacks (the early-stopping count) starts fresh
             state = {**fresh_state, **load_checkpoint(self.accelerator, path, self.must_match, self.modules,
                                                       self.allow_data_change)}
-            if start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports):
+            branched = start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports)
+            if set_aside_exports_beyond(self.accelerator, state["completed_steps"], self.output_dir, self.writer,
+                                        self.exports, self.best_export_step) or branched:
                 state.update({k: v for k, v in fresh_state.items() if k.startswith(SELECTION_PREFIXES)})
             _apply_hyperparameters(optimizer, scheduler, command_line)
             self.accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
-            _report_changes(self.accelerator, path, state, self.settings)
+            _report_changes(self.accelerator, path, state, self.settings, self.per_process)
+            self.launches = [*launches_of(state), launch_record(self.accelerator, state["completed_steps"])]
         if state["batches_in_epoch"] >= batches_per_epoch:
             state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
         return state
@@ -587,8 +622,41 @@ def _apply_hyperparameters(optimizer, scheduler, groups):
             inner._last_lr = lrs
 
 
-def _report_changes(accelerator, path, saved, settings):
-    """One line for the settings that differ from the checkpoint's (they apply), and one for the process count."""
+def per_process_differences(model):
+    """What each process of `model` computes on its own (Checkpoints' `per_process`): BatchNorm statistics over its
+    share of the batch (SyncBatchNorm aside), dropout and drop-path masks from its own random stream."""
+    modules = list(model.modules())
+    found = []
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+           for m in modules):
+        found.append("BatchNorm statistics are computed per process, over its share of each batch")
+    if any(_drop_rate(m) > 0 for m in modules):
+        found.append("dropout masks are drawn from each process's own random stream")
+    return found
+
+
+def _drop_rate(module):
+    """The drop probability of torch's dropout layers, torchvision's StochasticDepth and timm's DropPath; 0 else."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd) or type(module).__name__ == "StochasticDepth":
+        return module.p
+    return getattr(module, "drop_prob", 0) or 0
+
+
+def launch_record(accelerator, resume_step):
+    """all_results.json's record of one launch of the run (`launches`)."""
+    return {"processes": accelerator.num_processes, "mixed_precision": effective_precision(accelerator),
+            "resume_step": resume_step}
+
+
+def launches_of(saved):
+    """The launches a checkpoint's training_state records; one for a checkpoint that records none."""
+    return saved.get("launches") or [{"processes": saved.get("num_processes"),
+                                      "mixed_precision": saved.get("mixed_precision"), "resume_step": None}]
+
+
+def _report_changes(accelerator, path, saved, settings, per_process=()):
+    """One line for the settings that differ from the checkpoint's (they apply), one for the process count (with
+    `per_process`: what is computed per process, and so differs), one for the precision."""
     saved_settings = saved.get("settings", {})
     changed = [f"{flag} {saved_settings[flag]} -> {value}" for flag, value in settings.items()
                if flag in saved_settings and saved_settings[flag] != value]
@@ -596,13 +664,28 @@ def _report_changes(accelerator, path, saved, settings):
         accelerator.print(f"resumed with changed settings (applied from here on): {', '.join(changed)}")
     before = saved.get("num_processes")
     if before and before != accelerator.num_processes:
-        accelerator.print(f"resumed on {accelerator.num_processes} processes from a checkpoint of {before}: the "
-                          "global batch and the sample order are the same, so training continues identically")
+        differs = "".join(f"; {what}" for what in per_process)
+        now = _processes(accelerator.num_processes)
+        accelerator.print(f"resumed on {now} from a checkpoint of {_processes(before)}: the global batch and the "
+                          f"sample order are the same{differs}; sums over the processes add up in another order: "
+                          f"training goes on as on {now}, not bit for bit as on {before}")
         if accelerator.num_processes > before:
             accelerator.on_main_process(_warn)(
                 f"warning: ranks {before}-{accelerator.num_processes - 1} have no saved random state in {path}: "
                 "their dropout/augmentation draws start afresh (the run stays valid, but is not the bit-for-bit "
                 "continuation of the uninterrupted one)")
+    precision, now = saved.get("mixed_precision"), effective_precision(accelerator)
+    if precision and precision != now:
+        accelerator.print(f"resumed in {_precision_name(now)} from a checkpoint trained in {_precision_name(precision)}"
+                          f": the steps from here compute in {_precision_name(now)}")
+
+
+def _processes(count):
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+def _precision_name(precision):
+    return "fp32" if precision == "no" else precision
 
 
 def _warn(message):

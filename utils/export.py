@@ -126,6 +126,15 @@ def mark_selection(best_dir, step):
     (Path(best_dir) / SELECTION_FILE).write_text(json.dumps({"step": step}) + "\n")
 
 
+def selected_step(best_dir):
+    """The step whose weights the export `best_dir` holds (mark_selection's), None when there is no such record."""
+    selection = Path(best_dir) / SELECTION_FILE
+    try:
+        return json.loads(selection.read_text(encoding="utf-8-sig"))["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_selected_weights(accelerator, model, best_dir, step):
     """The best weights of a run that resumed after selecting them: from the main process's export, after
     checking (there) that it is whole and holds that step, every rank stopping at once if not."""
@@ -215,7 +224,8 @@ def torch_load_problem(path, err):
     """One line for what torch.load(weights_only=True) raised on `path`; the error itself if it is none of those."""
     if not isinstance(err, _LOAD_ERRORS):
         raise err
-    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    # torch's wordings: "Unsupported global: GLOBAL x.y", and for a blocked module "unsupported GLOBAL posix.system"
+    refused = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(err))
     if refused:
         return (f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; only "
                 "tensors and plain values are loaded from checkpoints")

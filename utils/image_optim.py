@@ -117,6 +117,15 @@ def load_optimizer_state(optimizer, state, source):
         group.update(chosen, initial_lr=chosen["lr"])
 
 
+def schedule_from(optimizer, factor, start_step):
+    """The LambdaLR of `factor` (lr_lambda's), positioned after `start_step` optimizer steps: a run continued from a
+    .pth file or --start-epoch starts inside the schedule. LambdaLR takes the base learning rate from each group's
+    `initial_lr`, which only a loaded optimizer state brings (load_optimizer_state): a fresh optimizer's --lr is it."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)
+
+
 def lr_lambda(args, steps_per_epoch, total_steps):
     """The factor of --lr after `step` optimizer steps: warmup, then step decay or cosine to --lr_min."""
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from utils.export import check_same_keys, export_state_dict, strip_module_prefix
+from utils.export import check_same_keys, export_state_dict, load_torch_checkpoint, strip_module_prefix
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, writing
 from utils.image_data import IMAGENET_MEAN, IMAGENET_STD
@@ -78,6 +78,46 @@ def check_legacy_compatible(checkpoint, expected, path):
     for key, value in expected.items():
         if checkpoint.get(key) is not None and checkpoint[key] != value:
             raise UserError(f"{path}: checkpoint's {key}: {_describe(checkpoint[key])}; this run's: {_describe(value)}")
+
+
+def exported_step(path, steps_per_epoch):
+    """The optimizer step whose weights the export `path` (model_best.pth) holds, None without the file: its `step`,
+    or, in a file that records only its epoch, that epoch's last step."""
+    if not Path(path).is_file():
+        return None
+    fields = load_torch_checkpoint(path)
+    return fields.get("step", fields.get("epoch", 0) * steps_per_epoch)
+
+
+def start_epoch_of(checkpoint, start_epoch):
+    """The epochs done before this run: a checkpoint's `epoch` (main.py's: it overrides --start-epoch), or
+    --start-epoch."""
+    return checkpoint.get("epoch", start_epoch) if checkpoint else start_epoch
+
+
+def continuation_line(args, checkpoint, start_step, total_steps, lr):
+    """One line for a run that starts inside the schedule (--resume FILE.pth, --start-epoch): where, and what does not
+    carry on. A file without optimizer state (this project's .pth exports, a bare state_dict) restarts the optimizer's
+    momentum; --start-epoch alone starts from the starting weights, not trained ones."""
+    epoch = start_epoch_of(checkpoint, args.start_epoch)
+    done = "epoch 1 counts" if epoch == 1 else f"epochs 1-{epoch} count"
+    where = (f"{done} as done: training starts at epoch {epoch + 1}, step {start_step} of "
+             f"{total_steps} of the --lr_scheduler {args.lr_scheduler} schedule (lr {lr:.3g})")
+    if checkpoint is None:
+        return f"--start-epoch {epoch}: {where}, from the starting weights (no --resume file)"
+    ignored = (f"; --start-epoch {args.start_epoch} ignored: the file records epoch {epoch}"
+               if args.start_epoch and "epoch" in checkpoint and args.start_epoch != epoch else "")
+    optimizer = ("weights and optimizer state (momentum) from the file" if "optimizer" in checkpoint else
+                 "weights from the file, which holds no optimizer state: the optimizer's momentum starts afresh")
+    return f"--resume {args.resume}: {where}; {optimizer}{ignored}"
+
+
+def selection_from_file(checkpoint, selection):
+    """The best-model selection a file of this project records (its best value and epoch) when the run that wrote it
+    goes on: model_best.pth beside it holds that epoch. Nothing (select afresh) when it records neither."""
+    if not checkpoint or checkpoint.get("best_epoch") is None or checkpoint.get(selection.best_key) is None:
+        return {}
+    return {selection.best_key: checkpoint[selection.best_key], selection.position_key: checkpoint["best_epoch"]}
 
 
 def _describe(value):

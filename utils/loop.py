@@ -207,7 +207,7 @@ def read_class_weights_file(path, labels):
     if not path.is_file():
         raise UserError(f"--class_weights {path}: no such file (or pass 'balanced')")
     try:
-        weights = json.loads(path.read_text(encoding="utf-8"))
+        weights = json.loads(path.read_text(encoding="utf-8-sig"))  # with or without a BOM, as every input
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UserError(f"{path}: not a JSON file ({err})") from None
     if not isinstance(weights, dict):

@@ -729,6 +729,10 @@ def _claim(output_dir, token):
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file of that name, no permission
         raise UserError(f"{output_dir}: cannot create the output directory ({err.strerror or err})") from None
+    if path.is_symlink():  # O_EXCL refuses to create through it, and reading it finds no holder
+        _remove_empty(created)
+        raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, not a lock a run writes (one is a file); "
+                        "remove it, then start the run again")
     for _ in range(5):  # each round: create, or judge the holder (and take a stale lock over)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

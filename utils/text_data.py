@@ -234,6 +234,12 @@ def _open_text(path, codec, newline=None):
     return open(path, encoding="utf-8-sig" if codec == "utf-8" else codec, newline=newline)
 
 
+def looks_utf16(data):
+    """A UTF-16 byte-order mark, or NUL bytes in a quarter of the first 4 KB (ASCII text in UTF-16 without one)."""
+    head = data[:4096]
+    return head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or head.count(0) > len(head) // 4
+
+
 def _decode_error(path, codec):
     """The UserError for a file that is not valid `codec`: the line and byte of its first undecodable byte."""
     data = Path(path).read_bytes()
@@ -241,6 +247,9 @@ def _decode_error(path, codec):
     utf8 = codec == "utf-8"
     hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
             "; pass the file's real --encoding")
+    if looks_utf16(data):
+        hint = ("; it is UTF-16 (Windows' \"Unicode\": a byte-order mark, a NUL byte beside each ASCII character), "
+                "whose line breaks no --encoding here reads: save it as UTF-8")
     try:
         data[skip:].decode(codec)
     except UnicodeDecodeError as err:
@@ -608,6 +617,11 @@ def load_dataset_dict(name, config_name, cache_dir=None, token=None):
     if saved and config_name:
         raise UserError(f"--dataset_config_name {config_name}: {name} was written by save_to_disk, which has no "
                         "configurations")
+    scripts = sorted(path.glob("*.py")) if path.is_dir() and not saved else []
+    if scripts:  # datasets 4 no longer runs loading scripts (a RuntimeError)
+        raise UserError(f"--dataset_name {name}: holds a loading script ({scripts[0].name}), which datasets no longer "
+                        "runs; load the data with it once and save_to_disk, or convert it to parquet/csv/json files "
+                        "in that directory")
     try:
         loaded = (datasets.load_from_disk(str(path)) if saved else
                   datasets.load_dataset(name, config_name, cache_dir=cache_dir and str(cache_dir), token=token))

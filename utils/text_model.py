@@ -94,7 +94,24 @@ def loading(source, what):
     try:
         yield
     except (OSError, ValueError) as err:
+        if "trust_remote_code" in str(err):  # transformers asks to run the repository's own Python code
+            raise UserError(f"{source}: its {what} is custom code in the model's files; pass --trust_remote_code if "
+                            "you trust that code") from None
         raise UserError(f"{source}: cannot load {what} ({str(err).strip().splitlines()[0]})") from None
+
+
+def check_custom_code(source, trust_remote_code):
+    """A local model whose type only its own code defines (config.json `auto_map`, a model_type transformers does not
+    know) needs --trust_remote_code; without it transformers reports the tokenizer as failing to load."""
+    config_file = Path(source) / "config.json"
+    if trust_remote_code or not config_file.is_file():
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = read_model_json(config_file)
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        raise UserError(f"{source}: its model type {config.get('model_type')!r} is custom code in the model's files "
+                        "(config.json auto_map); pass --trust_remote_code if you trust that code")
 
 
 def hub_options(args):
@@ -127,6 +144,28 @@ def check_starting_weights(model, new_weights, source):
         raise UserError(f"{source}: {len(random_encoder)} encoder weights are not in the checkpoint "
                         f"and would start from random (e.g. {random_encoder[0]}); is it a {model.config.model_type} "
                         "checkpoint? (--from_scratch trains from random on purpose)")
+
+
+def head_by_name(model, source, labels, say=print):
+    """A trained classifier (its config.json id2label) trained on further with this run's `labels`: its head rows
+    follow the labels by name. The same names in another order: the rows are reordered, said in one line; other
+    names with as many labels: refused in one line (by position each label would start as another's)."""
+    trained = saved_labels(source) if Path(source).is_dir() else None
+    if not trained or trained == labels or len(trained) != len(labels):  # another count: a new head
+        return
+    if set(trained) != set(labels):
+        ours, theirs = sorted(set(labels) - set(trained)), sorted(set(trained) - set(labels))
+        raise UserError(f"{source}: trained for other labels ({', '.join(theirs[:4])}; the data has "
+                        f"{', '.join(ours[:4])}): by position each label would start as another's; train from its base "
+                        "model, or name the labels as the model does")
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == len(labels)][-1]
+    rows = [trained.index(label) for label in labels]
+    with torch.no_grad():
+        head.weight.copy_(head.weight[rows])
+        if head.bias is not None:
+            head.bias.copy_(head.bias[rows])
+    say(f"{source}: its head lists the same {len(labels)} labels in another order: its rows are reordered to this "
+        "run's labels, matched by name")
 
 
 MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
@@ -165,10 +204,27 @@ def problem_type(multi_label, regression=False):
     return "multi_label_classification" if multi_label else "single_label_classification"
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def read_model_json(path, bom_allowed=False):
+    """A JSON file of a model directory, whose problems are one line naming it: cut short or otherwise not JSON, or
+    starting with a UTF-8 byte-order mark (a re-save in Windows Notepad), which transformers cannot read in
+    config.json; our own files (`bom_allowed`) are read with or without one."""
+    data = Path(path).read_bytes()
+    if data.startswith(UTF8_BOM) and not bom_allowed:
+        raise UserError(f"{path}: starts with a UTF-8 byte-order mark (a re-save in Windows Notepad?), which "
+                        "transformers cannot read; save it as UTF-8 without a BOM")
+    try:
+        return json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a readable JSON file (cut short by a copy or a full disk?): {err}") from None
+
+
 def check_problem_type(model_name_or_path, multi_label, regression=False):
     """A trained model evaluated or used for prediction in the mode it was trained in (config.json problem_type)."""
     config_file = Path(model_name_or_path) / "config.json"
-    saved = json.loads(config_file.read_text(encoding="utf-8")).get("problem_type") if config_file.is_file() else None
+    saved = read_model_json(config_file).get("problem_type") if config_file.is_file() else None
     wanted = problem_type(multi_label, regression)
     flags = {"multi_label_classification": "--multi_label", "regression": "--do_regression"}
     if saved in ("multi_label_classification", "single_label_classification", "regression") and saved != wanted:
@@ -230,7 +286,7 @@ def saved_labels(model_name_or_path):
     config_file = Path(model_name_or_path) / "config.json"
     if not config_file.is_file():
         return None
-    id2label = json.loads(config_file.read_text(encoding="utf-8")).get("id2label")
+    id2label = read_model_json(config_file).get("id2label")
     if not id2label or all(name.startswith("LABEL_") for name in id2label.values()):
         return None
     return [id2label[str(i)] for i in range(len(id2label))]
@@ -362,10 +418,9 @@ def recorded_settings(model_name_or_path):
     """A local model's TRAINED_WITH, else its label mode from config.json's problem_type; {} for a base model."""
     model_dir = Path(model_name_or_path)
     if (model_dir / TRAINED_WITH).is_file():
-        return json.loads((model_dir / TRAINED_WITH).read_text(encoding="utf-8"))
+        return read_model_json(model_dir / TRAINED_WITH, bom_allowed=True)
     config_file = model_dir / "config.json"
-    problem_type = (json.loads(config_file.read_text(encoding="utf-8")).get("problem_type")
-                    if config_file.is_file() else None)
+    problem_type = read_model_json(config_file).get("problem_type") if config_file.is_file() else None
     return {"multi_label": problem_type == "multi_label_classification"} if problem_type else {}
 
 
