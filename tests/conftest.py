@@ -117,6 +117,11 @@ def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: a learning check that needs many steps (an accuracy reached, a curve "
+                                       "matched against a peer); `make test` leaves it out, `make test-long` runs it")
+
+
 @pytest.fixture(autouse=True)
 def environment_as_found():
     """A run in this process changes the environment (--cpu sets CUDA_VISIBLE_DEVICES=""), which later launchers of
