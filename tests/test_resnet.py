@@ -27,7 +27,7 @@ EPOCHS = 3
 # Learns the 16x16 digits in seconds: main.py's RandomResizedCrop (down to 8% of the area) makes them hard,
 # and without momentum the first epochs are far more stable at this tiny scale (measured: ~60% vs ~40% top-1).
 FAST = ["--arch", "resnet18", "--image_size", "16", "--val_resize", "16", "-b", "64", "--lr", "0.02",
-        "--momentum", "0", "-j", "0", "-p", "5"]
+        "--momentum", "0", "-j", "0"]
 STEPS_PER_EPOCH = FEW_DIGITS_TRAIN // 64  # 336 training images, drop_last: 5 steps per epoch
 STEPS = EPOCHS * STEPS_PER_EPOCH
 CHECKPOINT_STEPS = 3  # steps 3, 6, 9 and 12 are inside an epoch (resumes mid-epoch); 15 is the run's end
@@ -43,8 +43,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWa
 
 
 def train_args(data, out, *extra, epochs=EPOCHS, checkpoint_steps=CHECKPOINT_STEPS):
+    """A log line at every checkpoint, so that a run resumed from one logs the same windows as the uninterrupted run."""
     return [data, *FAST, *ALL_ON, "--epochs", str(epochs), "--checkpointing_steps", str(checkpoint_steps),
-            "--save_total_limit", "0", "--output_dir", out, *extra]
+            "-p", str(checkpoint_steps), "--save_total_limit", "0", "--output_dir", out, *extra]
 
 
 def train_on_1_and_2_processes(data, tmp_path_factory, name, **kwargs):
@@ -267,13 +268,14 @@ def main_py_checkpoint(path, best):
     return path
 
 
-def resume_main_py_checkpoint(trained_dir, data, tmp_path, *extra):
-    """Trains one more epoch from the run's best model saved as main.py saves it; (stdout, metrics events, results)."""
+def resume_main_py_checkpoint(trained_dir, data, tmp_path, print_freq):
+    """Trains one more epoch from the run's best model saved as main.py saves it; (metrics events, results)."""
     best = torch.load(trained_dir / "model_best.pth", weights_only=True)
     checkpoint = main_py_checkpoint(tmp_path / "checkpoint.pth.tar", best)
     out = tmp_path / "out"
     proc = run_here(SCRIPT, ["--cpu", data, *FAST, "--epochs", str(EPOCHS + 1), "--resume", checkpoint,
-                             "--hflip", "0", "--crop_scale", "0.25", "--output_dir", out, *extra])  # as the weights'
+                             "-p", print_freq, "--hflip", "0", "--crop_scale", "0.25",  # the weights' augmentation
+                             "--output_dir", out])
     assert f"Loaded {checkpoint} (epoch {EPOCHS}" in proc.stdout
     events = read_jsonl(out / "metrics.jsonl")
     assert {e["epoch"] for e in events} == {EPOCHS + 1}  # main.py's epoch = epochs done: only the 4th is trained
@@ -281,13 +283,13 @@ def resume_main_py_checkpoint(trained_dir, data, tmp_path, *extra):
 
 
 def test_resumes_a_main_py_checkpoint(trained, few_digits, tmp_path):
-    events, _ = resume_main_py_checkpoint(trained[1], few_digits, tmp_path, "-p", "1")
+    events, _ = resume_main_py_checkpoint(trained[1], few_digits, tmp_path, print_freq=1)
     assert events[0]["step"] == STEPS + 1  # the schedule goes on from main.py's epoch: step 16 of 20
 
 
 @pytest.mark.long
 def test_a_main_py_checkpoint_goes_on_from_its_weights(trained_long, digits_data, tmp_path):
-    events, results = resume_main_py_checkpoint(trained_long[1], digits_data, tmp_path)
+    events, results = resume_main_py_checkpoint(trained_long[1], digits_data, tmp_path, print_freq=5)
     assert events[0]["step"] == 65  # the schedule goes on from main.py's epoch: step 63 of 84, logged every 5
     assert results["eval_acc1"] > 40  # went on from the trained weights
     assert events[0]["loss"] < 2.0  # a fresh model starts at ln(10) = 2.3
