@@ -6,12 +6,13 @@ path here; the hardware comes from the launcher and accelerate_configs/*.yaml:
     accelerate launch --config_file accelerate_configs/4gpu.yaml train_resnet.py /data/imagenet -a resnet50
     python train_resnet.py /data/imagenet -a resnet50 -e --resume outputs/resnet/model_best.pth
     python train_resnet.py /data/imagenet -a resnet50 --resume latest     # exact resume, even mid-epoch
-A tiny CPU run on scikit-learn's real handwritten digits written as an ImageFolder (2 processes of gloo DDP; the
-test suite runs these two commands as printed and expects a top-1 accuracy above 80%, chance being 10%):
+A tiny CPU run on scikit-learn's real handwritten digits written as an ImageFolder (2 processes of gloo DDP, under
+half a minute on 2 cores; the test suite runs these two commands as printed and expects a top-1 accuracy above 50%,
+chance being 10%; its 2 epochs of 21 steps reach about 70%):
     python -c "from utils.demo_data import write_digits_imagefolder as w; w('demo_data/digits_tiny', size=16)"
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_resnet.py --cpu \
-        demo_data/digits_tiny --image_size 16 --val_resize 16 --hflip 0 --crop_scale 0.5 -b 64 --lr 0.05 \
-        --lr_scheduler cosine --epochs 4 -j 0 --output_dir outputs/resnet_tiny --overwrite_output_dir
+        demo_data/digits_tiny --image_size 16 --val_resize 16 --hflip 0 --crop_scale 0.5 -b 64 --lr 0.2 \
+        --momentum 0 --lr_scheduler cosine --epochs 2 -j 0 --output_dir outputs/resnet_tiny --overwrite_output_dir
 To adapt it (another model, a transform, a loss term, other numbers from the validation), change the functions of its
 ADAPTATION SECTION, right below the imports: nothing else names a model class, a transform or a metric's computation.
 -b is the GLOBAL batch (main.py's "total batch size of all GPUs"): the same command trains the same way on any

@@ -319,3 +319,26 @@ def test_readme_stays_scannable():
     """README.md is read in two minutes: at most 150 lines; detail belongs in docs/."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def pytest_line(target):
+    """The arguments of the pytest that `make TARGET` runs, as make prints it without running anything (`make -n`)."""
+    proc = subprocess.run(["make", "-n", "--no-print-directory", target, "PY=python"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [shlex.split(line) for line in proc.stdout.splitlines() if " -m pytest " in line]
+    assert len(lines) == 1, proc.stdout
+    return lines[0][lines[0].index("pytest") + 1:]
+
+
+def test_make_test_leaves_the_long_tier_to_make_test_long_and_ci_runs_both(pytestconfig):
+    """The README's `make test` deselects the tests marked `long` and lists its 15 slowest tests; `make test-long`
+    runs exactly those; `.ci/run` runs both, so no check stops being run."""
+    fast, long = pytest_line("test"), pytest_line("test-long")
+    assert "--durations=15" in fast and fast[fast.index("-m") + 1] == "not long" and fast[-1] == "tests"
+    assert long[long.index("-m") + 1] == "long" and long[-1] == "tests"
+    assert any(marker.startswith("long:") for marker in pytestconfig.getini("markers"))  # registered in conftest.py
+    marked = [path.name for path in (ROOT / "tests").glob("test_*.py") if "@pytest.mark.long" in path.read_text()]
+    assert marked, "no test is marked long: `make test-long` would collect nothing and fail"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "make test" in ci and "make test-long" in ci
