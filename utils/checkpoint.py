@@ -165,9 +165,11 @@ def add_allow_data_change(group):
 def data_fingerprint(source, records):
     """must_match[DATA_KEY]: `records` (one string per training example, in the order read) as their count and
     SHA-256; `source`: the file or directory they came from, named in messages."""
-    records = list(records)
-    digest = hashlib.sha256("".join(record + "\n" for record in records).encode("utf-8"))
-    return {"source": str(source), "examples": len(records), "sha256": digest.hexdigest()}
+    digest, count = hashlib.sha256(), 0
+    for record in records:  # one at a time: memory stays flat for any number of examples
+        digest.update((record + "\n").encode("utf-8"))
+        count += 1
+    return {"source": str(source), "examples": count, "sha256": digest.hexdigest()}
 
 
 def check_same_data(saved, current, path, allow_change, say):
