@@ -567,10 +567,35 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
     return results
 
 
+def take_records(records, count):
+    """The next records of the iterator `records` that hold `count` predicted ones (and the skipped ones among them)."""
+    taken = []
+    while count:
+        taken.append(next(records))
+        count -= not taken[-1].skipped
+    return taken
+
+
+@torch.no_grad()
+def predicted_rows(accelerator, model, loader, examples, labels, args):
+    """predictions.jsonl's rows in input order, a batch at a time: every rank runs its part of each batch, the
+    batch's logits are gathered, and the main process makes its rows (only one batch's logits and rows are held)."""
+    model.eval()
+    records = iter(examples)
+    for batch in progress(accelerator, loader, desc="predict", leave=False):
+        batch.pop("labels", None)
+        logits = accelerator.gather_for_metrics(model(**batch).logits.float()).cpu()  # (B, C): the whole batch
+        if accelerator.is_main_process:
+            yield from prediction_rows(logits, take_records(records, len(logits)), labels, args.multi_label,
+                                       args.threshold, args.do_regression)
+    if accelerator.is_main_process:  # skipped records after the last text
+        yield from prediction_rows(torch.empty(0, len(labels)), list(records), labels, args.multi_label,
+                                   args.threshold, args.do_regression)
+    model.train()
+
+
 def write_predictions(accelerator, log, model, loader, examples, labels, args):
-    logits, _ = predict_logits(accelerator, model, loader, "predict")
-    log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold,
-                                                         args.do_regression))
+    log.write_jsonl("predictions.jsonl", predicted_rows(accelerator, model, loader, examples, labels, args))
     skipped = sum(1 for example in examples if example.skipped)
     accelerator.print(f"wrote {len(examples) - skipped} predictions and {skipped} skipped rows (blank lines, empty "
                       f"texts) to {args.output_dir / 'predictions.jsonl'}, one row per input record")

@@ -16,6 +16,7 @@ Growth per example: the peak memory's slope between the smallest and the largest
     python benchmarks/bench_startup.py --quick                           # seconds: 2,000 headlines, 200 images
 """
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,8 +135,14 @@ def hard_linked_copies(source, copies, target, limit=None):
     return target
 
 
+def median_of_rounds(rounds, measure_round):
+    """{arm: (median seconds, median MiB)} over `rounds` calls of measure_round(index) -> {arm: (seconds, MiB)}."""
+    runs = [measure_round(index) for index in range(rounds)]
+    return {arm: tuple(statistics.median(run[arm][i] for run in runs) for i in (0, 1)) for arm in runs[0]}
+
+
 def bert_arms(data_root, train_file, work, threads):
-    """{arm: (seconds, MiB)} for both ways, fresh then repeated."""
+    """{arm: (seconds, MiB)} for both ways, fresh then repeated, in a fresh `work` directory."""
     model = Path(data_root) / "bert-base-chinese"
     ours_cache, theirs_cache = work / "ours_cache", work / "datasets_cache"
     results = {}
@@ -181,18 +188,20 @@ def table(by_size, what):
 
 
 def main(argv=None):
-    parser = harness.base_parser(__doc__, rounds=False)
+    parser = harness.base_parser(__doc__)
     parser.add_argument("--sizes", default="45000,450000", help="headline counts, comma-separated")
     parser.add_argument("--image_copies", default="1,10", help="hard links per imagenette_112/train image")
     args = parser.parse_args(argv)
     harness.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese/vocab.txt")
     sizes = [2000] if args.quick else [int(size) for size in args.sizes.split(",")]
     copies = [1] if args.quick else [int(copy) for copy in args.image_copies.split(",")]
+    rounds = args.rounds or 1  # each a fresh start and a repeated one; the median of each arm is reported
     work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     headlines = {}
     for size in sizes:
         train_file = replicate_lines(args.data_root / "thucnews_titles" / "train.txt", size, work / f"{size}.txt")
-        headlines[size] = bert_arms(args.data_root, train_file, work / f"bert_{size}", args.threads)
+        headlines[size] = median_of_rounds(rounds, lambda index: bert_arms(
+            args.data_root, train_file, work / f"bert_{size}_round{index}", args.threads))
         print(table({size: headlines[size]}, "headlines"), flush=True)
     images = {}
     if (args.data_root / "imagenette_112" / "train").is_dir():
@@ -202,12 +211,13 @@ def main(argv=None):
                 hard_linked_copies(args.data_root / "imagenette_112" / split, copy, root / split,
                                    limit=20 if args.quick else None)
             count = sum(1 for _ in (root / "train").rglob("*.*"))
-            images[count] = image_arms(root, work / f"resnet_x{copy}", args.threads)
+            images[count] = median_of_rounds(rounds, lambda index: image_arms(
+                root, work / f"resnet_x{copy}_round{index}", args.threads))
     print(table(headlines, "headlines"))
     if images:
         print(table(images, "images"))
     harness.write_results("bench_startup", {
-        "provenance": harness.provenance(), "threads": args.threads, "work_dir": str(work),
+        "provenance": harness.provenance(), "threads": args.threads, "rounds": rounds, "work_dir": str(work),
         "headlines": {size: {arm: {"seconds_to_first_step": s, "peak_rss_mib": m} for arm, (s, m) in arms.items()}
                       for size, arms in headlines.items()},
         "images": {count: {arm: {"seconds_to_first_step": s, "peak_rss_mib": m} for arm, (s, m) in arms.items()}

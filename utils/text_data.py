@@ -42,7 +42,8 @@ A batch then holds samples of similar length drawn from one megabatch (50 global
 instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
 
 The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
-checkpoint, so that a resume on changed data is refused (utils/checkpoint.py).
+checkpoint, so that a resume on changed data is refused (utils/checkpoint.py); for files it is computed once, when the
+tokenised data cache is built, and kept there (utils/text_cache.py).
 
 Neighbours: utils/text_model.py (the model and tokenizer), utils/text_metrics.py (loss, metrics, predictions).
 """
