@@ -222,3 +222,9 @@ def test_run_classification_table_tells_the_truth(flag, status, how):
         assert (f"--{flag}" in example) == (status == "supported"), example
     if status != "supported":
         assert not bert_parses([*BERT_MINIMAL, "--train_file", "t.csv", f"--{flag}", "1"]), f"--{flag} is accepted"
+
+
+def test_readme_stays_scannable():
+    """README.md is read in two minutes: at most 150 lines; detail belongs in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
