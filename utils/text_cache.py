@@ -130,7 +130,7 @@ class DataCache:
         except Exception as err:
             shutil.rmtree(tmp, ignore_errors=True)
             line = str(err) if isinstance(err, UserError) else write_failure(err, self.root)
-            failed.write_text(json.dumps({"token": self.token, "line": line or f"{type(err).__name__}: {err}"}))
+            self._note_failure(failed, line or f"{type(err).__name__}: {err}")
             if line is None:
                 raise
             raise UserError(line) from None
@@ -146,6 +146,13 @@ class DataCache:
             if not (entry / META).is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _note_failure(self, note, line):
+        """Leave `line` for the waiting ranks; on a full disk they stop when the launcher stops this process's job."""
+        try:
+            note.write_text(json.dumps({"token": self.token, "line": line}))
+        except OSError:
+            pass
 
     def _failure_note(self, entry):
         return entry.with_name(f".{entry.name}.failed")
