@@ -96,7 +96,7 @@ def test_two_processes_tokenise_once(data, tmp_path):
     assert BUILT not in again.stdout + again.stderr
 
 
-def test_a_bad_line_stops_both_processes_with_the_readers_line(data, tmp_path):
+def test_a_bad_line_or_a_missing_file_stops_both_processes_with_one_line(data, tmp_path):
     with open(data / "train.txt", "a", encoding="utf-8") as f:
         f.write("a line without a tab\n")
     proc = launch(SCRIPT, small_args(data, tmp_path / "o", tmp_path / "cache"), num_processes=2, check=False,
@@ -106,6 +106,11 @@ def test_a_bad_line_stops_both_processes_with_the_readers_line(data, tmp_path):
     assert line in proc.stderr, proc.stderr[-3000:]
     assert 'train_bert_cls.py", line' not in proc.stderr  # no traceback on either rank
     assert entries(tmp_path / "cache") == [] and not list((tmp_path / "cache").glob(".*tmp*"))
+    missing = launch(SCRIPT, [*small_args(data, tmp_path / "o", tmp_path / "cache"), "--test_file",
+                              tmp_path / "missing.txt", "--do_test"], num_processes=2, check=False, timeout=180)
+    assert missing.returncode != 0  # found while the cache key is computed, by the main process, said by both
+    assert f"error: {tmp_path / 'missing.txt'}: file not found" in missing.stderr, missing.stderr[-3000:]
+    assert 'train_bert_cls.py", line' not in missing.stderr
 
 
 def test_nodes_with_their_own_disks_tokenise_once_each(data, tmp_path):

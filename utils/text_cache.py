@@ -96,11 +96,20 @@ class DataCache:
         self.token = self._agree(lambda: secrets.token_hex(8))  # names this launch's failure notes
 
     def _agree(self, compute):
-        """compute() on the main process, its result on every rank (a collective)."""
-        value = [compute() if self.accelerator.is_main_process else None]
+        """compute() on the main process, its result on every rank, or its UserError raised on every rank (a
+        collective)."""
+        outcome = [None]
+        if self.accelerator.is_main_process:
+            try:
+                outcome = [(compute(), None)]
+            except UserError as err:
+                outcome = [(None, str(err))]
         if self.accelerator.num_processes > 1:
-            broadcast_object_list(value)
-        return value[0]
+            broadcast_object_list(outcome)
+        value, problem = outcome[0]
+        if problem:
+            raise UserError(problem)
+        return value
 
     def key(self, inputs):
         """The entry's name for `inputs()` (a JSON-able record of what determines the data), computed once, on the main
