@@ -18,6 +18,7 @@ checkpoints, compile, --metric: docs/bert_checkpoints_and_compile.md; run_classi
 Batch sizes are GLOBAL: the same command trains the same way on any number of processes.
 """
 import argparse
+import functools
 import json
 import math
 import time
@@ -29,11 +30,12 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, replace_dir_atomically,
-                               resume_settings)
+from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, Checkpoints, FlagRoles,
+                               add_allow_data_change, agree_on_resume, kept_by, replace_dir_atomically,
+                               resume_settings, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
+from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection)
 from utils.outputs import RunLog, check_output_dir, format_step_line, progress
@@ -42,24 +44,27 @@ from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_acc
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
                             run_cli, run_info, writing)
 from utils.text_cache import DataCache, default_cache_dir, file_sha256, read_split, tokenizer_sha256
-from utils.text_data import (LengthGroupedSampler, TextData, add_dataset_args, add_padding_args, add_text_format_args,
-                       build_collator, build_label_list, check_dataset_args, check_known_labels,
-                       check_text_format_args, data_must_match, fingerprint_examples, label_targets,
-                       read_dataset_splits, read_file_splits, read_predict_file, resolve_padding, select_examples,
-                       split_files, text_format, token_lengths, tokenize_examples, write_labels_file)
+from utils.text_data import (DATASET_ROLES, PADDING_ROLES, TEXT_FORMAT_ROLES, LengthGroupedSampler, TextData,
+                             add_dataset_args, add_padding_args, add_text_format_args, build_collator,
+                             build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
+                             fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
+                             read_predict_file, resolve_padding, select_examples, split_files, text_format,
+                             token_lengths, tokenize_examples, write_labels_file)
 from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
-from utils.text_model import (TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths, check_model_source_args,
-                        check_problem_type, check_unk_rate, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
-                        load_classifier, load_legacy_bert, loading, model_card, optimizer_groups, problem_type,
-                        saved_labels, trained_with, unk_rate, use_model_settings)
+from utils.text_model import (MODEL_SOURCE_ROLES, TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths,
+                              check_model_source_args, check_problem_type, check_unk_rate,
+                              enable_gradient_checkpointing, fit_max_seq_len, hub_options, load_classifier,
+                              load_legacy_bert, loading, model_card, optimizer_groups, problem_type, saved_labels,
+                              unk_rate, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
 
-def parse_args(argv=None):
+def build_parser():
+    """Every flag; each one's role for a resume and the export is declared in FLAG_ROLES below."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     data = parser.add_argument_group("data")
     data.add_argument("--data_dir", type=Path,
@@ -130,6 +135,12 @@ def parse_args(argv=None):
                              "validation/test results beside accuracy and F1; repeatable")
     add_selection_args(parser, None, SELECTION_HELP)
     add_runtime_args(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    roles = flag_roles()  # a flag without a declared role stops every launch here, before anything starts
     args = parser.parse_args(argv)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
@@ -140,8 +151,53 @@ def parse_args(argv=None):
             parser.error(str(err))
     check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
-        use_model_settings(args, print)
+        use_model_settings(args, print, roles.exported())
     return args
+
+
+# Each flag's role (utils/checkpoint.py ROLE_MEANINGS; the shared helpers' flags beside their add_*_args):
+# MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
+# kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START; `.recorded()`: the
+# exported model records it (best_model/trained_with.json) and evaluation results carry it. Every option of
+# build_parser() has exactly one entry: parse_args refuses to start otherwise.
+FLAG_ROLES = {
+    # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
+    "--data_dir": kept_by(DATA_KEY), "--train_file": kept_by(DATA_KEY), "--validation_file": MAY_CHANGE,
+    "--test_file": THIS_LAUNCH, "--predict_file": THIS_LAUNCH, "--labels_file": kept_by("labels"),
+    "--data_cache_dir": THIS_LAUNCH,  # where the tokenised data are kept, not what they are
+    "--max_seq_len": MUST_KEEP.recorded(),  # another length changes the inputs themselves
+    **DATASET_ROLES, **TEXT_FORMAT_ROLES, **PADDING_ROLES,
+    "--group_by_length": MUST_KEEP,  # the sampler: which samples each step sees
+    # model: its shape must match; the starting weights matter to a fresh run only
+    "--model_name_or_path": kept_by("model"), "--from_scratch": FRESH_START, "--config_overrides": kept_by("model"),
+    "--init_from_legacy": FRESH_START, "--trust_remote_code": THIS_LAUNCH, **MODEL_SOURCE_ROLES,
+    **this_launch("--do_train", "--do_eval", "--do_test", "--do_predict"),
+    # training: the global batch, its accumulation and the seed decide which samples each step sees; the optimizer's
+    # hyperparameters, the schedule's length and the loss's smoothing apply from the resumed step on
+    "--train_batch_size": MUST_KEEP, "--eval_batch_size": THIS_LAUNCH, "--learning_rate": MAY_CHANGE,
+    "--weight_decay": MAY_CHANGE, "--warmup_ratio": MAY_CHANGE, "--num_train_epochs": MAY_CHANGE,
+    "--max_train_steps": MAY_CHANGE, "--max_grad_norm": MAY_CHANGE, "--label_smoothing": MAY_CHANGE,
+    "--class_weights": kept_by("class_weights"), "--gradient_accumulation_steps": MUST_KEEP, "--seed": MUST_KEEP,
+    "--num_workers": THIS_LAUNCH,
+    # output: when to validate may change (named: early stopping counts validations); the rest is this launch's
+    "--eval_steps": MAY_CHANGE,
+    **this_launch("--output_dir", "--overwrite_output_dir", "--logging_steps", "--checkpointing_steps",
+                  "--save_total_limit", "--resume_from_checkpoint", "--allow_data_change", "--metric"),
+    **SELECTION_ROLES,
+    **this_launch("--cpu", "--mixed_precision", "--dist_backend", "--ddp_timeout", "--data_parallel", "--report_to",
+                  "--with_tracking", "--gradient_checkpointing", "--auto_find_batch_size"),
+}
+
+
+@functools.cache
+def flag_roles():
+    """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
+    return FlagRoles(build_parser(), FLAG_ROLES)
+
+
+def trained_with(args):
+    """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
+    return flag_roles().exported_settings(args)
 
 
 def load_splits(args, checkpoint_labels, say=print, with_predict=True):
@@ -181,7 +237,8 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True):
 def load_tokenizer(args, say=print):
     """The tokenizer, and --max_seq_len fitted to the model's positions: both decide the tokenised data."""
     remote, hub = args.trust_remote_code, hub_options(args)
-    tokenizer_source, config_source = args.tokenizer_name or args.model_name_or_path, args.config_name or args.model_name_or_path
+    tokenizer_source = args.tokenizer_name or args.model_name_or_path
+    config_source = args.config_name or args.model_name_or_path
     with loading(tokenizer_source, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=remote, **hub)
     with loading(config_source, "config"):
@@ -224,7 +281,8 @@ def cache_inputs(args, tokenizer, checkpoint_labels):
                                         "test": args.test_file}, say=lambda line: None)
     return {"files": {split: file_sha256(path) for split, path in files.items() if path is not None},
             "labels_file": args.labels_file and file_sha256(args.labels_file), "format": vars(text_format(args)),
-            "modes": [args.do_train, args.do_eval, args.do_test], "cuts": data_must_match(args),
+            "modes": [args.do_train, args.do_eval, args.do_test],
+            "cuts": [args.max_train_samples, args.max_eval_samples, args.shuffle_train_dataset, args.shuffle_seed],
             "checkpoint_labels": checkpoint_labels, "tokenizer": tokenizer_sha256(tokenizer),
             "max_seq_len": args.max_seq_len}
 
@@ -259,7 +317,7 @@ def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
 def build_model(args, labels, say=print, tokenizer=None):
     """Tokenizer (`tokenizer`, else `load_tokenizer`'s) and AutoModelForSequenceClassification with our label mapping
     in its config; --max_seq_len fitted to the model's positions."""
-    tokenizer = tokenizer or load_tokenizer(args, say)
+    tokenizer = load_tokenizer(args, say) if tokenizer is None else tokenizer
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     from_config = args.from_scratch or args.init_from_legacy  # legacy weights replace every pretrained one
@@ -357,12 +415,6 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card
             replace_dir_atomically(tmp, best_dir)
 
 
-# Flags a resumed run may change (named when they do, then applied): {flag: args attribute}.
-RESUMABLE_FLAGS = {"--learning_rate": "learning_rate", "--weight_decay": "weight_decay",
-                   "--warmup_ratio": "warmup_ratio", "--num_train_epochs": "num_train_epochs",
-                   "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm", **EARLY_STOPPING_FLAGS}
-
-
 @dataclass
 class Task:
     """What main resolved before training that the loop needs."""
@@ -404,7 +456,7 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
-                              resume_settings(args, RESUMABLE_FLAGS), exports=["best_model"],
+                              resume_settings(args, flag_roles().resumable()), exports=["best_model"],
                               allow_data_change=args.allow_data_change)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
@@ -620,7 +672,8 @@ def main(args):
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
-    results_tag = use_model_settings(args, accelerator.print)  # "" unless evaluating with other settings than trained
+    # "" unless evaluating with other settings than trained
+    results_tag = use_model_settings(args, accelerator.print, flag_roles().exported())
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
@@ -641,14 +694,13 @@ def main(args):
     if class_weights:
         accelerator.print(class_weights.line())
     tokenizer, model = build_model(args, labels, accelerator.print, tokenizer)
-    must_match = {"labels": labels, "multi_label": args.multi_label,  # a resumed run keeps its loss
-                  "regression": args.do_regression, "class_weights": class_weights and class_weights.by_label,
-                  "model": {k: getattr(model.config, k, None) for k in
-                            ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
-                  # another value would change which samples each step sees (or the inputs themselves)
-                  "--train_batch_size": args.train_batch_size, **data_must_match(args),
-                  "--gradient_accumulation_steps": args.gradient_accumulation_steps, "--max_seq_len": args.max_seq_len,
-                  DATA_KEY: data.fingerprint, **selection.must_match()}
+    # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
+    # MUST_KEEP flags' values (FLAG_ROLES)
+    must_match = flag_roles().must_match(args, {
+        "labels": labels, "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
+        "model": {k: getattr(model.config, k, None) for k in
+                  ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
+        DATA_KEY: data.fingerprint, **selection.must_match()})
     model = maybe_data_parallel(model, args)
     retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
                              args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)

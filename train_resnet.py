@@ -22,6 +22,7 @@ load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.js
 """
 import argparse
 import difflib
+import functools
 import json
 import math
 import sys
@@ -35,28 +36,29 @@ import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from utils.checkpoint import (DATA_KEY, Checkpoints, add_allow_data_change, agree_on_resume, check_compatible,
-                               load_checkpoint_weights, read_training_state, resume_settings)
+from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, Checkpoints, FlagRoles,
+                               add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
+                               load_checkpoint_weights, read_training_state, resume_settings, this_launch)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
-from utils.loop import (CLASS_WEIGHTS_HELP, EARLY_STOPPING_FLAGS, Cadence, HealthCheck, LossMeter, LossScale,
+from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, HealthCheck, LossMeter, LossScale,
                          OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights)
 from utils.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, launched_world_size, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info)
-from utils.image_augment import (EVAL_IMAGE_FLAGS, RepeatedAugmentationSampler, add_augment_args, add_mixing_args,
-                            build_mixer, dominant_labels, eval_image_settings, image_settings, recorded_image_settings,
-                            resolve_augment_args, resolve_image_sizes, soft_cross_entropy, train_transform,
-                            val_transform)
+from utils.image_augment import (AUGMENT_ROLES, MIXING_ROLES, RepeatedAugmentationSampler, add_augment_args,
+                                 add_mixing_args, build_mixer, dominant_labels, eval_image_settings, image_settings,
+                                 recorded_image_settings, resolve_augment_args, resolve_image_sizes,
+                                 soft_cross_entropy, train_transform, val_transform)
 from utils.image_data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
                          build_dummy_datasets, fingerprint_images, topk_hits)
 from utils.image_device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
-from utils.image_model import (add_model_args, build_image_model, check_model_args, enable_gradient_checkpointing,
-                          is_weights_file, weights_file_fields)
-from utils.image_optim import (RESUMABLE_FLAGS, add_ema_args, add_optim_args, build_ema, build_optimizer,
+from utils.image_model import (MODEL_ROLES, add_model_args, build_image_model, check_model_args,
+                               enable_gradient_checkpointing, is_weights_file, weights_file_fields)
+from utils.image_optim import (EMA_ROLES, OPTIM_ROLES, add_ema_args, add_optim_args, build_ema, build_optimizer,
                           load_optimizer_state, lr_lambda, update_ema)
-from utils.image_references import (TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
+from utils.image_references import (REPLACED_ROLES, TORCHVISION_FLAGS, add_replaced_flags, check_legacy_compatible,
                                export_main_py_checkpoints, global_batch_size, model_card)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
@@ -64,7 +66,8 @@ VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may 
 TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
 
 
-def parse_args(argv=None):
+def build_parser():
+    """Every flag; each one's role for a resume and the export is declared in FLAG_ROLES below."""
     # allow_abbrev=False: otherwise main.py's --dist-backend and our --dist_backend could be taken for each other
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
                                      allow_abbrev=False)
@@ -112,6 +115,12 @@ def parse_args(argv=None):
     add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
     add_replaced_flags(parser)
     add_replaced_flags(parser, TORCHVISION_FLAGS, "torchvision references/classification/train.py")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    flag_roles()  # a flag without a declared role stops every launch here, before anything starts
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
@@ -142,6 +151,38 @@ def parse_args(argv=None):
         parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
     check_selection_args(parser, args, not args.evaluate, VALIDATION_METRICS, TIMM_METRIC_NAMES)  # val/ always there
     return args
+
+
+# Each flag's role (utils/checkpoint.py ROLE_MEANINGS; the shared helpers' flags beside their add_*_args):
+# MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
+# kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START, REFUSED_FLAG;
+# `.recorded()`: the exports record it (model_best.pth's image settings). Every option of build_parser() has exactly
+# one entry: parse_args refuses to start otherwise. The optimizer's flags come first: the order of the "resumed with
+# changed settings" line.
+FLAG_ROLES = {
+    **OPTIM_ROLES, "--epochs": MAY_CHANGE,  # the schedule is recomputed at the restored step
+    # data: the training images are part of the checkpoint (their list's fingerprint)
+    "data": kept_by(DATA_KEY), "--data-path": kept_by(DATA_KEY), "--dummy": kept_by(DATA_KEY),
+    **this_launch("-j", "--skip_bad_images", "--decode_on_device"),
+    # model: the architecture must match; the starting weights matter to a fresh run only
+    "-a": keep_as("arch"), **MODEL_ROLES, "--sync_bn": MAY_CHANGE, "--channels_last": THIS_LAUNCH,
+    # training: the global batch, its accumulation and the seed decide which images (and augmentations) each step
+    # sees; the loss's smoothing applies from the resumed step on
+    "--start-epoch": FRESH_START, "-b": keep_as("global_batch_size"), "--label_smoothing": MAY_CHANGE,
+    "--class_weights": kept_by("class_weights"), "--gradient_accumulation_steps": MUST_KEEP, "--seed": MUST_KEEP,
+    **this_launch("--output_dir", "--overwrite_output_dir", "-p", "--checkpointing_steps", "--save_total_limit",
+                  "--resume", "-e", "--allow_data_change"),
+    **AUGMENT_ROLES, **MIXING_ROLES, **EMA_ROLES,
+    **this_launch("--cpu", "--mixed_precision", "--dist_backend", "--ddp_timeout", "--data_parallel", "--report_to",
+                  "--with_tracking", "--gradient_checkpointing", "--auto_find_batch_size"),
+    **SELECTION_ROLES, **REPLACED_ROLES,
+}
+
+
+@functools.cache
+def flag_roles():
+    """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
+    return FlagRoles(build_parser(), FLAG_ROLES)
 
 
 @dataclass
@@ -341,7 +382,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
         model, optimizer, data.train_loader, data.val_loader, scheduler)
 
     checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
-                              resume_settings(args, {**RESUMABLE_FLAGS, **EVAL_IMAGE_FLAGS, **EARLY_STOPPING_FLAGS}),
+                              resume_settings(args, flag_roles().resumable()),
                               exports=["model_best.pth", "model_card.md", "model_best_ema.pth", "checkpoint_ema.pth"],
                               modules={"ema": ema} if ema else None,  # ema.safetensors in every checkpoint
                               allow_data_change=args.allow_data_change)
@@ -484,15 +525,12 @@ def main(args):
     if class_weights:
         accelerator.print(class_weights.line())
     model = build_model(args, len(class_to_idx), accelerator.print)
-    must_match = {"arch": args.arch, "class_to_idx": class_to_idx, "global_batch_size": args.batch_size,
-                  "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
-                  # another value would change what each step sees
-                  "--gradient_accumulation_steps": args.gradient_accumulation_steps,
-                  "--train_crop_size": args.train_crop_size,
-                  "--opt": args.opt,  # another optimizer cannot take the checkpoint's state
-                  "model_ema": args.model_ema,  # an EMA in the checkpoint must be restored into an EMA
-                  DATA_KEY: fingerprint_images(data.train_set),
-                  **selection.must_match()}
+    # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
+    # MUST_KEEP flags' values (FLAG_ROLES)
+    must_match = flag_roles().must_match(args, {
+        "class_to_idx": class_to_idx,
+        "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
+        DATA_KEY: fingerprint_images(data.train_set), **selection.must_match()})
     if legacy_file:
         check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
         load_weights(model, legacy["state_dict"], args.resume)

@@ -89,6 +89,23 @@ def first_branch(uneven_text, tmp_path_factory):
     return out
 
 
+def test_a_resume_names_a_changed_label_smoothing_and_applies_it(first_branch, uneven_text, tmp_path):
+    """--label_smoothing may change on resume (FLAG_ROLES: the training loss only): named in one line, and the loss
+    of the next step is the smoothed one."""
+    out = tmp_path / "out"
+    shutil.copytree(first_branch, out)
+    proc = launch(SCRIPT, bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train", "--max_train_steps",
+                                    "8", "--checkpointing_steps", "3", "--save_total_limit", "5", "--warmup_ratio",
+                                    "0", "--label_smoothing", "0.2", "--resume_from_checkpoint", "latest"),
+                  num_processes=2)
+    assert "resumed with changed settings (applied from here on): --label_smoothing 0.0 -> 0.2" in proc.stdout
+    plain = {e["step"]: e["loss"] for e in read_jsonl(first_branch / "metrics.jsonl") if e["event"] == "train"}
+    smoothed = {e["step"]: e["loss"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"}
+    # this model still predicts nearly uniformly, where smoothing moves the loss little; 1 and 2 processes agree
+    # within 1.2e-7 (docs/faults_and_resume.md), so a difference above 1e-5 is the smoothing's
+    assert smoothed[6] == plain[6] and abs(smoothed[7] - plain[7]) > 1e-5
+
+
 def test_rollback_with_a_lower_learning_rate_starts_a_new_branch_on_more_processes(first_branch, uneven_text,
                                                                                 tmp_path):
     out = tmp_path / "out"
@@ -243,6 +260,22 @@ def test_resnet_rollback_changed_settings_and_finished_runs(digits, tmp_path, ca
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp.yaml` sets
     with pytest.raises(UserError, match=r"asks for FSDP .*does not run on CPU \(--cpu\): this run would be plain NO"):
         main_here(resnet_args(digits, tmp_path / "fsdp", "--epochs", "1"))
+
+
+def test_resnet_resume_names_a_changed_label_smoothing_and_refuses_another_seed(digits, tmp_path, capsys):
+    """--label_smoothing may change on resume (FLAG_ROLES: the training loss only), --seed must be kept (the order
+    of the images and their augmentations)."""
+    out = tmp_path / "out"
+    main_here(resnet_args(digits, out, "--epochs", "1", "--checkpointing_steps", "2"))
+    step_2 = out / "checkpoints" / "step_2"
+    with pytest.raises(UserError, match=r"--seed 7: \S+step_2 was trained with --seed 42; resume with the same value"):
+        main_here(resnet_args(digits, out, "--epochs", "1", "--seed", "7", "--resume", step_2))
+    capsys.readouterr()
+    main_here(resnet_args(digits, out, "--epochs", "1", "--checkpointing_steps", "1", "--label_smoothing", "0.1",
+                          "--resume", step_2))
+    printed = capsys.readouterr().out
+    assert "resumed with changed settings (applied from here on): --label_smoothing 0.0 -> 0.1" in printed
+    assert read_json(out / "checkpoints" / "step_3" / "training_state.json")["settings"]["--label_smoothing"] == 0.1
 
 
 def test_loss_scale_gives_every_real_sample_one_share_of_its_step():

@@ -25,9 +25,16 @@ training file as read (example count and a SHA-256 of the examples in order), an
 one line naming the file, because the checkpoint's position in the epoch (batches done, sampler order) would skip or
 repeat examples of the new data; `allow_data_change` (the scripts' --allow_data_change) resumes anyway, saying so.
 
+Each flag's role is declared once (`Role`: a resume may change it, must keep it, or it concerns one launch or a
+fresh start; whether the exported model records it), in each script's FLAG_ROLES and beside each shared add_*_args
+helper (`*_ROLES`). `FlagRoles` checks a table against its parser (every option has exactly one role) and derives
+what the machinery needs: the settings a resume may change (`resumable`), what it must match (`must_match`), what
+the export records (`exported`) and what results record (`evaluation`).
+
 Neighbours: utils/loop.py (when a checkpoint is due), utils/export.py (the exported weights beside the
 checkpoints), utils/outputs.py (the output directory's other files).
 """
+import argparse
 import hashlib
 import json
 import os
@@ -37,6 +44,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
@@ -191,13 +199,15 @@ def check_same_data(saved, current, path, allow_change, say):
 def check_compatible(saved, expected, path):
     """A checkpoint from another model, label set or batch layout must not be loaded silently.
 
-    Keys starting with `--` are flags: the message names the flag and both values. The training data (DATA_KEY) are
-    compared apart, by check_same_data."""
-    for key, value in expected.items():
+    Keys starting with `--` are flags: the message names the flag and both values. What the model is (its
+    architecture, labels, shape: the other keys) is compared first. The training data (DATA_KEY) are compared apart,
+    by check_same_data."""
+    for key, value in sorted(expected.items(), key=lambda item: item[0].startswith("--")):
         if key in saved and key != DATA_KEY and saved[key] != value:
             if key.startswith("--"):
                 raise UserError(f"{key} {value!r}: {Path(path)} was trained with {key} {saved[key]!r}; resume with "
-                                "the same value (another value would change which samples each step sees)")
+                                "the same value (which samples each step sees, the inputs or the optimizer's state "
+                                "depend on it)")
             raise UserError(
                 f"{Path(path) / STATE_FILE}: checkpoint has {key}={saved[key]!r}, this run has {value!r}"
             )
@@ -315,9 +325,150 @@ def training_state(must_match, state, settings, completed_steps, epoch, batches_
 
 
 def resume_settings(args, flags):
-    """{flag: value} of the flags a resumed run may change (`flags`: {flag: args attribute}); every checkpoint
-    records them, and a resumed run names the ones that differ and applies them from there on."""
-    return {flag: getattr(args, dest) for flag, dest in flags.items()}
+    """{flag: value} of the flags a resumed run may change (`flags`: {flag: args attribute}, FlagRoles.resumable);
+    every checkpoint records them, and a resumed run names the ones that differ and applies them from there on."""
+    return {flag: json_value(getattr(args, dest)) for flag, dest in flags.items()}
+
+
+def json_value(value):
+    """A flag's value as training_state.json gives it back (a path as text, a tuple as a list), so that a resumed
+    run compares like with like."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+# ---- each flag's role: what a resume may change or must keep, what the exported model records ----
+
+CHANGE = "may change"
+KEEP = "must keep"
+LAUNCH = "this launch only"
+START = "a fresh start only"
+REFUSED = "refused"
+ROLE_MEANINGS = {
+    CHANGE: "a resume may change it: the new value is named in one line (`resumed with changed settings`), then "
+            "applied from the checkpoint's step on",
+    KEEP: "a resume must keep it: the checkpoint records it (or what it makes: the labels, the model's shape, the "
+          "training data's fingerprint), and another value is refused with one line",
+    LAUNCH: "this launch only: how the run executes or reports, not what it trains; a resume takes the command "
+            "line's value without a word",
+    START: "how a fresh run starts (its starting weights or epoch); a resume starts from the checkpoint instead",
+    REFUSED: "another program's flag: the parser refuses it, naming what replaces it here",
+}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one flag is to a resumed run and to the exported model: an entry of a script's FLAG_ROLES (or of the
+    `*_ROLES` beside a shared add_*_args helper). Build one with the constants and functions below."""
+    kind: str  # a key of ROLE_MEANINGS
+    key: str | None = None  # KEEP: the name the checkpoint records the value under (default: the flag)
+    kept_by: str | None = None  # KEEP: the must_match entry the script computes from it (labels, model, data)
+    exported: bool = False  # the exported model records it; an evaluation of that model uses it unless given
+    evaluation: bool = False  # results record it beside the numbers measured with it
+    default: object = None  # exported: the value where neither the command line nor a trained model gives one
+    only_with: str | None = None  # exported: recorded only when this args attribute is true
+
+    def recorded(self, default=None, evaluation=True, only_with=None):
+        """The same role, and the exported model records the flag (and, with `evaluation`, results record it)."""
+        return replace(self, exported=True, evaluation=evaluation, default=default, only_with=only_with)
+
+
+MAY_CHANGE = Role(CHANGE)
+MUST_KEEP = Role(KEEP)
+THIS_LAUNCH = Role(LAUNCH)
+FRESH_START = Role(START)
+REFUSED_FLAG = Role(REFUSED)
+
+
+def keep_as(key):
+    """KEEP, the value recorded under `key` instead of the flag (names older checkpoints already use)."""
+    return Role(KEEP, key=key)
+
+
+def kept_by(entry):
+    """KEEP through what the flag makes: the must_match `entry` the script computes (FlagRoles.must_match checks
+    that it is there)."""
+    return Role(KEEP, kept_by=entry)
+
+
+def this_launch(*flags):
+    """{flag: THIS_LAUNCH} for several flags at once."""
+    return dict.fromkeys(flags, THIS_LAUNCH)
+
+
+class RoleError(Exception):
+    """A developer's mistake in a role table (a flag without a role, a role for no flag): a traceback, never a
+    user's one-line error."""
+
+
+class FlagRoles:
+    """A role table ({flag: Role}) checked against the parser it describes: every option has exactly one entry,
+    keyed by one of its option strings (a positional by its name), and every entry names an option. The lists
+    the checkpoints, the exports and the results need are derived from it, in the table's order."""
+
+    def __init__(self, parser, table):
+        self.table = dict(table)
+        self.dests = {}  # flag: args attribute
+        undeclared = []
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            names = action.option_strings or [action.dest]
+            declared = [name for name in names if name in self.table]
+            if len(declared) != 1:
+                undeclared.append(" / ".join(names) + (" (declared twice)" if declared else ""))
+            for name in declared:
+                self.dests[name] = action.dest
+        unknown = [flag for flag in self.table if flag not in self.dests]
+        if undeclared or unknown:
+            raise RoleError("flag roles: " + "; ".join(
+                ([f"no role declared for {', '.join(undeclared)}"] if undeclared else [])
+                + ([f"a role for no option: {', '.join(unknown)}"] if unknown else []))
+                + " (declare each flag's role in the script's FLAG_ROLES: utils/checkpoint.py ROLE_MEANINGS)")
+
+    @classmethod
+    def of(cls, add_args, table):
+        """The roles of the flags one add_*_args helper defines, checked against a parser holding only those."""
+        parser = argparse.ArgumentParser(add_help=False)
+        add_args(parser)
+        return cls(parser, table)
+
+    def flags(self, kind):
+        return [flag for flag, role in self.table.items() if role.kind == kind]
+
+    def resumable(self):
+        """{flag: args attribute} of the flags a resume may change (resume_settings, Checkpoints' `settings`)."""
+        return {flag: self.dests[flag] for flag in self.flags(CHANGE)}
+
+    def must_match(self, args, computed):
+        """What a resumed run must share with its checkpoint: the `computed` entries (labels, model, data, ...) and
+        the value of every KEEP flag recorded as itself, under its flag (or `key`). A KEEP flag whose `kept_by`
+        entry is missing is a RoleError."""
+        recorded = {role.key or flag: json_value(getattr(args, self.dests[flag]))
+                    for flag, role in self.table.items() if role.kind == KEEP and role.kept_by is None}
+        entries = {**computed, **recorded}
+        missing = [f"{flag} (kept by {role.kept_by})" for flag, role in self.table.items()
+                   if role.kept_by is not None and role.kept_by not in entries]
+        if missing:
+            raise RoleError(f"flag roles: no must_match entry for {', '.join(missing)}")
+        return entries
+
+    def exported(self):
+        """{args attribute: default} of the flags the exported model records, whose defaults a trained model
+        supplies to an evaluation of it."""
+        return {self.dests[flag]: role.default for flag, role in self.table.items() if role.exported}
+
+    def exported_settings(self, args):
+        """{args attribute: value} the exported model records (a flag `only_with` another left out without it)."""
+        return {self.dests[flag]: getattr(args, self.dests[flag]) for flag, role in self.table.items()
+                if role.exported and (role.only_with is None or getattr(args, role.only_with))}
+
+    def evaluation(self):
+        """{flag: args attribute} of the settings results record beside their numbers."""
+        return {flag: self.dests[flag] for flag, role in self.table.items() if role.evaluation}
 
 
 def output_dir_is_shared(accelerator, checkpoint_dir):

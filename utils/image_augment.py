@@ -26,19 +26,13 @@ import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
+from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by
 from utils.export import settings_from_model
 from utils.runtime import UserError, nonnegative_float, positive_int
 
 from .image_data import IMAGENET_MEAN, IMAGENET_STD
 
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the last three: AutoAugment policies
-
-# torchvision's defaults of the image settings, which a model's exports record: {args attribute: default}
-IMAGE_DEFAULTS = {"train_crop_size": 224, "val_crop_size": 224, "val_resize": 256, "interpolation": "bilinear"}
-# the validation's part of them, which a resumed run may change (named) and which results record: {flag: attribute}
-EVAL_IMAGE_FLAGS = {"--val_crop_size": "val_crop_size", "--val_resize": "val_resize",
-                    "--interpolation": "interpolation"}
-
 
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
@@ -72,6 +66,22 @@ def add_augment_args(parser):
     group.add_argument("--ra_reps", "--ra-reps", type=positive_int, default=3,
                        help="copies per image with --ra_sampler")
     return group
+
+
+# add_augment_args' flags (utils/checkpoint.py Role). The exports record the image sizes and resampling, with
+# torchvision's defaults where neither the command line nor the model gives one; the validation's part of them may
+# change on resume and is recorded with the results. Which images a step sees depends on the repeated-augmentation
+# sampler; the other augmentations apply from the resumed step on.
+AUGMENT_ROLES = {"--image_size": kept_by("--train_crop_size"),
+                 "--train_crop_size": MUST_KEEP.recorded(224, evaluation=False),
+                 "--val_crop_size": MAY_CHANGE.recorded(224), "--val_resize": MAY_CHANGE.recorded(256),
+                 "--interpolation": MAY_CHANGE.recorded("bilinear"), "--crop_scale": MAY_CHANGE,
+                 "--crop_ratio": MAY_CHANGE, "--hflip": MAY_CHANGE, "--auto_augment": MAY_CHANGE,
+                 "--ra_magnitude": MAY_CHANGE, "--augmix_severity": MAY_CHANGE, "--random_erase": MAY_CHANGE,
+                 "--ra_sampler": MUST_KEEP, "--ra_reps": MUST_KEEP}
+IMAGE_ROLES = FlagRoles.of(add_augment_args, AUGMENT_ROLES)
+IMAGE_DEFAULTS = IMAGE_ROLES.exported()  # {args attribute: default} of the image settings a model's exports record
+EVAL_IMAGE_FLAGS = IMAGE_ROLES.evaluation()  # {flag: args attribute}: the validation's part, recorded with results
 
 
 def resolve_augment_args(args, sizes_from_model=False):
@@ -180,6 +190,11 @@ class RepeatedAugmentationSampler(Sampler):
         for start in range(0, len(self) // self.reps, per_batch):
             images = order[start:start + per_batch].tolist()
             yield from ((index, repeat) for repeat in range(self.reps) for index in images)
+
+
+# add_mixing_args' flags: each group's mixing is drawn from (seed, epoch, batch, group), so they apply from the
+# resumed step on
+MIXING_ROLES = {"--mixup_alpha": MAY_CHANGE, "--cutmix_alpha": MAY_CHANGE, "--mixup_mode": MAY_CHANGE}
 
 
 def add_mixing_args(parser):

@@ -32,11 +32,17 @@ import torchvision
 from torch.utils.checkpoint import checkpoint
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+from utils.checkpoint import FRESH_START, MAY_CHANGE
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device
 from utils.runtime import UserError
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar")
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
+
+
+# add_model_args' flags (utils/checkpoint.py Role): the starting weights matter to a fresh run only; the drop rates
+# add no weights, and apply from the resumed step on
+MODEL_ROLES = {"--pretrained": FRESH_START, "--weights": FRESH_START, "--drop_path": MAY_CHANGE, "--drop": MAY_CHANGE}
 
 
 def add_model_args(group):

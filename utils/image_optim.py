@@ -16,6 +16,7 @@ import torch
 from accelerate.utils import broadcast
 from torch.optim.swa_utils import AveragedModel
 
+from utils.checkpoint import MAY_CHANGE, MUST_KEEP, keep_as
 from utils.runtime import UserError, nonnegative_float, positive_float, positive_int
 
 NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
@@ -54,11 +55,16 @@ def add_optim_args(parser):
     return group
 
 
-# add_optim_args' flags (and --epochs, the schedule's length) that a resumed run may change: {flag: args attribute}
-RESUMABLE_FLAGS = {"--lr": "lr", "--momentum": "momentum", "--wd": "weight_decay", "--epochs": "epochs",
-                   "--lr_scheduler": "lr_scheduler", "--lr_step_epochs": "lr_step_epochs",
-                   "--warmup_epochs": "warmup_epochs", "--lr_warmup_method": "lr_warmup_method",
-                   "--lr_warmup_decay": "lr_warmup_decay", "--lr_min": "lr_min"}
+# add_optim_args' flags (utils/checkpoint.py Role): the command line's learning rate, decay and momentum win over
+# the restored optimizer's, and the schedule is recomputed at the restored step; --opt and the norm/bias decays
+# decide the optimizer's state and parameter groups, which the checkpoint must fit
+OPTIM_ROLES = {"--opt": MUST_KEEP, "--lr": MAY_CHANGE, "--momentum": MAY_CHANGE, "--wd": MAY_CHANGE,
+               "--norm_weight_decay": MUST_KEEP, "--bias_weight_decay": MUST_KEEP, "--lr_scheduler": MAY_CHANGE,
+               "--lr_step_epochs": MAY_CHANGE, "--lr_gamma": MAY_CHANGE, "--lr_min": MAY_CHANGE,
+               "--warmup_epochs": MAY_CHANGE, "--lr_warmup_method": MAY_CHANGE, "--lr_warmup_decay": MAY_CHANGE,
+               "--clip_grad_norm": MAY_CHANGE}
+# add_ema_args' flags: a checkpoint's EMA must be restored into an EMA; its cadence and decay apply from there on
+EMA_ROLES = {"--model_ema": keep_as("model_ema"), "--model_ema_steps": MAY_CHANGE, "--model_ema_decay": MAY_CHANGE}
 
 
 def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):

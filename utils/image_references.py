@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from utils.checkpoint import REFUSED_FLAG
 from utils.export import check_same_keys, export_state_dict, strip_module_prefix
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, writing
@@ -50,6 +51,10 @@ TORCHVISION_FLAGS = {
     "--use-v2": "nothing: transforms are always torchvision.transforms.v2; drop it",
     "--transformer-embedding-decay": "not supported for ResNets; use --norm_weight_decay / --bias_weight_decay",
 }
+
+
+# add_replaced_flags' flags (utils/checkpoint.py Role)
+REPLACED_ROLES = dict.fromkeys([*MAIN_PY_FLAGS, *TORCHVISION_FLAGS], REFUSED_FLAG)
 
 
 class _ReplacedFlag(argparse.Action):

@@ -49,7 +49,7 @@ import torch
 from accelerate.utils import DistributedType, find_batch_size, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from .checkpoint import complete_checkpoints
+from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
 from .runtime import Interrupted, UserError, hf_bool
 
 
@@ -423,8 +423,11 @@ def epoch_batches(accelerator, loader, epoch, state):
     return (accelerator.skip_first_batches(loader, skip) if skip else loader), skip
 
 
-EARLY_STOPPING_FLAGS = {"--early_stopping_patience": "early_stopping_patience",
-                        "--early_stopping_threshold": "early_stopping_threshold"}  # a resume may change them
+# add_selection_args' flags: the checkpoint's best value was measured with the metric and its direction, and the
+# count of validations since the best carries on under a changed patience or threshold (utils/checkpoint.py Role)
+SELECTION_ROLES = {"--metric_for_best_model": kept_by("metric_for_best_model"),
+                   "--greater_is_better": kept_by("greater_is_better"),
+                   "--early_stopping_patience": MAY_CHANGE, "--early_stopping_threshold": MAY_CHANGE}
 
 
 def add_selection_args(parser, default_metric, choices_help, aliases=()):

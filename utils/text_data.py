@@ -67,7 +67,8 @@ from datasets.exceptions import DatasetsError
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
-from utils.checkpoint import data_fingerprint
+from utils.checkpoint import (DATA_KEY, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, data_fingerprint, keep_as, kept_by,
+                              this_launch)
 from utils.runtime import UserError, hf_bool, positive_int
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
@@ -127,6 +128,17 @@ class TextFormat:
         return self.label_separator is not None
 
 DEFAULT_FORMAT = TextFormat()
+
+
+# add_text_format_args' flags (utils/checkpoint.py Role): what is read as texts and labels is in the training data's
+# fingerprint; the label mode decides the loss and, with the threshold, what an evaluation of the exported model
+# repeats (utils/text_model.py TRAINED_WITH)
+TEXT_FORMAT_ROLES = {**dict.fromkeys(("--text_column", "--text_column_names", "--text_column_delimiter",
+                                      "--text_pair_column", "--label_column", "--label_separator", "--encoding"),
+                                     kept_by(DATA_KEY)),
+                     "--multi_label": keep_as("multi_label").recorded(False),
+                     "--threshold": MAY_CHANGE.recorded(0.5, only_with="multi_label"),
+                     "--do_regression": keep_as("regression")}
 
 
 def add_text_format_args(group):
@@ -710,7 +722,8 @@ def select_examples(examples, args):
     selected, notes = {}, []
     for split, items in examples.items():
         if split == "train" and args.shuffle_train_dataset:
-            order = np.random.default_rng(args.shuffle_seed or SHUFFLE_SEED).permutation(len(items))
+            seed = SHUFFLE_SEED if args.shuffle_seed is None else args.shuffle_seed
+            order = np.random.default_rng(seed).permutation(len(items))
             items = [items[i] for i in order]
         selected[split] = items[:limits[split]]
         if limits[split] is not None:
@@ -718,6 +731,16 @@ def select_examples(examples, args):
                          + (" (after --shuffle_train_dataset)" if split == "train" and args.shuffle_train_dataset
                             else ""))
     return selected, notes
+
+
+# add_dataset_args' flags (utils/checkpoint.py Role): the training split is in the training data's fingerprint, and
+# the cuts and the shuffle decide which examples there are; the validation set may change (named: the best model so
+# far was measured on the old one); the test and predict cuts concern this launch only
+DATASET_ROLES = {**dict.fromkeys(("--dataset_name", "--dataset_config_name", "--train_split_name"), kept_by(DATA_KEY)),
+                 "--validation_split_name": MAY_CHANGE, "--test_split_name": THIS_LAUNCH,
+                 "--max_train_samples": MUST_KEEP, "--max_eval_samples": MUST_KEEP,
+                 "--max_predict_samples": THIS_LAUNCH,
+                 "--shuffle_train_dataset": MUST_KEEP, "--shuffle_seed": MUST_KEEP}
 
 
 def add_dataset_args(group):
@@ -759,17 +782,12 @@ def check_dataset_args(args):
             raise UserError(f"--{name}: nothing of that kind is read in this run")
     if args.shuffle_seed is not None and not args.shuffle_train_dataset:
         raise UserError("--shuffle_seed needs --shuffle_train_dataset")
+    if args.shuffle_train_dataset and args.shuffle_seed is None:  # the seed the shuffle uses, as checkpoints record it
+        args.shuffle_seed = SHUFFLE_SEED
     test_split = args.test_file or args.dataset_name or (args.data_dir and find_split_file(args.data_dir, "test"))
     if args.do_predict and not (args.predict_file or test_split):
         raise UserError("--do_predict needs --predict_file, or a test split to predict (run_classification.py's "
                         "--test_file, --data_dir with a test file, --dataset_name)")
-
-
-def data_must_match(args):
-    """The data flags a resumed run must share with its checkpoint: another value changes the examples."""
-    return {"--max_train_samples": args.max_train_samples, "--max_eval_samples": args.max_eval_samples,
-            "--shuffle_train_dataset": args.shuffle_train_dataset,
-            "--shuffle_seed": (args.shuffle_seed or SHUFFLE_SEED) if args.shuffle_train_dataset else None}
 
 
 def read_labels_file(path, encoding="utf-8"):
@@ -851,6 +869,10 @@ def write_labels_file(labels, path):
 CUDA_PAD_MULTIPLE = 8
 
 COMPILE_PAD_MULTIPLE = 32  # at 512 tokens: at most 16 lengths per batch size to compile; at 64 tokens: 2
+
+
+# add_padding_args' flags (utils/checkpoint.py Role): padding never enters a per-sample loss
+PADDING_ROLES = this_launch("--pad_to_multiple_of", "--pad_to_max_length")
 
 
 def add_padding_args(group):

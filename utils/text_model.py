@@ -21,8 +21,8 @@ the hub's form (NAME or ORG/NAME, huggingface_hub's validate_repo_id) and ORG is
 line, before transformers could go to the hub for it.
 
 What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
-max_seq_len, the label mode and, for multi-label, the threshold, which evaluation-only runs use unless given
-(`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
+the flags the script's FLAG_ROLES mark `.recorded()` (max_seq_len, the label mode and, for multi-label, the
+threshold), which evaluation-only runs use unless given (`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
 the config describes the architecture, and transformers copies it into every model built from this one, where a
 training's settings would then pass for that model's own.
 
@@ -38,16 +38,21 @@ import pyarrow.compute as pc
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from utils.checkpoint import MUST_KEEP, kept_by, this_launch
 from utils.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, hf_bool
 
 TRAINED_WITH = "trained_with.json"
-# the flags' defaults where no trained model supplies them; --max_seq_len's waits for the config (fit_max_seq_len)
-MODEL_SETTINGS = {"max_seq_len": None, "threshold": 0.5}
 DEFAULT_MAX_SEQ_LEN = 512  # the reference's, and BERT's positions
 
 ALLOWED_NEW_IN_ENCODER = ("pooler.",)
+
+
+# add_model_source_args' flags (utils/checkpoint.py Role): the config's shape is part of what a resume must match
+# (the scripts' `model` entry); another tokenizer would change the inputs; the rest say where files come from
+MODEL_SOURCE_ROLES = {"--config_name": kept_by("model"), "--tokenizer_name": MUST_KEEP,
+                      **this_launch("--cache_dir", "--model_revision", "--token", "--use_fast_tokenizer")}
 
 
 def add_model_source_args(group):
@@ -287,12 +292,6 @@ def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
     return max_seq_len
 
 
-def trained_with(args):
-    """What best_model/ records in TRAINED_WITH: the settings an evaluation of it must repeat."""
-    return {"max_seq_len": args.max_seq_len, "multi_label": args.multi_label,
-            **({"threshold": args.threshold} if args.multi_label else {})}
-
-
 def recorded_settings(model_name_or_path):
     """A local model's TRAINED_WITH, else its label mode from config.json's problem_type; {} for a base model."""
     model_dir = Path(model_name_or_path)
@@ -304,17 +303,20 @@ def recorded_settings(model_name_or_path):
     return {"multi_label": problem_type == "multi_label_classification"} if problem_type else {}
 
 
-def use_model_settings(args, say):
-    """--max_seq_len, --threshold and --multi_label: given, else (a run without --do_train, which evaluates or predicts
+def use_model_settings(args, say, settings):
+    """The settings a trained model records (`settings`: {args attribute: default}, the script's FlagRoles.exported:
+    --max_seq_len, --multi_label, --threshold): given, else (a run without --do_train, which evaluates or predicts
     with a trained model) the model's, else the defaults (--max_seq_len's once the config is read: fit_max_seq_len).
-    Returns settings_from_model's results tag."""
+    The label mode first: the others' meaning depends on it. Returns settings_from_model's results tag."""
     recorded = {} if args.do_train else recorded_settings(args.model_name_or_path)
     if args.multi_label is None:
-        args.multi_label = bool(recorded.get("multi_label", False))
+        args.multi_label = bool(recorded.get("multi_label", settings["multi_label"]))
         if args.multi_label and args.metric:
             raise UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes one "
                             "class id per sample; use the built-in exact-match accuracy and micro/macro F1")
-    return settings_from_model(args, MODEL_SETTINGS, recorded, args.model_name_or_path, say)
+    others = {dest: default for dest, default in settings.items() if dest != "multi_label"}
+    return settings_from_model(args, others, recorded, args.model_name_or_path, say)
+
 
 def model_card(args, labels, data, run):
     """best_model/README.md's fixed part (utils/outputs.py ModelCard): the labels, the key settings (`run`:
