@@ -682,8 +682,8 @@ def main(args):
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
         resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
     tokenizer = load_tokenizer(args, accelerator.print)
-    data = load_text_data(args, accelerator, tokenizer, None if args.do_train else saved_labels(args.model_name_or_path),
-                          accelerator.print)
+    checkpoint_labels = None if args.do_train else saved_labels(args.model_name_or_path)
+    data = load_text_data(args, accelerator, tokenizer, checkpoint_labels, accelerator.print)
     labels, splits = data.labels, data.datasets
     metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
     resolve_selection(args, selectable_metrics(metric_modules, len(labels), args.do_regression),
