@@ -16,6 +16,9 @@ runs these two commands as printed and expects a test accuracy above 0.9, chance
 Sentence pairs, multi-label, regression, `datasets` datasets, other encodings: docs/bert_data_formats.md;
 checkpoints, compile, --metric: docs/bert_checkpoints_and_compile.md; run_classification.py's flags: docs/bert.md.
 Batch sizes are GLOBAL: the same command trains the same way on any number of processes.
+To adapt it (another model or head, a loss term, the tokenisation, other numbers from the evaluation), change the
+functions of its ADAPTATION SECTION, right below the imports: nothing else names the model class, the loss or a
+metric's computation.
 """
 import argparse
 import functools
@@ -54,13 +57,83 @@ from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
 from utils.text_model import (MODEL_SOURCE_ROLES, TRAINED_WITH, add_model_source_args, check_hub_ids_or_paths,
-                              check_model_source_args, check_problem_type, check_unk_rate,
-                              enable_gradient_checkpointing, fit_max_seq_len, hub_options, load_classifier,
-                              load_legacy_bert, loading, model_card, optimizer_groups, problem_type, saved_labels,
-                              unk_rate, use_model_settings)
+                              check_model_source_args, check_problem_type, check_starting_weights, check_unk_rate,
+                              check_weight_files, enable_gradient_checkpointing, fit_max_seq_len, hub_options,
+                              load_legacy_bert, loading, model_card, new_weight_names, optimizer_groups, problem_type,
+                              saved_labels, unk_rate, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Adaptation: the functions to change to adapt this script. The rest of it and utils/ take what these return and never
+# name the model class, the loss or the tokenizer's class.
+#   new_model / load_model   the model: built from its config (--from_scratch; on the meta device, the empty twin
+#                            whose parameter names an export must have and whose position table bounds --max_seq_len),
+#                            or loaded from a checkpoint or a trained best_model/ (training, --do_eval/--do_test/
+#                            --do_predict on a trained model); best_model/ is saved with save_pretrained, so what
+#                            load_model loads, pipeline() loads too
+#   load_tokenizer           the tokenisation (utils/text_data.py tokenize_examples calls it on batches of texts)
+#   sample_losses            the training loss per sample, (b,): the loop averages it over the real samples of each
+#                            optimizer step, so a term added here stays right under DDP, gradient accumulation, short
+#                            last batches and --auto_find_batch_size's micro-batches
+#   evaluate                 the evaluation's numbers: a dict of {name: number} (names without a prefix; `samples`:
+#                            how many were evaluated) that becomes metrics.jsonl's `eval` events, the trackers' values,
+#                            all_results.json's and the model card's `eval_NAME`/`test_NAME`, and the choices of
+#                            --metric_for_best_model; beside them "report", "confusion_matrix" (None where they do
+#                            not apply) and "extra" (--metric's numbers), which report() writes as files
+# ---------------------------------------------------------------------------------------------------------------------
+def new_model(config, trust_remote_code=False):
+    """The classifier for `config` (its labels included), randomly initialised."""
+    return AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def load_model(path, config, trust_remote_code=False, hub=None):
+    """(the classifier from `path`'s weights, the names of the weights that start new): a head of another size, or
+    none in the checkpoint, starts new; utils/text_model.py check_starting_weights refuses a new encoder weight."""
+    check_weight_files(path)
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
+        trust_remote_code=trust_remote_code, output_loading_info=True, **(hub or {}))
+    return model, new_weight_names(info)
+
+
+def load_tokenizer(source, trust_remote_code=False, hub=None):
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **(hub or {}))
+
+
+def sample_losses(model, inputs, targets, args, class_weights=None):
+    """The training loss of each sample of this process's (micro-)batch, (b,); `inputs`: the tokenised batch
+    (input_ids, attention_mask, ...), `targets`: label ids (b,), multi-hot (b, C) or numbers (b,)."""
+    logits = model(**inputs).logits  # (b, C)
+    return training_loss(logits, targets, args.multi_label, args.label_smoothing, class_weights, args.do_regression)
+
+
+@torch.no_grad()
+def predict_logits(accelerator, model, dataloader, desc):
+    """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
+    model.eval()
+    all_logits = []
+    all_labels = []
+    for batch in progress(accelerator, dataloader, desc=desc, leave=False):
+        labels = batch.pop("labels", None)
+        logits = model(**batch).logits.float()  # (B, C)
+        all_logits.append(accelerator.gather_for_metrics(logits).cpu())
+        all_labels.append(accelerator.gather_for_metrics(labels).cpu() if labels is not None else None)
+    model.train()
+    labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
+    return torch.cat(all_logits), labels
+
+
+def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
+    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
+    `extra`: --metric's results (under their own keys too, which never collide with these)."""
+    logits, targets = predict_logits(accelerator, model, dataloader, desc)
+    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
+    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
+    return {**metrics["extra"], **metrics}
+# --------------------------------------------------------------------------- end of the adaptation section -----------
 
 
 def build_parser():
@@ -234,18 +307,15 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True):
     return labels, examples
 
 
-def load_tokenizer(args, say=print):
-    """The tokenizer, and --max_seq_len fitted to the model's positions: both decide the tokenised data."""
-    remote, hub = args.trust_remote_code, hub_options(args)
-    tokenizer_source = args.tokenizer_name or args.model_name_or_path
-    config_source = args.config_name or args.model_name_or_path
-    with loading(tokenizer_source, "tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=remote, **hub)
-    with loading(config_source, "config"):
-        config = AutoConfig.from_pretrained(config_source, trust_remote_code=remote, **hub)
-        if (args.from_scratch or args.init_from_legacy) and args.config_overrides:
-            config.update_from_string(args.config_overrides)
-    args.max_seq_len = fit_max_seq_len(args.max_seq_len, config, config_source, say, remote)
+def tokenizer_and_length(args, say=print):
+    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with one
+    placeholder label: the positions do not depend on the labels): both decide the tokenised data."""
+    source = args.tokenizer_name or args.model_name_or_path
+    with loading(source, "tokenizer"):
+        tokenizer = load_tokenizer(source, args.trust_remote_code, hub_options(args))
+    empty_model = on_meta_device(lambda: new_model(model_config(args, ["label"]), args.trust_remote_code))
+    args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
+                                       say)
     return tokenizer
 
 
@@ -314,30 +384,44 @@ def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
                     meta["unk_rate"], meta["fingerprint"], meta["notes"], predict)
 
 
+def model_config(args, labels):
+    """The model's config with our label mapping and task (and --config_overrides for a model built from it)."""
+    label_kwargs = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                    "label2id": {label: i for i, label in enumerate(labels)},
+                    "problem_type": problem_type(args.multi_label, args.do_regression)}
+    source = args.config_name or args.model_name_or_path
+    with loading(source, "config"):
+        config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code, **hub_options(args),
+                                            **label_kwargs)
+    if from_config(args) and args.config_overrides:
+        config.update_from_string(args.config_overrides)
+    return config
+
+
+def from_config(args):
+    """Whether the model starts from its config alone (--init_from_legacy's weights replace every pretrained one)."""
+    return bool(args.from_scratch or args.init_from_legacy)
+
+
 def build_model(args, labels, say=print, tokenizer=None):
-    """Tokenizer (`tokenizer`, else `load_tokenizer`'s) and AutoModelForSequenceClassification with our label mapping
-    in its config; --max_seq_len fitted to the model's positions."""
-    tokenizer = load_tokenizer(args, say) if tokenizer is None else tokenizer
+    """(tokenizer, model): the adaptation section's (the tokenizer: `tokenizer`, else load_tokenizer's), with our
+    label mapping in the model's config and its starting weights checked; --max_seq_len fitted to the model's
+    positions."""
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
-    from_config = args.from_scratch or args.init_from_legacy  # legacy weights replace every pretrained one
-    if path.is_dir() and not has_weights and not from_config:
+    if path.is_dir() and not has_weights and not from_config(args):
         raise UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); "
                         "pass --from_scratch to train a randomly initialised model from its config.json")
-    label_kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                        label2id={label: i for i, label in enumerate(labels)},
-                        problem_type=problem_type(args.multi_label, args.do_regression))
-    hub, remote = hub_options(args), args.trust_remote_code
-    tokenizer_source, config_source = args.tokenizer_name or path, args.config_name or path
-    with loading(config_source, "config"):
-        config = AutoConfig.from_pretrained(config_source, trust_remote_code=remote, **hub, **label_kwargs)
-        if from_config and args.config_overrides:
-            config.update_from_string(args.config_overrides)
+    remote = args.trust_remote_code
+    tokenizer_source = args.tokenizer_name or path
+    if tokenizer is None:
+        with loading(tokenizer_source, "tokenizer"):
+            tokenizer = load_tokenizer(tokenizer_source, remote, hub_options(args))
+    config = model_config(args, labels)
+    empty_model = on_meta_device(lambda: new_model(config, remote))
+    args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or path, say)
     with loading(path, "model"):
-        if from_config:
-            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
-        else:
-            model = load_classifier(args.model_name_or_path, config, remote, hub)
+        model = new_model(config, remote) if from_config(args) else load_checked(args, config)
     if args.init_from_legacy:
         load_legacy_bert(args.init_from_legacy, model)
     if args.gradient_checkpointing:
@@ -347,6 +431,13 @@ def build_model(args, labels, say=print, tokenizer=None):
         raise UserError(f"{tokenizer_source}: tokenizer has {len(tokenizer)} tokens but the model expects "
                         f"{config.vocab_size}; is vocab.txt there and read?")
     return tokenizer, model
+
+
+def load_checked(args, config):
+    """load_model's model, refused where its encoder would start from random weights."""
+    model, new_weights = load_model(args.model_name_or_path, config, args.trust_remote_code, hub_options(args))
+    check_starting_weights(model, new_weights, args.model_name_or_path)
+    return model
 
 
 def build_dataloaders(args, tokenizer, datasets, predict_examples, padding=None):
@@ -370,39 +461,15 @@ def build_dataloaders(args, tokenizer, datasets, predict_examples, padding=None)
     return loaders
 
 
-@torch.no_grad()
-def predict_logits(accelerator, model, dataloader, desc):
-    """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
-    model.eval()
-    all_logits, all_labels = [], []
-    for batch in progress(accelerator, dataloader, desc=desc, leave=False):
-        labels = batch.pop("labels", None)
-        logits = model(**batch).logits.float()  # (B, C)
-        all_logits.append(accelerator.gather_for_metrics(logits).cpu())
-        all_labels.append(accelerator.gather_for_metrics(labels).cpu() if labels is not None else None)
-    model.train()
-    labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
-    return torch.cat(all_logits), labels
-
-
-def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
-    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
-    `extra`: --metric's results (under their own keys too, which never collide with these)."""
-    logits, targets = predict_logits(accelerator, model, dataloader, desc)
-    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
-    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
-    return {**metrics["extra"], **metrics}
-
-
-def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card_results, step=None):
+def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card_results, step=None, remote=False):
     """Hugging Face format (config with id2label, safetensors, tokenizer), no `module.` prefix, with what it was
     trained with (`settings`, TRAINED_WITH; the tokenizer truncates at max_seq_len, in pipeline() too), its model card
     (README.md, from `card_results`) and the selected `step` (best_step.json), swapped in atomically; a full disk
-    stops every rank with one line and keeps the previous best_model/."""
+    stops every rank with one line and keeps the previous best_model/. `remote`: --trust_remote_code."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     tokenizer.model_max_length = settings["max_seq_len"]
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
-    state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: type(bare)(bare.config)))
+    state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: new_model(bare.config, remote)))
     with writing(accelerator, best_dir.parent, unfinished=tmp):
         if accelerator.is_main_process:
             # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
@@ -510,8 +577,12 @@ class TrainResult:
 def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, loaders, log, task, attempt.resume)
-    model, optimizer, scheduler, state, cadence, selection = (training.model, training.optimizer, training.scheduler,
-                                                              training.state, training.cadence, training.selection)
+    model = training.model
+    optimizer = training.optimizer
+    scheduler = training.scheduler
+    state = training.state
+    cadence = training.cadence
+    selection = training.selection
     best_dir = args.output_dir / "best_model"
     guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
     meter = LossMeter(accelerator.device)
@@ -520,7 +591,10 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
                            args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
-    completed_steps, samples_seen, preempted, stopped_at = state["completed_steps"], 0, False, None
+    completed_steps = state["completed_steps"]
+    samples_seen = 0
+    preempted = False
+    stopped_at = None  # the step of an early stop
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = time.perf_counter()
     speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
@@ -530,9 +604,8 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
         for batch in speed.epoch(batches):
             with accelerator.accumulate(model):
                 for offset, part in attempt.micro_batches(model, batch):  # the batch, or its micro-batches
-                    logits = model(**{k: v for k, v in part.items() if k != "labels"}).logits
-                    losses = training_loss(logits, part["labels"], args.multi_label, args.label_smoothing,  # (b,)
-                                           task.class_weights, args.do_regression)
+                    inputs = {k: v for k, v in part.items() if k != "labels"}
+                    losses = sample_losses(model, inputs, part["labels"], args, task.class_weights)  # (b,)
                     # a mean over the real samples of the whole optimizer step, padding and short windows included
                     loss, local_mean, local_real = loss_scale.loss(losses, batches_in_epoch, offset)
                     accelerator.backward(loss)
@@ -566,7 +639,8 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
                     best.keep(model)
                     with speed.pause("save"):
                         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log,
-                                        {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps)
+                                        {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps,
+                                        args.trust_remote_code)
                 stopped_at = completed_steps if selection.should_stop(state) else None
             preempted = guard.should_stop(completed_steps) and stopped_at is None  # an early stop needs no resume
             if (due.checkpoint and stopped_at is None) or preempted:
@@ -580,7 +654,8 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
             break
     bar.close()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
-        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {})
+        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {},
+                        remote=args.trust_remote_code)
     best_eval = select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir)
     runtime = time.perf_counter() - start_time
     results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime,
@@ -607,7 +682,8 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
     """--do_eval / --do_test on the selected model: `eval{tag}_*` / `test{tag}_*` results with the settings they used;
     the validation `trained` (this run's TrainResult) measured last is reused when it was the selected model's (and no
     --metric module asks for more)."""
-    results, step = {}, trained.results["train_steps"] if trained else 0
+    results = {}
+    step = trained.results["train_steps"] if trained else 0
     for split, mode in (("validation", "eval"), ("test", "test")):
         prefix = mode + tag
         if getattr(args, f"do_{mode}") and split in prepared:
@@ -681,7 +757,7 @@ def main(args):
     if args.do_train:  # the checkpoint to resume from, its files checked before anything is built or written
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
         resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
-    tokenizer = load_tokenizer(args, accelerator.print)
+    tokenizer = tokenizer_and_length(args, accelerator.print)
     checkpoint_labels = None if args.do_train else saved_labels(args.model_name_or_path)
     data = load_text_data(args, accelerator, tokenizer, checkpoint_labels, accelerator.print)
     labels, splits = data.labels, data.datasets

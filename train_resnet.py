@@ -12,6 +12,8 @@ test suite runs these two commands as printed and expects a top-1 accuracy above
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train_resnet.py --cpu \
         demo_data/digits_tiny --image_size 16 --val_resize 16 --hflip 0 --crop_scale 0.5 -b 64 --lr 0.05 \
         --lr_scheduler cosine --epochs 4 -j 0 --output_dir outputs/resnet_tiny --overwrite_output_dir
+To adapt it (another model, a transform, a loss term, other numbers from the validation), change the functions of its
+ADAPTATION SECTION, right below the imports: nothing else names a model class, a transform or a metric's computation.
 -b is the GLOBAL batch (main.py's "total batch size of all GPUs"): the same command trains the same way on any
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
@@ -35,6 +37,8 @@ import torch.nn.functional as F
 import torchvision
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
+from torchvision.models.resnet import BasicBlock, Bottleneck
+from torchvision.transforms import v2
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, Checkpoints, FlagRoles,
                                add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
@@ -50,9 +54,9 @@ from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_acc
 from utils.image_augment import (AUGMENT_ROLES, MIXING_ROLES, RepeatedAugmentationSampler, add_augment_args,
                                  add_mixing_args, build_mixer, dominant_labels, eval_image_settings, image_settings,
                                  recorded_image_settings, resolve_augment_args, resolve_image_sizes,
-                                 soft_cross_entropy, train_transform, val_transform)
-from utils.image_data import (IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder, bad_image_error, build_datasets,
-                         build_dummy_datasets, fingerprint_images, topk_hits)
+                                 soft_cross_entropy)
+from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, RGBImageFolder,
+                              bad_image_error, build_datasets, build_dummy_datasets, fingerprint_images, topk_hits)
 from utils.image_device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
 from utils.image_model import (MODEL_ROLES, add_model_args, build_image_model, check_model_args,
                                enable_gradient_checkpointing, is_weights_file, weights_file_fields)
@@ -62,8 +66,122 @@ from utils.image_references import (REPLACED_ROLES, TORCHVISION_FLAGS, add_repla
                                export_main_py_checkpoints, global_batch_size, model_card)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
-VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
 TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Adaptation: the functions to change to adapt this script. The rest of it and utils/ take what these return and never
+# name a model class, a transform or a metric's computation.
+#   build_model / empty_model   the model (-a, its starting weights, a head for the data's classes), and its twin on
+#                               the meta device whose parameter names the exports must have; a trained one is loaded
+#                               back strictly into build_model's model (-e, --resume FILE) or by accelerate's
+#                               load_state (checkpoints/step_N)
+#   train_transform /           the training and validation pipelines, torchvision transforms.v2 steps on a (3, H, W)
+#   val_transform               uint8 image: each image's random draws are seeded by (seed, epoch, image), so a new
+#                               random step resumes exactly; --decode_on_device replays the steps on the device and
+#                               refuses at start-up, in one line, a step it cannot replay (utils/image_device_decode.py)
+#   training_loss               the loss of one (micro-)batch: a mean over its readable images
+#   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted):
+#                               metrics.jsonl's `eval` events, the trackers' values, all_results.json's and
+#                               model_card.md's `eval_NAME`, `ema_NAME` for the EMA's; VALIDATION_METRICS may select
+#                               model_best.pth and CURVES are plotted
+# ---------------------------------------------------------------------------------------------------------------------
+VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
+CURVES = (("loss", "loss"), ("acc1", "top-1 accuracy (%)"))  # training_curves.png: (metrics.jsonl key, axis label)
+CHECKPOINTED_BLOCKS = (BasicBlock, Bottleneck)  # --gradient_checkpointing recomputes each (timm models: their own)
+
+
+def build_model(args, num_classes, print_fn=print):
+    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
+    new head, and --drop_path/--drop (utils/image_model.py)."""
+    return build_image_model(args, num_classes, print_fn)
+
+
+def empty_model(args, num_classes):
+    """build_model's model without weights (no download, no memory): the parameter names plain torchvision loads."""
+    no_weights = argparse.Namespace(**{**vars(args), "pretrained": False, "weights": None})
+    return on_meta_device(lambda: build_model(no_weights, num_classes))
+
+
+def train_transform(args):
+    """(3, H, W) uint8 -> (3, crop, crop) float, normalised: torchvision's ClassificationPresetTrain order."""
+    mode = v2.InterpolationMode(args.interpolation)
+    steps = [v2.RandomResizedCrop(args.train_crop_size, scale=(args.crop_scale, 1.0), ratio=tuple(args.crop_ratio),
+                                  interpolation=mode, antialias=True)]
+    # on tensors, rotations and shears resample with nearest or bilinear only (torchvision raises for bicubic)
+    mode = mode if mode != v2.InterpolationMode.BICUBIC else v2.InterpolationMode.BILINEAR
+    if args.hflip > 0:
+        steps.append(v2.RandomHorizontalFlip(args.hflip))
+    if args.auto_augment == "ta_wide":
+        steps.append(v2.TrivialAugmentWide(interpolation=mode))
+    elif args.auto_augment == "ra":
+        steps.append(v2.RandAugment(magnitude=args.ra_magnitude, interpolation=mode))
+    elif args.auto_augment == "augmix":
+        steps.append(v2.AugMix(severity=args.augmix_severity, interpolation=mode))
+    elif args.auto_augment:
+        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy(args.auto_augment), interpolation=mode))
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    if args.random_erase > 0:
+        steps.append(v2.RandomErasing(p=args.random_erase))
+    return v2.Compose(steps)
+
+
+def val_transform(args):
+    """Resize the shorter side, center crop, normalise: torchvision's ClassificationPresetEval."""
+    return v2.Compose([v2.Resize(args.val_resize, interpolation=v2.InterpolationMode(args.interpolation),
+                                 antialias=True),
+                       v2.CenterCrop(args.val_crop_size), v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
+    """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none. class_weights
+    (C,): each image's cross-entropy times its class's weight, still averaged over the images (utils/loop.py
+    ClassWeights)."""
+    losses = F.cross_entropy(logits, targets.clamp(min=0), weight=class_weights, label_smoothing=label_smoothing,
+                             reduction="none")
+    readable = (targets >= 0).float()
+    return (losses * readable).sum() / readable.sum().clamp(min=1)
+
+
+def training_loss(logits, labels, soft_labels, args, class_weights=None):
+    """The loss of this process's (micro-)batch, logits (b, C): against MixUp/CutMix's soft targets (b, C) where the
+    batch was mixed (soft_labels not None), else against the labels (b,)."""
+    if soft_labels is not None:
+        return soft_cross_entropy(logits, soft_labels, args.label_smoothing, class_weights)
+    return classification_loss(logits, labels, args.label_smoothing, class_weights)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, args):
+    """Top-1/top-5 accuracy (%) and mean loss over exactly the validation images, on any number of processes."""
+    model.eval()
+    images = 0
+    top1 = 0
+    top5 = 0
+    skipped = 0
+    loss_sum = 0.0
+    for inputs, targets in decode_on_device(progress(accelerator, loader, desc="validation", leave=False),
+                                            accelerator.device):
+        if args.channels_last:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        logits = model(inputs).float()  # (B, C)
+        # every rank gets the same full batch, minus the duplicates padded onto the last one
+        logits, targets = accelerator.gather_for_metrics((logits, targets))
+        readable = targets >= 0
+        if not args.skip_bad_images and not readable.all():
+            raise bad_image_error(loader.dataset, targets.min().item())
+        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()
+        images += int(readable.sum())
+        top1 += correct[0]
+        top5 += correct[1]
+        skipped += int((~readable).sum())
+        loss_sum += F.cross_entropy(logits[readable], targets[readable], reduction="sum").item()
+    model.train()
+    n = max(images, 1)
+    return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "loss": loss_sum / n, "samples": images,
+            "skipped_images": skipped}
+# --------------------------------------------------------------------------- end of the adaptation section -----------
 
 
 def build_parser():
@@ -196,11 +314,13 @@ class ImageData:
 
 def build_dataloaders(accelerator, args):
     """Train and val ImageFolders of args.data (or --dummy data) and their loaders."""
-    check_decode_on_device(args)
+    train_steps = train_transform(args)
+    val_steps = val_transform(args)
+    check_decode_on_device(args, (train_steps, val_steps))
     if args.dummy is not None:
         train_set, val_set = build_dummy_datasets(args.dummy, args.train_crop_size, args.val_crop_size)
     else:
-        transforms = (train_transform(args), val_transform(args), args.train_crop_size, args.val_crop_size)
+        transforms = (train_steps, val_steps, args.train_crop_size, args.val_crop_size)
         folder = EncodedImageFolder if args.decode_on_device else RGBImageFolder
         train_set, val_set = build_datasets(args.data, args.seed, transforms, folder)
     common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
@@ -216,12 +336,6 @@ def build_dataloaders(accelerator, args):
     return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
 
 
-def build_model(args, num_classes, print_fn=print):
-    """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count, a
-    new head, and --drop_path/--drop (utils/image_model.py)."""
-    return build_image_model(args, num_classes, print_fn)
-
-
 def place_model(model, args):
     """What main.py did by hand before DDP, done before accelerator.prepare."""
     if args.sync_bn:
@@ -229,44 +343,8 @@ def place_model(model, args):
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if args.gradient_checkpointing:  # after SyncBatchNorm replaced the BatchNorm layers that it adjusts
-        enable_gradient_checkpointing(model, args.arch)
+        enable_gradient_checkpointing(model, args.arch, CHECKPOINTED_BLOCKS)
     return maybe_data_parallel(model, args)
-
-
-def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
-    """Mean cross-entropy over the readable images (target >= 0); 0, not NaN, for a batch with none. class_weights
-    (C,): each image's cross-entropy times its class's weight, still averaged over the images (utils/loop.py
-    ClassWeights)."""
-    losses = F.cross_entropy(logits, targets.clamp(min=0), weight=class_weights, label_smoothing=label_smoothing,
-                             reduction="none")
-    readable = (targets >= 0).float()
-    return (losses * readable).sum() / readable.sum().clamp(min=1)
-
-
-@torch.no_grad()
-def evaluate(accelerator, model, loader, args):
-    """Top-1/top-5 accuracy (%) and mean loss over exactly the validation images, on any number of processes."""
-    model.eval()
-    images = top1 = top5 = skipped = 0
-    loss_sum = 0.0
-    for inputs, targets in decode_on_device(progress(accelerator, loader, desc="validation", leave=False),
-                                            accelerator.device):
-        if args.channels_last:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        logits = model(inputs).float()  # (B, C)
-        # every rank gets the same full batch, minus the duplicates padded onto the last one
-        logits, targets = accelerator.gather_for_metrics((logits, targets))
-        readable = targets >= 0
-        if not args.skip_bad_images and not readable.all():
-            raise bad_image_error(loader.dataset, targets.min().item())
-        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()
-        images += int(readable.sum())
-        top1, top5, skipped = top1 + correct[0], top5 + correct[1], skipped + int((~readable).sum())
-        loss_sum += F.cross_entropy(logits[readable], targets[readable], reduction="sum").item()
-    model.train()
-    n = max(images, 1)
-    return {"acc1": 100.0 * top1 / n, "acc5": 100.0 * top5 / n, "loss": loss_sum / n, "samples": images,
-            "skipped_images": skipped}
 
 
 def log_values(epoch, accuracy, loss, lr, speed):
@@ -288,9 +366,7 @@ def export_weights(accelerator, model, args, fields, is_best, ema_state=None, su
     """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision, with
     `fields` beside the state dict (arch, class_to_idx, epoch, acc1, best_acc1). checkpoint.pth also holds the EMA's
     weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
-    # the names plain torchvision loads: a fresh model of this arch (no weights: names only, no download)
-    fresh = on_meta_device(lambda: build_model(argparse.Namespace(**{**vars(args), "pretrained": False,
-                                                                     "weights": None}), len(fields["class_to_idx"])))
+    fresh = empty_model(args, len(fields["class_to_idx"]))
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
 
@@ -303,10 +379,13 @@ def validate(accelerator, model, ema, val_loader, args):
 
 def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class_to_idx):
     """main.py validates and exports after every epoch; the EMA is validated and exported beside the model."""
-    state, ema, selection = training.state, training.ema, training.selection
+    state = training.state
+    ema = training.ema
+    selection = training.selection
     metrics = validate(accelerator, training.model, ema, training.val_loader, args)
     # the same gathered metrics on every rank: every rank exports (a collective) and stops at the same epoch
-    is_best, ema_best = selection.update(state, metrics, epoch), ema and selection.update_ema(state, metrics)
+    is_best = selection.update(state, metrics, epoch)
+    ema_best = ema and selection.update_ema(state, metrics)
     log.log("eval", completed_steps,
             {"epoch": epoch, **metrics, "train_seconds": time.perf_counter() - state["start_time"]})
     ema_text = f" | EMA Acc@1 {metrics['ema_acc1']:.3f} Acc@5 {metrics['ema_acc5']:.3f}" if ema else ""
@@ -332,7 +411,7 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
 def plot_curves(log, args, steps_per_epoch):
     """training_curves.png from metrics.jsonl: loss and top-1 per epoch (main process)."""
     plot_training_curves(log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
-                         steps_per_epoch, title=f"{args.arch} on {args.data or 'dummy data'}")
+                         steps_per_epoch, CURVES, title=f"{args.arch} on {args.data or 'dummy data'}")
 
 
 @dataclass
@@ -418,17 +497,29 @@ class TrainResult:
 def train(args, accelerator, model, data, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, data, log, task, attempt.resume)
-    model, optimizer, scheduler, selection = training.model, training.optimizer, training.scheduler, task.selection
-    ema, mixer, state, cadence = training.ema, training.mixer, training.state, training.cadence
-    guard, meter = PreemptionGuard(accelerator, training.checkpoints.latest), LossMeter(accelerator.device)
+    model = training.model
+    optimizer = training.optimizer
+    scheduler = training.scheduler
+    selection = task.selection
+    ema = training.ema
+    mixer = training.mixer
+    state = training.state
+    cadence = training.cadence
+    guard = PreemptionGuard(accelerator, training.checkpoints.latest)
+    meter = LossMeter(accelerator.device)
     speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
     counts = ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr", also=[counts.check_unreadable])
     loss_scale = LossScale(accelerator, len(data.train_set), args.batch_size, args.gradient_accumulation_steps,
                            drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
-    completed_steps, images_seen, preempted, last_metrics, stopped_at = state["completed_steps"], 0, False, None, None
+    completed_steps = state["completed_steps"]
+    images_seen = 0
+    preempted = False
+    last_metrics = None  # the last validation's
+    stopped_at = None  # the step of an early stop
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
-    state["start_time"] = start_time = time.perf_counter()
+    start_time = time.perf_counter()
+    state["start_time"] = start_time
     model.train()
     for epoch in range(state["epoch"], args.epochs):
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
@@ -443,8 +534,7 @@ def train(args, accelerator, model, data, log, task, attempt):
                 for _, (images, labels, soft_labels) in attempt.micro_batches(  # the batch, or its micro-batches
                         model, (inputs, targets, soft_targets if mixer else None)):
                     logits = model(images)  # (b, C), b = this process's share of the batch, or a micro-batch of it
-                    loss = (soft_cross_entropy(logits, soft_labels, args.label_smoothing, task.class_weights) if mixer
-                            else classification_loss(logits, labels, args.label_smoothing, task.class_weights))
+                    loss = training_loss(logits, labels, soft_labels, args, task.class_weights)
                     # accelerate divides by the full accumulation count, also in an epoch's shorter last window
                     accelerator.backward(loss * loss_scale.window_scale(batches_in_epoch) * len(labels) / len(targets))
                     meter.update(loss, counts.add(logits, labels))  # the loss is a mean over the readable images

@@ -36,7 +36,8 @@ from accelerate.utils import send_to_device  # noqa: E402
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 from transformers import AutoConfig, BertConfig, BertForSequenceClassification  # noqa: E402
 
-from utils.image_augment import add_augment_args, resolve_augment_args, train_transform  # noqa: E402
+from train_resnet import train_transform  # noqa: E402
+from utils.image_augment import add_augment_args, resolve_augment_args  # noqa: E402
 from utils.demo_data import write_photo_imagefolder  # noqa: E402
 from utils.image_device_decode import collate_for, decode_on_device, EncodedImageFolder  # noqa: E402
 from utils.image_data import IMAGENET_STD, RGBImageFolder  # noqa: E402

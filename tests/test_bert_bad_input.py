@@ -9,6 +9,7 @@ import pytest
 from conftest import ACCELERATE, free_port, launch, run, run_here
 
 import train_bert_cls
+from utils.export import on_meta_device
 from utils.text_model import position_limit
 
 SCRIPT = "train_bert_cls.py"
@@ -141,6 +142,11 @@ def test_counts_and_intervals_are_checked_by_the_parser(text_data, flag, value, 
     assert re.search(rf"error: argument {flag}(/\S+)?: must be ", capsys.readouterr().err)
 
 
+def empty_model(config):
+    """The script's model for `config`, on the meta device, as it reads the position table from it."""
+    return on_meta_device(lambda: train_bert_cls.new_model(config))
+
+
 def test_max_seq_len_above_the_models_positions_is_refused_before_training(text_data, tmp_path):
     proc = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--do_train",
                              *small_args(text_data, tmp_path / "o", "--max_seq_len", "600")], check=False)
@@ -150,8 +156,8 @@ def test_max_seq_len_above_the_models_positions_is_refused_before_training(text_
     from transformers import ModernBertConfig, RobertaConfig
 
     tiny = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
-    assert position_limit(RobertaConfig(max_position_embeddings=514, pad_token_id=1, **tiny)) == 512
-    assert position_limit(ModernBertConfig(**tiny)) is None
+    assert position_limit(empty_model(RobertaConfig(max_position_embeddings=514, pad_token_id=1, **tiny))) == 512
+    assert position_limit(empty_model(ModernBertConfig(**tiny))) is None
 
 
 def test_do_test_with_a_base_model_asks_for_a_labels_file(text_data, tmp_path):

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import assert_same_weights, launch, read_json, run
+from conftest import assert_same_weights, launch, read_json, run, run_here
 from PIL import Image
+from torchvision.transforms import v2
 
 import train_resnet
 from utils import image_device_decode as device_decode
-from utils.image_augment import add_augment_args, resolve_augment_args, train_transform, val_transform
+from train_resnet import train_transform, val_transform
+from utils.image_augment import add_augment_args, resolve_augment_args
 from utils.demo_data import write_photo_imagefolder
 from utils.image_device_decode import EncodedImageFolder
 from utils.runtime import UserError
@@ -115,17 +117,61 @@ def test_unreadable_files_are_marked_as_the_cpu_loader_marks_them(photos, tmp_pa
 
 def test_refused_before_anything_starts(photos, tmp_path):
     for argv, fragment in ((["--dummy", "64"], "--dummy has none"),
-                           ([photos, "--auto_augment", "ta_wide"], "--auto_augment ta_wide")):
+                           ([photos, "--auto_augment", "ta_wide"], "the transform TrivialAugmentWide draws inside")):
         args = train_resnet.parse_args(["--cpu", "--decode_on_device", *argv])
         with pytest.raises(UserError, match=fragment):
             train_resnet.build_dataloaders(None, args)
-    with pytest.raises(ValueError, match="TrivialAugmentWide"):
+    with pytest.raises(UserError, match="TrivialAugmentWide"):
         EncodedImageFolder(photos / "train", train_transform(augment_args("--auto_augment", "ta_wide")), 32)
     proc = run(["python", SCRIPT, "--cpu", photos, "--decode-on-device", "--auto-augment", "ra",
                 "--output_dir", tmp_path / "out"], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-2000:]
-    assert "--decode_on_device: --auto_augment ra" in errors[0] and not (tmp_path / "out").exists()
+    assert "--decode_on_device: the transform RandAugment" in errors[0] and not (tmp_path / "out").exists()
+
+
+def extended_transform(args):
+    """train_transform as a user extends it in the script: transforms.v2 steps that no list names, random (colour,
+    vertical flip, rotation, grayscale, blur, with a `p` or without) and not (a resize after the crop)."""
+    steps = train_transform(args).transforms
+    return v2.Compose([steps[0], v2.RandomVerticalFlip(0.5), v2.ColorJitter(0.4, 0.4, 0.4, 0.1),
+                       v2.RandomRotation(15), v2.RandomGrayscale(0.3), v2.Resize(30, antialias=True),
+                       v2.GaussianBlur(3, sigma=(0.1, 2.0)), *steps[1:]])
+
+
+def test_a_new_transform_is_replayed_bitwise(photos):
+    """Steps the device path was never told about are replayed from the pipeline itself: the CPU loader's images,
+    bitwise, over two epochs."""
+    args = augment_args("--image_size", "32", "--random_erase", "0.5")
+    for epoch in (0, 1):
+        (images, targets), (got, got_targets), _ = both_loaders(photos / "train", extended_transform(args), 30, epoch)
+        assert got.shape == images.shape == (49, 3, 30, 30)
+        assert torch.equal(got, images) and torch.equal(got_targets, targets)
+
+
+class ContentDependent(v2.Transform):
+    """A user's step that draws from the image's pixels inside a forward of its own: not replayable."""
+
+    def forward(self, image):
+        return image.flip(-1) if image.float().mean() > torch.rand(1) * 255 else image
+
+
+def test_a_transform_that_cannot_be_replayed_is_refused_in_one_line(photos, tmp_path, monkeypatch):
+    """The script's pipeline with a step the device cannot replay (a RandomApply, and a user's own forward): one line
+    naming it, exit status 2, before anything is written; without --decode_on_device the same pipeline is used."""
+    for step, name in ((v2.RandomApply([v2.ColorJitter(0.4)], p=0.5), "RandomApply"),
+                       (ContentDependent(), "ContentDependent")):
+        monkeypatch.setattr(train_resnet, "train_transform",
+                            lambda args, step=step: v2.Compose([*train_transform(args).transforms, step]))
+        common = [photos, "--cpu", "--image_size", "16", "--val_resize", "16", "-b", "8", "--epochs", "1", "-j", "0"]
+        out = tmp_path / name
+        proc = run_here(SCRIPT, [*common, "--decode_on_device", "--output_dir", out], check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"--decode_on_device: the transform {name} draws inside its own forward" in errors[0], errors
+        assert not out.exists()
+        args = train_resnet.parse_args([*common])
+        assert type(train_resnet.build_dataloaders(None, args).train_set.transform.transforms[-1]) is type(step)
 
 
 def parameters(out):

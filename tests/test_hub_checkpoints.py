@@ -203,3 +203,77 @@ def test_hub_ids_and_paths_are_told_apart_without_the_network(tmp_path, monkeypa
             with pytest.raises(UserError, match=f"{flag} {re.escape(path)}: no such file or directory .*{reason}"):
                 check_hub_ids_or_paths(flags(**given))
     assert network_guard == []
+
+
+def mean_pooling_classes():
+    """A classifier transformers does not ship: AutoModel's BERT encoder, its token states averaged over the real
+    tokens, a linear head; registered with the Auto classes, as a user's own model is for pipeline()."""
+    from torch import nn
+    from transformers import (AutoConfig, AutoModel, AutoModelForSequenceClassification, BertConfig,
+                              PreTrainedModel)
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    class MeanPoolingConfig(BertConfig):
+        model_type = "bert_mean_pooling_test"
+
+    class MeanPoolingClassifier(PreTrainedModel):
+        config_class = MeanPoolingConfig
+        base_model_prefix = "bert"  # a BERT checkpoint's encoder weights load into self.bert
+
+        def __init__(self, config):
+            super().__init__(config)
+            encoder_config = BertConfig.from_dict({**config.to_dict(), "model_type": "bert"})
+            self.bert = AutoModel.from_config(encoder_config, add_pooling_layer=False)
+            self.head = nn.Linear(config.hidden_size, config.num_labels)
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                               token_type_ids=token_type_ids).last_hidden_state  # (B, T, H)
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+            return SequenceClassifierOutput(logits=self.head((hidden * mask).sum(1) / mask.sum(1)))
+
+    AutoConfig.register(MeanPoolingConfig.model_type, MeanPoolingConfig, exist_ok=True)
+    AutoModelForSequenceClassification.register(MeanPoolingConfig, MeanPoolingClassifier, exist_ok=True)
+    return MeanPoolingConfig, MeanPoolingClassifier
+
+
+def test_another_model_class_is_a_change_in_the_adaptation_section_alone(layouts, text_data, tmp_path, monkeypatch):
+    """new_model and load_model replaced (as a user edits them) by a mean-pooling classifier: it starts from the
+    BERT checkpoint's encoder, trains, exports under its own names, loads in pipeline() with the run's predictions,
+    and a later --do_test on the export reproduces the run's test accuracy."""
+    from transformers import pipeline
+
+    config_class, model_class = mean_pooling_classes()
+    started_new = []
+
+    def as_pooling(config):
+        return config_class.from_dict({**config.to_dict(), "model_type": config_class.model_type})
+
+    def new_model(config, trust_remote_code=False):
+        return model_class(as_pooling(config))
+
+    def load_model(path, config, trust_remote_code=False, hub=None):
+        model, info = model_class.from_pretrained(path, config=as_pooling(config), output_loading_info=True)
+        started_new.extend(info["missing_keys"])
+        return model, train_bert_cls.new_weight_names(info)
+
+    monkeypatch.setattr(train_bert_cls, "new_model", new_model)
+    monkeypatch.setattr(train_bert_cls, "load_model", load_model)
+    predict_file = tmp_path / "texts.txt"
+    predict_file.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    proc = run_here(SCRIPT, ["--cpu", *finetune_args(text_data, layouts["bin_gamma_beta"], out, predict_file)])
+    assert sorted(started_new) == ["head.bias", "head.weight"], started_new  # the encoder: the checkpoint's
+    best = out / "best_model"
+    assert read_json(best / "config.json")["architectures"] == ["MeanPoolingClassifier"]
+    assert {key.split(".")[0] for key in load_file(best / "model.safetensors")} == {"bert", "head"}
+    classifier = pipeline("text-classification", model=str(best), device="cpu")
+    assert type(classifier.model) is model_class
+    for row, got in zip(read_jsonl(out / "predictions.jsonl"), classifier(TEXTS)):
+        assert got["label"] == row["label"] and got["score"] == pytest.approx(row["score"], abs=1e-5)
+    evaluated = tmp_path / "evaluated"
+    run_here(SCRIPT, ["--cpu", "--model_name_or_path", best, "--data_dir", text_data, "--do_test",
+                      "--output_dir", evaluated])
+    trained = read_json(out / "all_results.json")
+    assert read_json(evaluated / "test_results.json")["test_accuracy"] == trained["test_accuracy"], proc.stdout[-2000:]

@@ -8,7 +8,7 @@ from PIL import Image
 
 from utils.runtime import UserError
 from train_resnet import parse_args
-from utils.image_augment import train_transform, val_transform
+from train_resnet import train_transform, val_transform
 from utils.image_data import (bad_image_error, build_datasets, build_dummy_datasets, decode_rgb, describe_bad_image,
                          image_classes, RGBImageFolder)
 

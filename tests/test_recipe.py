@@ -9,7 +9,8 @@ import torchvision
 from PIL import Image
 
 import train_resnet
-from utils.image_augment import RepeatedAugmentationSampler, train_transform, val_transform
+from train_resnet import train_transform, val_transform
+from utils.image_augment import RepeatedAugmentationSampler
 from utils.image_optim import adjusted_decay, ExponentialMovingAverage, update_ema
 from utils.image_data import decode_rgb, RGBImageFolder
 from utils.image_augment import BatchMixer, build_mixer, dominant_labels, soft_cross_entropy

@@ -16,7 +16,6 @@ from transformers import AutoTokenizer
 from utils.demo_data import write_small_bert
 from utils.runtime import UserError
 import train_resnet
-from utils.image_augment import train_transform
 from utils.image_data import RGBImageFolder
 from utils.runtime import loader_settings
 from utils.loop import PreemptionGuard
@@ -115,7 +114,8 @@ def pictures(tmp_path_factory):
 
 def epochs_of_crops(accelerator, root, num_workers, epochs=2, skip=0):
     """Each epoch's training batches through the prepared loader, as the training script makes them."""
-    dataset = RGBImageFolder(root, train_transform(train_resnet.parse_args(["--dummy", "--image_size", "8"])), 8, seed=3)
+    transform = train_resnet.train_transform(train_resnet.parse_args(["--dummy", "--image_size", "8"]))
+    dataset = RGBImageFolder(root, transform, 8, seed=3)
     loader = accelerator.prepare(DataLoader(dataset, batch_size=2, shuffle=True, generator=loader_generator(3),
                                             **loader_settings(num_workers)))
     crops = []

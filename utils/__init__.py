@@ -1,5 +1,8 @@
 """Code shared by train_bert_cls.py and train_resnet.py, one module per concern; text_* serve the BERT script,
-image_* the ResNet script, the rest both. The module map:
+image_* the ResNet script, the rest both. What a user changes to adapt a script (the model, the loss, the transforms or
+tokenising, the evaluation's numbers) is in the script's adaptation section: these modules take it as arguments and
+never name a model class or a list of allowed transforms; the metrics they compute (text_metrics.py, image_data.py's
+top-k) are computed where the script's evaluate calls them. The module map:
 
 both scripts
   runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
@@ -33,12 +36,14 @@ train_bert_cls.py
                  confusion matrix; --metric modules
 train_resnet.py
   image_data.py  ImageFolder decoding to RGB with unreadable files marked, --dummy data, image counts, top-k
-  image_augment.py torchvision's training/validation presets, repeated augmentation, MixUp/CutMix
+  image_augment.py the augmentation flags and image sizes (the presets themselves are the script's), repeated
+                 augmentation, MixUp/CutMix
   image_optim.py torchvision's optimizer, weight-decay groups and schedule; the model EMA
   image_model.py the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local
                  files) with a new head for the data's classes, drop path, gradient checkpointing
   image_references.py main.py's and torchvision's flags, batch-size convention and .pth checkpoint files
-  image_device_decode.py --decode_on_device: JPEGs decoded and augmented on the training device
+  image_device_decode.py --decode_on_device: JPEGs decoded on the training device, the script's transform
+                 pipeline replayed there (what cannot be replayed refused at start-up)
 
 Dependencies point one way: text_* and image_* use the shared modules, never each other; among those, runtime.py is used by
 all, and outputs.py and loop.py use checkpoint.py.

@@ -1,6 +1,6 @@
-"""Training and validation transforms under the user's control (torchvision's ClassificationPresetTrain/Eval
-names and order), the repeated-augmentation sampler (DeiT's / torchvision's RASampler) in a form that splits over any
-number of processes, and MixUp / CutMix on training batches.
+"""The augmentation flags and image sizes of train_resnet.py's transforms (its adaptation section builds the
+pipelines, in torchvision's ClassificationPresetTrain/Eval order), the repeated-augmentation sampler (DeiT's /
+torchvision's RASampler) in a form that splits over any number of processes, and MixUp / CutMix on training batches.
 
 Randomness: RGBImageFolder (utils/image_data.py) seeds every sample from (seed, epoch, index[, repeat]) before these
 transforms run, so flips, crops, auto-augment and erasing are the same for any number of processes, workers or
@@ -29,8 +29,6 @@ from torchvision.transforms import v2
 from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by
 from utils.export import settings_from_model
 from utils.runtime import UserError, nonnegative_float, positive_int
-
-from .image_data import IMAGENET_MEAN, IMAGENET_STD
 
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the last three: AutoAugment policies
 
@@ -129,37 +127,6 @@ def resolve_image_sizes(args, recorded, source, say):
                                                                                     args.val_crop_size)
     args.image_size = args.image_size or args.val_crop_size
     return tag
-
-
-def train_transform(args):
-    """(3, H, W) uint8 -> (3, crop, crop) float, normalised: torchvision's ClassificationPresetTrain order."""
-    mode = v2.InterpolationMode(args.interpolation)
-    steps = [v2.RandomResizedCrop(args.train_crop_size, scale=(args.crop_scale, 1.0), ratio=tuple(args.crop_ratio),
-                                  interpolation=mode, antialias=True)]
-    # on tensors, rotations and shears resample with nearest or bilinear only (torchvision raises for bicubic)
-    mode = mode if mode != v2.InterpolationMode.BICUBIC else v2.InterpolationMode.BILINEAR
-    if args.hflip > 0:
-        steps.append(v2.RandomHorizontalFlip(args.hflip))
-    if args.auto_augment == "ta_wide":
-        steps.append(v2.TrivialAugmentWide(interpolation=mode))
-    elif args.auto_augment == "ra":
-        steps.append(v2.RandAugment(magnitude=args.ra_magnitude, interpolation=mode))
-    elif args.auto_augment == "augmix":
-        steps.append(v2.AugMix(severity=args.augmix_severity, interpolation=mode))
-    elif args.auto_augment:
-        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy(args.auto_augment), interpolation=mode))
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    if args.random_erase > 0:
-        steps.append(v2.RandomErasing(p=args.random_erase))
-    return v2.Compose(steps)
-
-
-def val_transform(args):
-    """Resize the shorter side, center crop, normalise: torchvision's ClassificationPresetEval."""
-    return v2.Compose([v2.Resize(args.val_resize, interpolation=v2.InterpolationMode(args.interpolation),
-                                 antialias=True),
-                       v2.CenterCrop(args.val_crop_size), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
 class RepeatedAugmentationSampler(Sampler):

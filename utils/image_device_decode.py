@@ -21,12 +21,18 @@ loader gives, whose batches it passes through unchanged.
   kernels; tests/test_device_decode.py). On a GPU, nvJPEG and the float resize kernels round differently:
   benchmarks/bench_gpu.py measures the difference and the GPU check bounds its mean as torchvision's nvJPEG test
   does (below 2 levels of 255).
-- --auto_augment draws inside its per-image forward, so it cannot be replayed here: refused before anything starts,
-  as is --dummy (no files). --random_erase, --hflip, --crop_scale/--crop_ratio and --interpolation are replayed.
+- What is replayed follows from the pipeline itself, not from a list: a transforms.v2 step whose forward is v2's own
+  (draw with `make_params`, then `transform(image, params)`; a `p` checked first for the random-apply kind) has its
+  draws made in the worker on a stand-in of the image's shape and dtype on the meta device (no pixels, which the draws
+  do not read), the stand-in followed through every step, and is replayed on the device with those draws. A step that
+  draws inside a forward of its own (AutoAugment, RandAugment, TrivialAugmentWide, AugMix; RandomApply, RandomChoice,
+  a nested Compose) cannot be replayed: `check_decode_on_device` refuses it before anything starts, in one line naming
+  it, as it refuses --dummy (no files).
 """
 import functools
 import io
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,18 +44,50 @@ from torchvision.transforms import v2
 from utils.runtime import UserError
 
 from .image_data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, stored_orientation, torchcodec_decoder
-RANDOM_STEPS = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.RandomErasing)
+from torchvision.transforms.v2._transform import _RandomApplyTransform
+
+# v2's own forwards: draw (make_params) then transform(image, params), which a replay splits between worker and device
+REPLAYABLE_FORWARDS = (v2.Transform.forward, _RandomApplyTransform.forward)
 BATCHED_STEPS = (v2.ToDtype, v2.Normalize)  # elementwise: one call on the stacked batch gives each image's result
-REPLAYABLE = RANDOM_STEPS + BATCHED_STEPS + (v2.Resize, v2.CenterCrop)
+STAND_IN_SHAPE = (3, 64, 48)  # any image shape: the start-up check draws once for it
 
 
-def check_decode_on_device(args):
-    """Refuse, before anything starts, what --decode_on_device cannot do as the CPU loader does it."""
-    if args.decode_on_device and args.dummy is not None:
+def check_decode_on_device(args, transforms):
+    """Refuse, before anything starts, what --decode_on_device cannot do as the CPU loader does it: --dummy, and a
+    step of `transforms` (the training and validation v2.Compose) that cannot be replayed (header)."""
+    if not args.decode_on_device:
+        return
+    if args.dummy is not None:
         raise UserError("--decode_on_device decodes image files; --dummy has none: drop one of the two")
-    if args.decode_on_device and args.auto_augment:
-        raise UserError(f"--decode_on_device: --auto_augment {args.auto_augment} draws inside each image's "
-                        "transform in the loader workers and cannot be replayed on the device; drop one of the two")
+    for transform in transforms:
+        check_replayable(transform)
+
+
+def check_replayable(transform):
+    """A one-line UserError naming the first step of `transform` (a v2.Compose) that the device cannot replay."""
+    for step in transform.transforms:
+        if type(step).forward not in REPLAYABLE_FORWARDS:
+            raise UserError(f"--decode_on_device: the transform {type(step).__name__} draws inside its own forward in "
+                            "the loader workers and cannot be replayed on the device; drop --decode_on_device, or "
+                            "that transform")
+    with torch.random.fork_rng(devices=[]):
+        try:
+            draw_params(transform, STAND_IN_SHAPE, torch.uint8)
+        except Exception as err:  # noqa: BLE001 - a step whose draw needs the pixels: named, whatever it raised
+            raise UserError(f"--decode_on_device: the transform {failing_step(transform)} cannot draw its parameters "
+                            f"without the image's pixels ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
+                            "drop --decode_on_device, or that transform") from None
+
+
+def failing_step(transform):
+    """The name of the first step whose draw fails on the stand-in (check_replayable's message)."""
+    stand_in = torch.empty(STAND_IN_SHAPE, dtype=torch.uint8, device="meta")
+    for step in transform.transforms:
+        try:
+            stand_in = step.transform(stand_in, step.make_params([stand_in]))
+        except Exception:  # noqa: BLE001 - this step's draw or its shape
+            return type(step).__name__
+    return type(transform).__name__
 
 
 @dataclass
@@ -68,9 +106,7 @@ class EncodedImageFolder(RGBImageFolder):
     """RGBImageFolder whose samples are EncodedImage; `collate` makes the EncodedBatch that decodes on the device."""
 
     def __init__(self, root, transform, image_size, seed=0):
-        unsupported = [type(step).__name__ for step in transform.transforms if not isinstance(step, REPLAYABLE)]
-        if unsupported:
-            raise ValueError(f"cannot replay {', '.join(unsupported)} on the device (only {REPLAYABLE})")
+        check_replayable(transform)
         super().__init__(root, transform, image_size, seed)
 
     def __getitem__(self, item):
@@ -82,7 +118,7 @@ class EncodedImageFolder(RGBImageFolder):
             return EncodedImage(path, index), -1 - index  # as RGBImageFolder marks it
         with torch.random.fork_rng(devices=[]):  # the same seeding as RGBImageFolder's, so the same draws
             torch.default_generator.manual_seed(key)
-            return EncodedImage(path, index, jpeg, pixels, draw_params(self.transform, shape)), target
+            return EncodedImage(path, index, jpeg, pixels, draw_params(self.transform, shape, torch.uint8)), target
 
     def collate(self, samples):
         images, targets = zip(*samples)
@@ -109,26 +145,42 @@ def read_encoded(path):
     return None, pixels.numpy(), tuple(pixels.shape)
 
 
-def draw_params(transform, shape):
-    """What each step of `transform` draws for an image of `shape`, in the order the steps draw it on the CPU.
+def draw_params(transform, shape, dtype):
+    """What each step of `transform` draws for an image of `shape` and `dtype`, in the order the steps draw on the
+    CPU: per step, its make_params' dict, or None where a random-apply step's `torch.rand(1) >= p` skipped it.
 
-    The random steps' own make_params draw, on a stand-in of the image's shape (no pixels are needed). The shape is
-    followed through RandomResizedCrop, the one step before them that changes it in train_transform."""
+    The draws are made on a stand-in on the meta device, which each step transforms to the shape and dtype it gives
+    the next (no pixels: the draws read only those). Tensors drawn travel as numpy arrays: a tensor per sample would
+    cost a worker a shared-memory segment each on its way to the training process."""
     params = []
+    stand_in = torch.empty(shape, dtype=dtype, device="meta")
     for step in transform.transforms:
-        stand_in = torch.empty(()).expand(shape)
-        if isinstance(step, v2.RandomResizedCrop):
-            params.append(step.make_params([stand_in]))
-            shape = (shape[0], *step.size)
-        elif isinstance(step, (v2.RandomHorizontalFlip, v2.RandomErasing)):
-            # _RandomApplyTransform.forward: `torch.rand(1) >= p` skips the step before it draws anything else
-            drawn = step.make_params([stand_in]) if torch.rand(1) < step.p else None
-            if drawn and drawn.get("v") is not None:  # a numpy copy: a tensor per sample would cost a worker
-                drawn["v"] = drawn["v"].numpy()  # shared-memory segment each on its way to the training process
-            params.append(drawn)
-        else:
+        if type(step).forward is _RandomApplyTransform.forward and torch.rand(1) >= step.p:  # as its forward skips
             params.append(None)
+            continue
+        drawn = step.make_params([stand_in])
+        stand_in = followed(step, stand_in, drawn)
+        params.append({key: value.numpy() if torch.is_tensor(value) else value for key, value in drawn.items()})
     return params
+
+
+_SAME_EVERY_TIME = weakref.WeakKeyDictionary()  # {step: {(shape, dtype): stand-in out}} for steps that draw nothing
+
+
+def followed(step, stand_in, drawn):
+    """The stand-in `step` makes of `stand_in` with `drawn`. Transforming even a meta tensor costs v2's dispatch
+    (most of a draw), so where the result is known it is not computed: a step that drew nothing gives the same for
+    the same shape and dtype every time (kept), and RandomResizedCrop, the first step of most pipelines, gives its
+    size."""
+    if type(step) is v2.RandomResizedCrop:
+        return torch.empty((stand_in.shape[0], *step.size), dtype=stand_in.dtype, device="meta")
+    if drawn:
+        return step.transform(stand_in, drawn)
+    known = _SAME_EVERY_TIME.setdefault(step, {})
+    key = (tuple(stand_in.shape), stand_in.dtype)
+    if key not in known:
+        known[key] = step.transform(stand_in, drawn)
+    return known[key]
 
 
 @dataclass
@@ -219,10 +271,9 @@ def replay(transform, images, params):
 
 
 def replay_step(step, image, drawn):
-    if not isinstance(step, RANDOM_STEPS):
-        return step(image)
-    if drawn is None:  # the step's `torch.rand(1) >= p` skipped it for this image
+    """One image through one step, with what the worker drew for it (None: skipped, as its `p` decided)."""
+    if drawn is None:
         return image
-    if drawn.get("v") is not None:  # RandomErasing's fill value, back from its numpy copy
-        drawn = {**drawn, "v": torch.from_numpy(drawn["v"]).to(image.device)}
+    drawn = {key: torch.from_numpy(value).to(image.device) if isinstance(value, np.ndarray) else value
+             for key, value in drawn.items()}
     return step.transform(image, drawn)

@@ -18,9 +18,10 @@ sizes that export records (weights_file_fields), as `-e --resume` does.
 Gradient checkpointing keeps only each block's input in the forward pass and recomputes the rest in the backward
 pass (torch.utils.checkpoint, non-reentrant: the variant that works under DDP, and it replays the forward's random
 state, so drop path draws the same). torchvision's ResNet family (resnet*, resnext*, wide_resnet*): each residual
-block; timm models: timm's own set_grad_checkpointing. A BatchNorm layer must not update its running statistics a
-second time when its block is recomputed: while the backward pass runs (what torch.utils.module_tracker calls
-`is_bw`) it updates copies, so a run with checkpointing trains and evaluates as one without.
+block (the block classes are the script's); timm models: timm's own set_grad_checkpointing. A BatchNorm layer must
+not update its running statistics a second time when its block is recomputed: while the backward pass runs (what
+torch.utils.module_tracker calls `is_bw`) it updates copies, so a run with checkpointing trains and evaluates as one
+without.
 
 Neighbours: utils/image_references.py (main.py's .pth files), utils/export.py (reading PyTorch files safely).
 """
@@ -30,7 +31,6 @@ from pathlib import Path
 import torch
 import torchvision
 from torch.utils.checkpoint import checkpoint
-from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from utils.checkpoint import FRESH_START, MAY_CHANGE
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device
@@ -221,9 +221,9 @@ def load_weights_file(model, path, heads, num_classes, evaluate, print_fn):
     load_weights(model, state_dict, path)
 
 
-def enable_gradient_checkpointing(model, arch):
-    """Checkpointed blocks (timm's own, or each residual block of a torchvision ResNet) and BatchNorm layers that
-    leave their running statistics alone when recomputed."""
+def enable_gradient_checkpointing(model, arch, blocks):
+    """Checkpointed blocks (timm's own, or each module of one of the classes `blocks`, the script's choice) and
+    BatchNorm layers that leave their running statistics alone when recomputed."""
     if arch.startswith("timm:"):
         try:
             model.set_grad_checkpointing(True)
@@ -231,7 +231,7 @@ def enable_gradient_checkpointing(model, arch):
             raise UserError(f"--gradient_checkpointing: timm's {timm_name(arch)} does not support it ({err})") from None
     else:
         for block in model.modules():
-            if isinstance(block, (BasicBlock, Bottleneck)):
+            if isinstance(block, blocks):
                 block.forward = functools.partial(checkpointed_forward, block, type(block).forward)
     for norm in model.modules():
         if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):

@@ -333,20 +333,21 @@ def progress(accelerator, iterable=None, **kwargs):
     return tqdm(iterable, disable=True if not accelerator.is_local_main_process else None, **kwargs)
 
 
-def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, title="training curves"):
-    """Loss and top-1 accuracy (%) against epochs: training at each log line, validation after each epoch.
+def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, panels, title="training curves"):
+    """One plot per panel against epochs: training at each log line, validation after each epoch.
 
-    train_events: dicts with step, loss and acc1; eval_events: dicts with epoch, loss and acc1.
+    panels: (metrics.jsonl key, axis label) each, e.g. ("loss", "loss"); train_events: dicts with step and those keys;
+    eval_events: dicts with epoch and those keys.
     """
     import matplotlib  # imported where used: it adds about half a second to every process start
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     train_x = [e["step"] / steps_per_epoch for e in train_events]
     eval_x = [e["epoch"] for e in eval_events]
-    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "acc1", "top-1 accuracy (%)")):
+    for ax, (key, label) in zip(axes[0], panels):
         ax.plot(train_x, [e[key] for e in train_events], label="train", alpha=0.7)
         ax.plot(eval_x, [e[key] for e in eval_events], "o-", label="validation")
         ax.set_xlabel("epoch")

@@ -1,7 +1,8 @@
-"""The text classifier's model: where its files come from (run_classification.py's --config_name, --tokenizer_name,
---cache_dir, --model_revision, --token), loading it from any checkpoint layout users bring, the checks that it fits
-the text and the task, the reference repository's best.pt, gradient checkpointing, AdamW's parameter groups, and
-what its model card says (best_model/README.md: labels, settings, data, a pipeline() call).
+"""Around the text classifier's model (train_bert_cls.py's adaptation section builds and loads it; nothing here names
+a model class): where its files come from (run_classification.py's --config_name, --tokenizer_name, --cache_dir,
+--model_revision, --token), the checks that a checkpoint of any layout users bring fits it, the text and the task,
+the reference repository's best.pt, gradient checkpointing, AdamW's parameter groups, and what its model card says
+(best_model/README.md: labels, settings, data, a pipeline() call).
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
@@ -36,10 +37,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from transformers import AutoModelForSequenceClassification
-
 from utils.checkpoint import MUST_KEEP, kept_by, this_launch
-from utils.export import load_torch_checkpoint, on_meta_device, safetensors_problem, settings_from_model
+from utils.export import load_torch_checkpoint, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, hf_bool
 
@@ -98,27 +97,32 @@ def hub_options(args):
     return {"cache_dir": args.cache_dir and str(args.cache_dir), "revision": args.model_revision, "token": args.token}
 
 
-def load_classifier(model_name_or_path, config, trust_remote_code=False, hub=None):
-    """AutoModelForSequenceClassification from the checkpoint, its head (and at most the pooler) newly initialised;
-    hub: `hub_options`. A local safetensors file that is cut short is named first (transformers' error would not
-    name it)."""
+def check_weight_files(model_name_or_path):
+    """A local safetensors file that is cut short, named before transformers reads it (its error would not name it)."""
     for weights in sorted(Path(model_name_or_path).glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem:
             raise UserError(problem)
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        model_name_or_path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
-        trust_remote_code=trust_remote_code, output_loading_info=True, **(hub or {}))
-    mismatched = {key[0] if isinstance(key, tuple) else key for key in info.get("mismatched_keys", ())}
-    new = sorted(set(info.get("missing_keys", ())) | mismatched)
+
+
+def new_weight_names(loading_info):
+    """The weights from_pretrained(output_loading_info=True) started new: missing from the checkpoint, or of another
+    shape there (ignore_mismatched_sizes)."""
+    mismatched = {key[0] if isinstance(key, tuple) else key for key in loading_info.get("mismatched_keys", ())}
+    return sorted(set(loading_info.get("missing_keys", ())) | mismatched)
+
+
+def check_starting_weights(model, new_weights, source):
+    """Stop when a weight of the model's encoder (`base_model_prefix`, transformers' name for the part a checkpoint
+    of another head shares) is among `new_weights` and would start from random; its pooler alone may be new."""
     encoder = model.base_model_prefix + "."
-    random_encoder = [key for key in new if key.startswith(encoder)
+    random_encoder = [key for key in new_weights if key.startswith(encoder)
                       and not key[len(encoder):].startswith(ALLOWED_NEW_IN_ENCODER)]
     if random_encoder:
-        raise UserError(f"{model_name_or_path}: {len(random_encoder)} encoder weights are not in the checkpoint "
-                        f"and would start from random (e.g. {random_encoder[0]}); is it a {config.model_type} "
+        raise UserError(f"{source}: {len(random_encoder)} encoder weights are not in the checkpoint "
+                        f"and would start from random (e.g. {random_encoder[0]}); is it a {model.config.model_type} "
                         "checkpoint? (--from_scratch trains from random on purpose)")
-    return model
+
 
 MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
 
@@ -263,23 +267,22 @@ def _check_hub_id_or_path(flag, value):
         raise UserError(f"{flag} {value}: no such file or directory (a local path, since {reason})")
 
 
-def position_limit(config, trust_remote_code=False):
-    """The most tokens the model takes: the rows of its learned position table, less the rows before the first position
+def position_limit(model):
+    """The most tokens `model` takes: the rows of its learned position table, less the rows before the first position
     of models that number positions after the padding index (RoBERTa); None for a model without such a table
-    (relative or rotary positions). Read from the model built on the meta device: no weights, no memory."""
-    model = on_meta_device(lambda: AutoModelForSequenceClassification.from_config(
-        config, trust_remote_code=trust_remote_code))
+    (relative or rotary positions). `model` may be built on the meta device (on_meta_device): no weights, no memory."""
     for name, module in model.named_modules():
         if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
             return module.num_embeddings - (module.padding_idx + 1 if module.padding_idx is not None else 0)
     return None
 
 
-def fit_max_seq_len(max_seq_len, config, source, say, trust_remote_code=False):
+def fit_max_seq_len(max_seq_len, empty_model, source, say):
     """--max_seq_len for this model, before any text is tokenised: a value given (or the trained model's) above the
     model's positions is refused (a longer batch would stop training with a tensor-size error at the first long
-    text); none given, DEFAULT_MAX_SEQ_LEN, or the model's limit where it is lower (said in one line)."""
-    limit = position_limit(config, trust_remote_code)
+    text); none given, DEFAULT_MAX_SEQ_LEN, or the model's limit where it is lower (said in one line).
+    `empty_model`: the model to train, built on the meta device."""
+    limit = position_limit(empty_model)
     if max_seq_len is None:
         if limit is not None and limit < DEFAULT_MAX_SEQ_LEN:
             say(f"--max_seq_len {limit}: the most {source} takes (its learned position embeddings), not the default "
