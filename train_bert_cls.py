@@ -308,12 +308,13 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True):
 
 
 def tokenizer_and_length(args, say=print):
-    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with one
-    placeholder label: the positions do not depend on the labels): both decide the tokenised data."""
+    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with two
+    placeholder labels, the fewest every task accepts: the positions do not depend on the labels): both decide the
+    tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     with loading(source, "tokenizer"):
         tokenizer = load_tokenizer(source, args.trust_remote_code, hub_options(args))
-    empty_model = on_meta_device(lambda: new_model(model_config(args, ["label"]), args.trust_remote_code))
+    empty_model = on_meta_device(lambda: new_model(model_config(args, ["0", "1"]), args.trust_remote_code))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
                                        say)
     return tokenizer
