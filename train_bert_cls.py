@@ -33,13 +33,13 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
-from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, Checkpoints, FlagRoles,
-                               add_allow_data_change, agree_on_resume, kept_by, replace_dir_atomically,
+from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
+                               FlagRoles, add_allow_data_change, agree_on_resume, kept_by, replace_dir_atomically,
                                resume_settings, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference)
-from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, HealthCheck, LossMeter, LossScale,
-                         OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
+from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
+                         LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection)
 from utils.outputs import RunLog, check_output_dir, format_step_line, progress
 from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
@@ -111,12 +111,14 @@ def sample_losses(model, inputs, targets, args, class_weights=None):
 
 
 @torch.no_grad()
-def predict_logits(accelerator, model, dataloader, desc):
-    """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank."""
+def predict_logits(accelerator, model, dataloader, desc, guard=None):
+    """Logits (N, C) and labels (N,) of exactly the N samples of the dataset, on every rank; `guard`: a training run's
+    PreemptionGuard, which abandons the evaluation on a stop."""
     model.eval()
     all_logits = []
     all_labels = []
-    for batch in progress(accelerator, dataloader, desc=desc, leave=False):
+    batches = guard.batches(dataloader) if guard else dataloader
+    for batch in progress(accelerator, batches, desc=desc, leave=False, total=len(dataloader)):
         labels = batch.pop("labels", None)
         logits = model(**batch).logits.float()  # (B, C)
         all_logits.append(accelerator.gather_for_metrics(logits).cpu())
@@ -126,10 +128,10 @@ def predict_logits(accelerator, model, dataloader, desc):
     return torch.cat(all_logits), labels
 
 
-def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=()):
+def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=(), guard=None):
     """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
     `extra`: --metric's results (under their own keys too, which never collide with these)."""
-    logits, targets = predict_logits(accelerator, model, dataloader, desc)
+    logits, targets = predict_logits(accelerator, model, dataloader, desc, guard)
     metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
     metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
     return {**metrics["extra"], **metrics}
@@ -551,6 +553,42 @@ def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
                 + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples"))
 
 
+@dataclass
+class Keeping:
+    """What a validation during training keeps besides its metrics: the best weights (in memory and best_model/), the
+    time it took and when."""
+    best: BestWeights  # this run's best weights, in memory on every rank
+    tokenizer: object  # saved with best_model/
+    speed: Throughput  # times the validation and the export apart from training
+    start_time: float  # time.perf_counter() at the start of training
+
+
+def validate_and_stop(accelerator, training, task, args, log, keeping, guard, completed_steps):
+    """The validation at `completed_steps`, a new best model kept and exported, then whether the run stops there:
+    ((step, metrics), the step of an early stop or None, whether a SIGTERM stops it). A stop during the validation
+    abandons it, leaving it due at this step (VALIDATION_DUE): (None, None, True)."""
+    state, selection, model = training.state, training.selection, training.model
+    guard.step = completed_steps  # the step an abandoned validation names
+    state[VALIDATION_DUE] = True
+    try:
+        with keeping.speed.pause("eval") as evaluation:
+            metrics = evaluate(accelerator, model, training.eval_loader, task.labels, "validation", args,
+                               task.metric_modules, guard)
+    except EvaluationAbandoned as abandoned:
+        accelerator.print(f"{abandoned}: the checkpoint keeps it due, and the resumed run validates first")
+        return None, None, True
+    state[VALIDATION_DUE] = False
+    log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - keeping.start_time)
+    if selection.update(state, metrics, completed_steps):  # a new best model, kept and exported
+        keeping.best.keep(model)
+        with keeping.speed.pause("save"):
+            save_best_model(accelerator, model, keeping.tokenizer, args.output_dir / "best_model", trained_with(args),
+                            log, {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps,
+                            args.trust_remote_code)
+    stopped_at = completed_steps if selection.should_stop(state) else None
+    return (completed_steps, metrics), stopped_at, guard.should_stop(completed_steps) and stopped_at is None
+
+
 def select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir):
     """Put the weights of the best validation score into the model: this run's from memory, or, selected before
     the run resumed, from best_model/ (a preempted run keeps its last weights). Returns their validation metrics when
@@ -589,6 +627,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     meter = LossMeter(accelerator.device)
     health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
     best = BestWeights()  # this run's best weights, in memory on every rank
+    keeping = Keeping(best, tokenizer, Throughput(), time.perf_counter())
     loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
                            args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
@@ -597,10 +636,16 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     preempted = False
     stopped_at = None  # the step of an early stop
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
-    start_time = time.perf_counter()
-    speed = Throughput()  # samples/s of training alone: evaluation and epoch starts are timed apart
+    start_time = keeping.start_time
+    speed = keeping.speed  # samples/s of training alone: evaluation and epoch starts are timed apart
     model.train()
+    if state[VALIDATION_DUE] and training.eval_loader is not None:  # a stop abandoned this validation: it comes first
+        # (stopped again during it, the run leaves that checkpoint as it was: the latest, with its validation due)
+        last_eval, stopped_at, preempted = validate_and_stop(accelerator, training, task, args, log, keeping, guard,
+                                                             completed_steps)
     for epoch in range(state["epoch"], cadence.epochs):
+        if preempted or stopped_at is not None:
+            break
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
         for batch in speed.epoch(batches):
             with accelerator.accumulate(model):
@@ -631,19 +676,10 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
                 log.log("train", completed_steps, {"epoch": epoch + 1, **values})
             if due.evaluate and training.eval_loader is not None:
                 health.check(completed_steps)
-                with speed.pause("eval") as evaluation:
-                    metrics = evaluate(accelerator, model, training.eval_loader, task.labels, "validation", args,
-                                       task.metric_modules)
-                log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - start_time)
-                last_eval = (completed_steps, metrics)
-                if selection.update(state, metrics, completed_steps):  # a new best model, kept and exported
-                    best.keep(model)
-                    with speed.pause("save"):
-                        save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log,
-                                        {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps,
-                                        args.trust_remote_code)
-                stopped_at = completed_steps if selection.should_stop(state) else None
-            preempted = guard.should_stop(completed_steps) and stopped_at is None  # an early stop needs no resume
+                last_eval, stopped_at, preempted = validate_and_stop(accelerator, training, task, args, log, keeping,
+                                                                     guard, completed_steps)
+            else:
+                preempted = guard.should_stop(completed_steps)
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
@@ -651,7 +687,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
                 log.console(f"saved checkpoint {path}")
             if preempted or due.finished or stopped_at is not None:
                 break
-        if preempted or cadence.finished(completed_steps) or stopped_at is not None:
+        if cadence.finished(completed_steps):
             break
     bar.close()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one

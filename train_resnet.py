@@ -40,12 +40,12 @@ from torch.utils.data import DataLoader
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.transforms import v2
 
-from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, Checkpoints, FlagRoles,
-                               add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
+from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
+                               FlagRoles, add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
                                load_checkpoint_weights, read_training_state, resume_settings, this_launch)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
-from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, HealthCheck, LossMeter, LossScale,
-                         OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
+from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
+                         LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights)
 from utils.outputs import RunLog, check_output_dir, plot_training_curves, progress
 from utils.runtime import (HelpFormatter, UserError, add_runtime_args, build_accelerator, check_global_batch,
@@ -153,16 +153,18 @@ def training_loss(logits, labels, soft_labels, args, class_weights=None):
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader, args):
-    """Top-1/top-5 accuracy (%) and mean loss over exactly the validation images, on any number of processes."""
+def evaluate(accelerator, model, loader, args, guard=None):
+    """Top-1/top-5 accuracy (%) and mean loss over exactly the validation images, on any number of processes;
+    `guard`: a training run's PreemptionGuard, which abandons the evaluation on a stop."""
     model.eval()
     images = 0
     top1 = 0
     top5 = 0
     skipped = 0
     loss_sum = 0.0
-    for inputs, targets in decode_on_device(progress(accelerator, loader, desc="validation", leave=False),
-                                            accelerator.device):
+    batches = guard.batches(loader) if guard else loader
+    for inputs, targets in decode_on_device(progress(accelerator, batches, desc="validation", leave=False,
+                                                     total=len(loader)), accelerator.device):
         if args.channels_last:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         logits = model(inputs).float()  # (B, C)
@@ -370,19 +372,22 @@ def export_weights(accelerator, model, args, fields, is_best, ema_state=None, su
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
 
-def validate(accelerator, model, ema, val_loader, args):
+def validate(accelerator, model, ema, val_loader, args, guard=None):
     """The model's validation metrics and, with --model_ema, the EMA's beside them (keys prefixed `ema_`)."""
-    metrics = evaluate(accelerator, model, val_loader, args)
-    ema_metrics = evaluate(accelerator, ema.module, val_loader, args) if ema else {}
+    metrics = evaluate(accelerator, model, val_loader, args, guard)
+    ema_metrics = evaluate(accelerator, ema.module, val_loader, args, guard) if ema else {}
     return {**metrics, **{f"ema_{k}": v for k, v in ema_metrics.items()}}
 
 
-def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class_to_idx):
-    """main.py validates and exports after every epoch; the EMA is validated and exported beside the model."""
+def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class_to_idx, guard):
+    """main.py validates and exports after every epoch; the EMA is validated and exported beside the model. A stop
+    during the validation abandons it (EvaluationAbandoned), leaving it due at this step (VALIDATION_DUE)."""
     state = training.state
     ema = training.ema
     selection = training.selection
-    metrics = validate(accelerator, training.model, ema, training.val_loader, args)
+    state[VALIDATION_DUE] = True
+    metrics = validate(accelerator, training.model, ema, training.val_loader, args, guard)
+    state[VALIDATION_DUE] = False
     # the same gathered metrics on every rank: every rank exports (a collective) and stops at the same epoch
     is_best = selection.update(state, metrics, epoch)
     ema_best = ema and selection.update_ema(state, metrics)
@@ -406,6 +411,21 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
                        {**fields, "acc1": metrics["ema_acc1"], best_key: state.get(f"best_ema_{selection.metric}")},
                        ema_best, suffix="_ema")
     return metrics
+
+
+def validate_and_stop(accelerator, training, args, log, task, guard, epoch, completed_steps):
+    """The epoch's validation and exports, then whether the run stops there: (metrics, the step of an early stop or
+    None, whether a SIGTERM stops it). A stop during the validation abandons it: (None, None, True)."""
+    guard.step = completed_steps  # the step an abandoned validation names
+    try:
+        metrics = end_of_epoch(accelerator, training, args, log, epoch, completed_steps,
+                               task.must_match["class_to_idx"], guard)
+    except EvaluationAbandoned as abandoned:
+        accelerator.print(f"{abandoned}: the checkpoint keeps it due, and the resumed run validates first")
+        return None, None, True
+    accelerator.on_main_process(plot_curves)(log, args, training.cadence.steps_per_epoch)
+    stopped_at = completed_steps if training.selection.should_stop(training.state) else None
+    return metrics, stopped_at, guard.should_stop(completed_steps) and stopped_at is None  # an early stop: no resume
 
 
 def plot_curves(log, args, steps_per_epoch):
@@ -521,7 +541,13 @@ def train(args, accelerator, model, data, log, task, attempt):
     start_time = time.perf_counter()
     state["start_time"] = start_time
     model.train()
+    if state[VALIDATION_DUE]:  # a stop abandoned the validation of the epoch this checkpoint ends: it comes first
+        # (stopped again during it, the run leaves that checkpoint as it was: the latest, with its validation due)
+        last_metrics, stopped_at, preempted = validate_and_stop(accelerator, training, args, log, task, guard,
+                                                                state["epoch"], completed_steps)
     for epoch in range(state["epoch"], args.epochs):
+        if preempted or stopped_at is not None:
+            break
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
         for inputs, targets in speed.epoch(decode_on_device(batches, accelerator.device)):
@@ -562,11 +588,10 @@ def train(args, accelerator, model, data, log, task, attempt):
             if due.evaluate:  # at each epoch's end
                 health.check(completed_steps, parameters=True)
                 with speed.pause("eval"):
-                    last_metrics = end_of_epoch(accelerator, training, args, log, epoch + 1, completed_steps,
-                                                task.must_match["class_to_idx"])
-                    accelerator.on_main_process(plot_curves)(log, args, cadence.steps_per_epoch)
-                stopped_at = completed_steps if selection.should_stop(state) else None
-            preempted = guard.should_stop(completed_steps) and stopped_at is None  # an early stop needs no resume
+                    last_metrics, stopped_at, preempted = validate_and_stop(accelerator, training, args, log, task,
+                                                                            guard, epoch + 1, completed_steps)
+            else:
+                preempted = guard.should_stop(completed_steps)
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
@@ -574,8 +599,6 @@ def train(args, accelerator, model, data, log, task, attempt):
                 accelerator.print(f"saved checkpoint {path}")
             if preempted or stopped_at is not None:
                 break
-        if preempted or stopped_at is not None:
-            break
     bar.close()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)

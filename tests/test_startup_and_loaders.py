@@ -17,7 +17,7 @@ from utils.demo_data import write_small_bert
 from utils.runtime import UserError
 import train_resnet
 from utils.image_data import RGBImageFolder
-from utils.runtime import loader_settings
+from utils.runtime import ignore_stop_signals, loader_settings
 from utils.loop import PreemptionGuard
 from utils.runtime import add_runtime_args, build_accelerator, loader_generator
 from utils.loop import Throughput
@@ -129,7 +129,8 @@ def epochs_of_crops(accelerator, root, num_workers, epochs=2, skip=0):
 
 def test_persistent_workers_see_each_epoch_and_resume_exactly(pictures, tmp_path):
     accelerator = build_accelerator(runtime_args(), tmp_path)
-    assert loader_settings(2) == {"num_workers": 2, "pin_memory": False, "persistent_workers": True}
+    assert loader_settings(2) == {"num_workers": 2, "pin_memory": False, "persistent_workers": True,
+                                  "worker_init_fn": ignore_stop_signals}  # workers leave stopping to their parent
     assert loader_settings(0)["persistent_workers"] is False  # torch refuses persistent workers without workers
     in_process = epochs_of_crops(accelerator, pictures, num_workers=0)
     persistent = epochs_of_crops(accelerator, pictures, num_workers=2)

@@ -8,7 +8,9 @@ both scripts
   runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
                  an output directory: its lock), DataLoader settings, the --help look and the parser's number
                  checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on one rank
-                 stopping all of them (a failure to write: a full disk)
+                 stopping all of them (a failure to write: a full disk), stops that reach every process (loader
+                 workers leave them to their parent, ranks stop with their launcher, a rank that stopped answering
+                 is named: RollCall)
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
                  epoch_batches; Selection (the best model's metric and early stopping); micro-batches and the retry

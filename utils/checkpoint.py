@@ -55,6 +55,9 @@ from .runtime import UserError, stop_together, writing
 
 STATE_FILE = "training_state.json"
 SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
+# the loop's `state` entry saying that a stop abandoned the validation due at the checkpoint's step: the resumed run
+# validates (and selects, exports) first
+VALIDATION_DUE = "validation_due"
 
 DATA_KEY = "training_data"  # must_match's entry for data_fingerprint
 
@@ -300,7 +303,7 @@ class Checkpoints:
         that differ from the checkpoint's are named in one line. A checkpoint older than the newest starts a new
         branch (start_new_branch).
         """
-        state = dict(fresh_state)
+        state = {**fresh_state, VALIDATION_DUE: False}
         if path is not None:
             command_line = _hyperparameters(optimizer)
             # an entry an older checkpoint lacks (the early-stopping count) starts fresh
@@ -321,7 +324,8 @@ def training_state(must_match, state, settings, completed_steps, epoch, batches_
     selected and how long ago (the `best_*` and `early_stopping_*` entries of the loop's `state`: utils/loop.py
     Selection) and the settings a resume may change."""
     return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-            **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)}, "settings": settings}
+            **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)},
+            VALIDATION_DUE: state.get(VALIDATION_DUE, False), "settings": settings}
 
 
 def resume_settings(args, flags):
