@@ -50,11 +50,13 @@ from utils.runtime import (UserError, add_runtime_args, build_accelerator, check
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
                             run_cli, run_info, writing)
-from utils.text_data import (DATASET_ROLES, PADDING_ROLES, TEXT_FORMAT_ROLES, LengthGroupedSampler, add_dataset_args,
-                             add_padding_args, add_text_format_args, build_collator, build_label_list,
-                             check_dataset_args, check_known_labels, check_text_format_args, fingerprint_examples,
-                             label_targets, read_dataset_splits, read_file_splits, read_predict_file, resolve_padding,
-                             select_examples, text_format, token_lengths, tokenize_examples, write_labels_file)
+from utils.text_cache import DataCache, default_cache_dir, file_sha256, read_split, tokenizer_sha256
+from utils.text_data import (DATASET_ROLES, PADDING_ROLES, TEXT_FORMAT_ROLES, LengthGroupedSampler, TextData,
+                             add_dataset_args, add_padding_args, add_text_format_args, build_collator,
+                             build_label_list, check_dataset_args, check_known_labels, check_text_format_args,
+                             fingerprint_examples, label_targets, read_dataset_splits, read_file_splits,
+                             read_predict_file, resolve_padding, select_examples, split_files, text_format,
+                             token_lengths, tokenize_examples, write_labels_file)
 from utils.text_metrics import (SELECTION_HELP, check_task_args, compute_metrics, default_metric, evaluation_metrics,
                           flat_metrics, headline_scores, load_metrics, prediction_rows, save_confusion_matrix,
                           selectable_metrics, training_loss)
@@ -64,7 +66,7 @@ from utils.text_model import (MODEL_SOURCE_ROLES, OPTIMIZERS, TRAINED_WITH, add_
                               check_weight_files, enable_gradient_checkpointing, fit_max_seq_len, head_by_name,
                               hub_options,
                               load_legacy_bert, loading, model_card, new_weight_names, optimizer_groups, problem_type,
-                              saved_labels, use_model_settings)
+                              saved_labels, unk_rate, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -163,6 +165,9 @@ def build_parser():
     add_dataset_args(data)
     add_text_format_args(data)
     add_padding_args(data)
+    data.add_argument("--data_cache_dir", type=Path, default=None,
+                      help="where the files are tokenised once for every rank and later start (utils/text_cache.py); "
+                           "default: text_classification/ in datasets' cache (HF_DATASETS_CACHE)")
     data.add_argument("--group_by_length", action="store_true",
                       help="training batches of similar-length texts (less padding; see utils/text_data.py)")
     model = parser.add_argument_group("model")
@@ -272,6 +277,7 @@ FLAG_ROLES = {
     # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
     "--data_dir": kept_by(DATA_KEY), "--train_file": kept_by(DATA_KEY), "--validation_file": MAY_CHANGE,
     "--test_file": THIS_LAUNCH, "--predict_file": THIS_LAUNCH, "--labels_file": kept_by("labels"),
+    "--data_cache_dir": THIS_LAUNCH,  # where the tokenised data are kept, not what they are
     "--max_seq_len": MUST_KEEP.recorded(),  # another length changes the inputs themselves
     **DATASET_ROLES, **TEXT_FORMAT_ROLES, **PADDING_ROLES,
     "--group_by_length": MUST_KEEP,  # the sampler: which samples each step sees
@@ -315,9 +321,9 @@ def trained_with(args):
     return flag_roles().exported_settings(args)
 
 
-def load_splits(args, checkpoint_labels, say=print):
+def load_splits(args, checkpoint_labels, say=print, with_predict=True):
     """Read and validate every input (files or --dataset_name) before anything is written; say what was read for
-    what; return (labels, {split: examples}), "predict" among the splits with --do_predict."""
+    what; return (labels, {split: examples}), "predict" among the splits with --do_predict (and `with_predict`)."""
     fmt = text_format(args)
     data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say)
     examples = data.examples
@@ -331,8 +337,6 @@ def load_splits(args, checkpoint_labels, say=print):
         labels = build_label_list([], args.labels_file, args.encoding)
     else:
         labels = checkpoint_labels
-    if checkpoint_labels and not args.do_train:
-        check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
     if checkpoint_labels and not args.do_train and labels != checkpoint_labels:
         raise UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} "
                         f"(trained with {checkpoint_labels})")
@@ -342,12 +346,91 @@ def load_splits(args, checkpoint_labels, say=print):
         if split in examples and not args.do_regression:
             check_known_labels(examples[split], labels, source=f"the labels of the model ({', '.join(labels)})")
     predict_file = args.predict_file or (None if args.dataset_name else args.test_file)
-    if args.do_predict and predict_file:  # without --predict_file, the test split, as run_classification.py does
+    if with_predict and args.do_predict and predict_file:  # without --predict_file, the test split, as
+        # run_classification.py does
         examples["predict"] = read_predict_file(predict_file, fmt, labels, say)
     examples, cuts = select_examples(examples, args)
     for note in data.notes + cuts:
         say(note)
     return labels, examples
+
+
+def tokenizer_and_length(args, say=print):
+    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with two
+    placeholder labels, the fewest every task accepts: the positions do not depend on the labels): both decide the
+    tokenised data."""
+    source = args.tokenizer_name or args.model_name_or_path
+    with loading(source, "tokenizer"):
+        tokenizer = load_tokenizer(source, args.trust_remote_code, hub_options(args))
+    empty_model = on_meta_device(lambda: new_model(model_config(args, ["0", "1"]), args.trust_remote_code))
+    args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
+                                       say)
+    return tokenizer
+
+
+def tokenised_data(args, tokenizer, checkpoint_labels, say=print, directory=None):
+    """Every split read, checked and tokenised (into `directory`'s <split>.arrow files when given) as a TextData;
+    in memory, with the records to predict (the cache leaves them out: they are read by every process)."""
+    labels, examples = load_splits(args, checkpoint_labels, say, with_predict=directory is None)
+    predict = examples.pop("predict", None)
+    datasets = {split: tokenize_examples(tokenizer, split_examples,
+                                         label_targets(split_examples, labels, args.multi_label, args.do_regression),
+                                         args.max_seq_len, directory and Path(directory) / f"{split}.arrow")
+                for split, split_examples in examples.items()}
+    first = next((found[0] for found in (examples.get("validation"), examples.get("train")) if found), None)
+    return TextData(labels, datasets, [first.text, first.text_pair] if first else [None, None],
+                    unk_rate(tokenizer, datasets["train"]) if "train" in datasets else None,
+                    fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")), predict=predict)
+
+
+def read_predict_records(args, labels, say=print):
+    """--do_predict's records from a file (--predict_file, else the test file), cut by --max_predict_samples."""
+    predict_file = args.predict_file or args.test_file
+    selected, notes = select_examples({"predict": read_predict_file(predict_file, text_format(args), labels, say)},
+                                      args)
+    for note in notes:
+        say(note)
+    return selected["predict"]
+
+
+def cache_inputs(args, tokenizer, checkpoint_labels):
+    """What decides the tokenised data of a run on files: the files' bytes and every flag that changes how they are
+    read, cut, labelled and tokenised (utils/text_cache.py)."""
+    files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
+                                        "test": args.test_file}, say=lambda line: None)
+    return {"files": {split: file_sha256(path) for split, path in files.items() if path is not None},
+            "labels_file": args.labels_file and file_sha256(args.labels_file), "format": vars(text_format(args)),
+            "modes": [args.do_train, args.do_eval, args.do_test],
+            "cuts": [args.max_train_samples, args.max_eval_samples, args.shuffle_train_dataset, args.shuffle_seed],
+            "checkpoint_labels": checkpoint_labels, "tokenizer": tokenizer_sha256(tokenizer),
+            "max_seq_len": args.max_seq_len}
+
+
+def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
+    """The labels and the tokenised splits: files are read and tokenised once, by one process, into the data cache
+    that every rank and later start reads; a --dataset_name dataset is read and tokenised by each process."""
+    if checkpoint_labels and not args.do_train:
+        check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
+    if args.dataset_name:
+        return tokenised_data(args, tokenizer, checkpoint_labels, say)
+    cache = DataCache(accelerator, args.data_cache_dir or default_cache_dir())
+    key = cache.key(lambda: cache_inputs(args, tokenizer, checkpoint_labels))
+
+    def build(directory):
+        notes = []
+        data = tokenised_data(args, tokenizer, checkpoint_labels, notes.append, directory)
+        data.notes = notes
+        return data.meta()
+
+    entry, meta = cache.open(key, build)
+    for note in meta["notes"]:
+        say(note)
+    args.train_file, args.validation_file, args.test_file = split_files(
+        args.data_dir, {"train": args.train_file, "validation": args.validation_file, "test": args.test_file},
+        say=lambda line: None).values()  # as the reading process set them, for run_config.json and the model card
+    predict = read_predict_records(args, meta["labels"], say) if args.do_predict else None
+    return TextData(meta["labels"], {split: read_split(entry, split) for split in meta["splits"]}, meta["first_text"],
+                    meta["unk_rate"], meta["fingerprint"], meta["notes"], predict)
 
 
 def model_config(args, labels):
@@ -369,9 +452,10 @@ def from_config(args):
     return bool(args.from_scratch or args.init_from_legacy)
 
 
-def build_model(args, labels, say=print):
-    """(tokenizer, model): the adaptation section's, with our label mapping in the model's config and its starting
-    weights checked; --max_seq_len fitted to the model's positions."""
+def build_model(args, labels, say=print, tokenizer=None):
+    """(tokenizer, model): the adaptation section's (the tokenizer: `tokenizer`, else load_tokenizer's), with our
+    label mapping in the model's config and its starting weights checked; --max_seq_len fitted to the model's
+    positions."""
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     if path.is_dir() and not has_weights and not from_config(args):
@@ -381,8 +465,9 @@ def build_model(args, labels, say=print):
     tokenizer_source = args.tokenizer_name or path
     for source in dict.fromkeys((tokenizer_source, args.config_name or path)):
         check_custom_code(source, remote)
-    with loading(tokenizer_source, "tokenizer"):
-        tokenizer = load_tokenizer(tokenizer_source, remote, hub_options(args))
+    if tokenizer is None:
+        with loading(tokenizer_source, "tokenizer"):
+            tokenizer = load_tokenizer(tokenizer_source, remote, hub_options(args))
     config = model_config(args, labels)
     empty_model = on_meta_device(lambda: new_model(config, remote))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or path, say)
@@ -408,15 +493,12 @@ def load_checked(args, config):
     return model
 
 
-def build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding=None):
-    """Tokenised datasets and their (unprepared) loaders, batch size = GLOBAL batch; padding: `resolve_padding`'s,
+def build_dataloaders(args, tokenizer, datasets, predict_examples, padding=None):
+    """The (unprepared) loaders of the tokenised datasets, batch size = GLOBAL batch; padding: `resolve_padding`'s,
     by default the CPU's (to the longest text of each batch)."""
     collator = build_collator(tokenizer, args.max_seq_len, **(padding or {}))
     loaders = {}
-    stats = {}
-    for split, split_examples in examples.items():
-        targets = label_targets(split_examples, labels, args.multi_label, args.do_regression)
-        dataset = tokenize_examples(tokenizer, split_examples, targets, args.max_seq_len)
+    for split, dataset in datasets.items():
         training = split == "train"
         # a sampler whose order depends on (seed, epoch) only, like the seedable random sampler it replaces
         sampler = (LengthGroupedSampler(token_lengths(dataset), args.train_batch_size, args.seed)
@@ -429,7 +511,7 @@ def build_dataloaders(args, tokenizer, labels, examples, predict_examples, paddi
         dataset = tokenize_examples(tokenizer, [e for e in predict_examples if not e.skipped], None, args.max_seq_len)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
                                         **loader_settings(args.num_workers))
-    return loaders, stats
+    return loaders
 
 
 def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card_results, step=None, remote=False):
@@ -704,10 +786,35 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
     return results
 
 
+def take_records(records, count):
+    """The next records of the iterator `records` that hold `count` predicted ones (and the skipped ones among them)."""
+    taken = []
+    while count:
+        taken.append(next(records))
+        count -= not taken[-1].skipped
+    return taken
+
+
+@torch.no_grad()
+def predicted_rows(accelerator, model, loader, examples, labels, args):
+    """predictions.jsonl's rows in input order, a batch at a time: every rank runs its part of each batch, the
+    batch's logits are gathered, and the main process makes its rows (only one batch's logits and rows are held)."""
+    model.eval()
+    records = iter(examples)
+    for batch in progress(accelerator, loader, desc="predict", leave=False):
+        batch.pop("labels", None)
+        logits = accelerator.gather_for_metrics(model(**batch).logits.float()).cpu()  # (B, C): the whole batch
+        if accelerator.is_main_process:
+            yield from prediction_rows(logits, take_records(records, len(logits)), labels, args.multi_label,
+                                       args.threshold, args.do_regression)
+    if accelerator.is_main_process:  # skipped records after the last text
+        yield from prediction_rows(torch.empty(0, len(labels)), list(records), labels, args.multi_label,
+                                   args.threshold, args.do_regression)
+    model.train()
+
+
 def write_predictions(accelerator, log, model, loader, examples, labels, args):
-    logits, _ = predict_logits(accelerator, model, loader, "predict")
-    log.write_jsonl("predictions.jsonl", prediction_rows(logits, examples, labels, args.multi_label, args.threshold,
-                                                         args.do_regression))
+    log.write_jsonl("predictions.jsonl", predicted_rows(accelerator, model, loader, examples, labels, args))
     skipped = sum(1 for example in examples if example.skipped)
     accelerator.print(f"wrote {len(examples) - skipped} predictions and {skipped} skipped rows (blank lines, empty "
                       f"texts) to {args.output_dir / 'predictions.jsonl'}, one row per input record")
@@ -743,37 +850,37 @@ def main(args):
     if args.do_train:  # the checkpoint to resume from, its files checked before anything is built or written
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
         resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
-    labels, examples = load_splits(args, None if args.do_train else saved_labels(args.model_name_or_path),
-                                   accelerator.print)
-    predict_examples = examples.pop("predict", None)
+    tokenizer = tokenizer_and_length(args, accelerator.print)
+    checkpoint_labels = None if args.do_train else saved_labels(args.model_name_or_path)
+    data = load_text_data(args, accelerator, tokenizer, checkpoint_labels, accelerator.print)
+    labels, splits = data.labels, data.datasets
     if args.num_tags and args.num_tags != len(labels):
         raise UserError(f"--num_tags {args.num_tags}: the data has {len(labels)} labels ({', '.join(labels[:5])}"
                         f"{', ...' if len(labels) > 5 else ''})")
     metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
     resolve_selection(args, selectable_metrics(metric_modules, len(labels), args.do_regression),
-                      validation="validation" in examples, default=default_metric(args.do_regression))
+                      validation="validation" in splits, default=default_metric(args.do_regression))
     selection = Selection.from_args(args, position="step")
-    train_ids = label_targets(examples["train"], labels, multi_label=False) if args.class_weights else None
+    train_ids = splits["train"].with_format("numpy")["labels"] if args.class_weights else None
     class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
     if class_weights:
         accelerator.print(class_weights.line())
-    tokenizer, model = build_model(args, labels, accelerator.print)
+    tokenizer, model = build_model(args, labels, accelerator.print, tokenizer)
     # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
     # MUST_KEEP flags' values (FLAG_ROLES)
     must_match = flag_roles().must_match(args, {
         "labels": labels, "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
         "model": {k: getattr(model.config, k, None) for k in
                   ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
-        DATA_KEY: fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")),
-        **selection.must_match()})
+        DATA_KEY: data.fingerprint, **selection.must_match()})
     model = maybe_data_parallel(model, args)
     retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
                              args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
     padding = resolve_padding(args, accelerator)
-    loaders, stats = build_dataloaders(args, tokenizer, labels, examples, predict_examples, padding)
-    if "train" in loaders:
-        stats["train_unk_rate"] = check_unk_rate(accelerator, tokenizer, loaders["train"].dataset,
-                                                 args.tokenizer_name or args.model_name_or_path)
+    loaders = build_dataloaders(args, tokenizer, splits, data.predict, padding)
+    stats = {}
+    if data.unk_rate is not None:
+        stats["train_unk_rate"] = check_unk_rate(data.unk_rate, args.tokenizer_name or args.model_name_or_path)
         accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
                           f"{stats['train_unk_rate']:.2%}")
 
@@ -782,7 +889,7 @@ def main(args):
     trained = None
     if args.do_train:
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint,
-                  card=model_card(args, labels, examples, results))
+                  card=model_card(args, labels, data, results))
         accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
         task = Task(labels, must_match, selection, metric_modules,
                     class_weights and class_weights.tensor(accelerator.device))
@@ -806,7 +913,7 @@ def main(args):
     results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained,
                                            results_tag))
     if args.do_predict:
-        write_predictions(accelerator, log, model, prepared["predict"], predict_examples, labels, args)
+        write_predictions(accelerator, log, model, prepared["predict"], data.predict, labels, args)
     write_results(log, args, results, results_tag)
     accelerator.print(json.dumps(results, indent=2, ensure_ascii=False))
     log.end()

@@ -6,7 +6,6 @@ import signal
 import numpy as np
 import pytest
 import torch
-from accelerate import PartialState
 from accelerate.state import AcceleratorState
 from conftest import launch, run
 from datasets import Dataset
@@ -68,10 +67,9 @@ def test_unk_rate_matches_the_definition_on_random_ids(tokenizer):
 
 
 def test_check_unk_rate_returns_the_rate_and_refuses_a_vocabulary_that_does_not_fit(tokenizer):
-    state = PartialState(cpu=True)
-    assert check_unk_rate(state, tokenizer, tokenised(tokenizer, ["比赛球队"]), "model") == 0.0
+    assert check_unk_rate(unk_rate(tokenizer, tokenised(tokenizer, ["比赛球队"])), "model") == 0.0
     with pytest.raises(UserError, match=r"^model: the tokenizer maps 67% of the training text to \[UNK\]"):
-        check_unk_rate(state, tokenizer, tokenised(tokenizer, ["龘靐比"]), "model")
+        check_unk_rate(unk_rate(tokenizer, tokenised(tokenizer, ["龘靐比"])), "model")
 
 
 def test_unk_check_stops_every_process_with_one_line(text_data, tmp_path):

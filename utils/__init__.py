@@ -32,6 +32,8 @@ both scripts
 train_bert_cls.py
   text_data.py   text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
                  --max_*_samples cuts, tokenising, padding, length-grouped sampling
+  text_cache.py  the tokenised data cache: the files read and tokenised once, by one process (one per node on
+                 node-local disks), into memory-mapped Arrow files every rank and later start reads; its key
   text_model.py  where the model's files come from (--config_name, --tokenizer_name, hub options), loading the
                  classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient checkpointing,
                  AdamW groups

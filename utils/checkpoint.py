@@ -5,7 +5,8 @@ RNG states of every rank, sampler), `<name>.safetensors` for each of the run's o
 `modules`: the ResNet script's EMA), plus training_state.json (`training_state`: where in training the run was, what
 it had selected, what must match for a resume, and the settings a resume may change).
 A checkpoint is first written to `.tmp-step_<N>`, and renamed to `step_<N>` only once every rank has finished and
-training_state.json is on disk, so `latest` always resolves to a complete one. A save that cannot finish (a full
+fsynced its files and training_state.json is on disk, so `latest` always resolves to a complete one, after a power loss
+too. A save that cannot finish (a full
 disk) stops every rank with one line naming the directory and its free space, removes its `.tmp-step_<N>`, and
 leaves the previous checkpoint the latest.
 
@@ -207,9 +208,11 @@ def add_allow_data_change(group):
 def data_fingerprint(source, records):
     """must_match[DATA_KEY]: `records` (one string per training example, in the order read) as their count and
     SHA-256; `source`: the file or directory they came from, named in messages."""
-    records = list(records)
-    digest = hashlib.sha256("".join(record + "\n" for record in records).encode("utf-8"))
-    return {"source": str(source), "examples": len(records), "sha256": digest.hexdigest()}
+    digest, count = hashlib.sha256(), 0
+    for record in records:  # one at a time: memory stays flat for any number of examples
+        digest.update((record + "\n").encode("utf-8"))
+        count += 1
+    return {"source": str(source), "examples": count, "sha256": digest.hexdigest()}
 
 
 def check_same_data(saved, current, path, allow_change, say):
@@ -313,6 +316,7 @@ class Checkpoints:
                 if self.writer:
                     for name, module in self.modules.items():
                         save_model(module, str(tmp / f"{name}.safetensors"))
+                fsync_files(tmp)  # every rank: its files' data reach the disk before the rename publishes them
             with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
                 if self.writer:
                     _write_json_durably(tmp / STATE_FILE, {
@@ -700,7 +704,26 @@ def replace_dir_atomically(tmp, final):
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync(final.parent)  # the new name on disk
     shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_files(directory):
+    """Every file under `directory` on disk, then the directory's entries: after a power loss a renamed checkpoint
+    holds its data, never a complete name over empty files (the rename itself may be undone: the previous checkpoint
+    is then the latest)."""
+    for path in sorted(Path(directory).rglob("*")):
+        if path.is_file():
+            _fsync(path)
+    _fsync(directory)
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_json_durably(path, data):

@@ -12,6 +12,8 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 - Augmentation randomness depends only on (seed, epoch, index), so a resumed run, any number of
   processes and any number of workers see the same crops and flips (the epoch reaches persistent workers through
   `EpochValue`).
+- The images are listed once, by ImageFolder's own walk of each class folder, which also finds a class folder
+  without an image (`RGBImageFolder.make_dataset`); the class scan reads only the root's top level.
 - `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
@@ -147,13 +149,26 @@ class RGBImageFolder(datasets.ImageFolder):
     folders and images as image_classes and is_image_file find them (macOS metadata left out)."""
 
     def __init__(self, root, transform, image_size, seed=0):
-        super().__init__(str(root), transform=transform, is_valid_file=lambda path: is_image_file(Path(path)))
+        super().__init__(str(root), transform=transform, is_valid_file=lambda path: is_image_file(Path(path)),
+                         allow_empty=True)  # an empty class: our one line in make_dataset
         self.placeholder = torch.zeros(3, image_size, image_size)
         self.seed, self.epoch = seed, EpochValue()  # shared with persistent workers' copies of this dataset
 
     def find_classes(self, directory):
+        """ImageFolder's class scan, with its errors as one line (`image_classes`)."""
         classes = image_classes(directory)
-        return classes, {name: i for i, name in enumerate(classes)}
+        return classes, {name: index for index, name in enumerate(classes)}
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        """ImageFolder's one listing of the folder, which also finds the class folders without an image."""
+        samples = datasets.folder.make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty=True)
+        found = {target for _, target in samples}
+        empty = [name for name, index in class_to_idx.items() if index not in found]
+        if empty:
+            raise UserError(f"{Path(directory) / empty[0]}: empty class folder (no "
+                            f"{', '.join(IMAGE_EXTENSIONS)} files); remove it or add its images")
+        return samples
 
     def set_epoch(self, epoch):
         self.epoch.set(epoch)
@@ -184,7 +199,8 @@ def sample_key(seed, epoch, item):
 
 
 def image_classes(root):
-    """Sorted class folder names of an ImageFolder root; a missing root or an empty class folder is an error."""
+    """Sorted class folder names of an ImageFolder root (its top level only: the images are listed once, by
+    `RGBImageFolder.make_dataset`, which refuses an empty class folder); a missing root or no class is an error."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no such directory; the data argument must be an ImageFolder root holding "
@@ -192,10 +208,6 @@ def image_classes(root):
     classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and entry.name != MACOS_METADATA)
     if not classes:
         raise UserError(f"{root}: no class folders (expected {root}/<class>/<image files>)")
-    for name in classes:
-        if not any(is_image_file(path) for path in (root / name).rglob("*")):
-            raise UserError(f"{root / name}: empty class folder (no {', '.join(IMAGE_EXTENSIONS)} files); remove it "
-                            "or add its images")
     return classes
 
 
@@ -248,8 +260,7 @@ def build_datasets(data, seed, transforms, folder=RGBImageFolder, say=print):
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     for note in [*left_out_notes(train_root), *left_out_notes(val_root)]:
         say(note)
-    train_classes, val_classes = image_classes(train_root), image_classes(val_root)
-    check_same_classes(train_classes, val_classes, train_root, val_root)
+    check_same_classes(image_classes(train_root), image_classes(val_root), train_root, val_root)
     train = folder(train_root, transforms[0], transforms[2], seed)
     val = folder(val_root, transforms[1], transforms[3], seed)
     return train, val

@@ -42,7 +42,8 @@ A batch then holds samples of similar length drawn from one megabatch (50 global
 instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
 
 The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
-checkpoint, so that a resume on changed data is refused (utils/checkpoint.py).
+checkpoint, so that a resume on changed data is refused (utils/checkpoint.py); for files it is computed once, when the
+tokenised data cache is built, and kept there (utils/text_cache.py).
 
 Neighbours: utils/text_model.py (the model and tokenizer), utils/text_metrics.py (loss, metrics, predictions).
 """
@@ -58,6 +59,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from accelerate.utils import DynamoBackend
 from datasets import ClassLabel, Dataset, DatasetDict
@@ -502,16 +504,23 @@ def _example(row, where, fmt, line, labelled=True):
     return Example(_check_text(_row_text(row, fmt), where), label, where, pair, line)
 
 
-def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
-    """All examples of a labelled file: .txt/.tsv `label<TAB>text` lines (or a table with a header row), .csv, or
-    .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels are not read). `say` prints
-    one-line notes (a header row skipped)."""
+def iter_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
+    """The examples of a labelled file one at a time, as they are read: .txt/.tsv `label<TAB>text` lines (or a table
+    with a header row), .csv, or .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels
+    are not read). `say` prints one-line notes (a header row skipped). A file without examples is an error."""
     path = Path(path)
-    examples = [_example(row, f"{path}:{line}", fmt, line, labelled)
-                for line, row in _rows(path, fmt, say, _cnews_lines, labelled) if row is not None]
-    if not examples:
+    found = False
+    for line, row in _rows(path, fmt, say, _cnews_lines, labelled):
+        if row is not None:
+            found = True
+            yield _example(row, f"{path}:{line}", fmt, line, labelled)
+    if not found:
         raise UserError(f"{path}: no examples (the file is empty)")
-    return examples
+
+
+def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
+    """All examples of a labelled file, as a list (`iter_examples`)."""
+    return list(iter_examples(path, labelled, fmt, say))
 
 
 def read_predict_file(path, fmt=DEFAULT_FORMAT, labels=(), say=print):
@@ -828,22 +837,32 @@ def build_label_list(train_examples, labels_file=None, encoding="utf-8"):
     """Deterministic label order: the labels file if given, else the sorted labels of the train file.
 
     (The reference built it from a Python set, so ids changed between runs.)
-    """
+    One pass over `train_examples` (any iterable: a file read as it streams)."""
     if labels_file:
         labels = read_labels_file(labels_file, encoding)
         check_known_labels(train_examples, labels, source=str(labels_file))
         return labels
-    check_label_spellings(train_examples)
-    return sorted({label for example in train_examples for label in label_set(example)})
+    first_seen = _first_seen(train_examples)
+    _check_spellings(first_seen)
+    return sorted(first_seen)
+
+
+def _first_seen(examples):
+    """{label: where it first appears}."""
+    first_seen = {}
+    for example in examples:
+        for label in label_set(example):
+            first_seen.setdefault(label, example.where)
+    return first_seen
 
 
 def check_label_spellings(examples):
     """Labels are strings, so '1' and '1.0' (or a JSON 1 and true) would be two classes: refused, naming the first
     line of each. (A --labels_file that lists both says they are different classes.)"""
-    first_seen = {}
-    for example in examples:
-        for label in label_set(example):
-            first_seen.setdefault(label, example.where)
+    _check_spellings(_first_seen(examples))
+
+
+def _check_spellings(first_seen):
     by_number = {}
     for label, where in first_seen.items():
         number = _label_number(label)
@@ -938,8 +957,9 @@ def label_targets(examples, labels, multi_label, regression=False):
     return targets
 
 
-def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None):
-    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator.
+def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cache_file=None):
+    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator. `cache_file`: the
+    Arrow file the tokenised data go to (memory-mapped from there; utils/text_cache.py), else they stay in memory.
 
     A sentence pair becomes the tokenizer's pair encoding ([CLS] a [SEP] b [SEP], token_type_ids 0/1), truncated
     longest_first: the longer sentence loses tokens first, so a short question keeps all of its words."""
@@ -955,13 +975,14 @@ def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None):
         return tokenizer(batch["text"], pair, truncation="longest_first", max_length=max_seq_len)
 
     dataset = Dataset.from_dict(columns)
-    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"])
+    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"],
+                       cache_file_name=cache_file and str(cache_file))
 
 
-def tokenize_examples(tokenizer, examples, targets, max_seq_len):
+def tokenize_examples(tokenizer, examples, targets, max_seq_len, cache_file=None):
     """`tokenize` for Examples: texts, and sentence pairs when the examples have them."""
     pairs = [e.text_pair for e in examples] if examples[0].text_pair is not None else None
-    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs)
+    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs, cache_file)
 
 
 def fingerprint_examples(path, examples):
@@ -973,8 +994,26 @@ def fingerprint_examples(path, examples):
 
 
 def token_lengths(dataset):
-    """Tokens per sample, for length-grouped batching."""
-    return [len(ids) for ids in dataset["input_ids"]]
+    """Tokens per sample (N,), for length-grouped batching: counted by Arrow, without a Python list per text."""
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
+
+
+@dataclass
+class TextData:
+    """The data a run trains and evaluates on: the label list, the tokenised splits ({"train"|"validation"|"test":
+    Dataset}, memory-mapped from the data cache for files), and what was learnt while reading them."""
+    labels: list[str]
+    datasets: dict
+    first_text: list  # [text, text_pair or None] of the first validation (else training) example, for the model card
+    unk_rate: float | None  # [UNK] tokens among the training text's tokens; None without training data
+    fingerprint: dict | None  # the training data's, for the checkpoints (utils/checkpoint.py data_fingerprint)
+    notes: list[str] = field(default_factory=list)  # said while reading (a header row skipped, the cuts)
+    predict: list | None = None  # --do_predict's records (Examples, blank lines marked `skipped`), in input order
+
+    def meta(self):
+        """What the data cache keeps beside the Arrow files (utils/text_cache.py)."""
+        return {"labels": self.labels, "splits": list(self.datasets), "first_text": self.first_text,
+                "unk_rate": self.unk_rate, "fingerprint": self.fingerprint, "notes": self.notes}
 
 MEGABATCH_BATCHES = 50  # transformers' choice: large enough to group well, small enough to stay random
 

@@ -12,8 +12,8 @@ starts from random weights trains to a poor model without any error, so here a m
 
 The tokenizer check counts the share of real tokens mapped to [UNK]. It caught a real failure (transformers 5
 ignoring `vocab_file=` and mapping every Chinese character to [UNK]), so it stays, at the cost it should have: one
-vectorised pass over the tokenised column, on the main process only, while the other processes wait for its verdict
-and stop with it.
+vectorised pass over the tokenised column, once, when the data are tokenised (utils/text_cache.py keeps the rate with
+the data), and every process stops with the same verdict.
 
 Hub id or path (`check_hub_ids_or_paths`, for --model_name_or_path, --config_name, --tokenizer_name, --dataset_name
 and --metric): a value that names nothing on the local disk is a hub id only if it has
@@ -32,14 +32,12 @@ Neighbours: utils/text_data.py (tokenising), utils/text_metrics.py, utils/export
 import json
 import os
 import re
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from accelerate.utils import broadcast
 from transformers import Adafactor, get_scheduler
 
 from utils.checkpoint import MUST_KEEP, kept_by, this_launch
@@ -180,17 +178,9 @@ def unk_rate(tokenizer, dataset, column="input_ids"):
     return float(np.count_nonzero(real == tokenizer.unk_token_id)) / max(1, real.size)
 
 
-def check_unk_rate(accelerator, tokenizer, dataset, source, limit=MAX_UNK_RATE):
-    """The training text's [UNK] rate, counted on the main process and shared with every rank; above `limit`, a
-    UserError on every rank at once (so all stop cleanly, none waits in a collective for a rank that has left)."""
-    rate = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
-    if accelerator.is_main_process:
-        start = time.perf_counter()
-        rate[0] = unk_rate(tokenizer, dataset)
-        seconds = time.perf_counter() - start
-        if seconds > 1.0:
-            print(f"[UNK] check: {seconds:.1f} s for {len(dataset):,} texts", flush=True)
-    rate = broadcast(rate, from_process=0).item()
+def check_unk_rate(rate, source, limit=MAX_UNK_RATE):
+    """The training text's [UNK] rate (`unk_rate`, counted once when the data were tokenised); above `limit` a
+    UserError, on every rank alike (each holds the same rate)."""
     if rate > limit:
         raise UserError(f"{source}: the tokenizer maps {rate:.0%} of the training text to [UNK]; "
                         "its vocab.txt does not fit this text")
@@ -439,14 +429,14 @@ def use_model_settings(args, say, settings):
     return settings_from_model(args, others, recorded, args.model_name_or_path, say)
 
 
-def model_card(args, labels, examples, run):
+def model_card(args, labels, data, run):
     """best_model/README.md's fixed part (utils/outputs.py ModelCard): the labels, the key settings (`run`:
     run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
     truncated as in training."""
     best_dir = Path(args.output_dir) / "best_model"
-    example = (examples.get("validation") or examples["train"])[0]
-    literal = json.dumps({"text": example.text, "text_pair": example.text_pair}, ensure_ascii=False)
-    text = json.dumps(example.text, ensure_ascii=False) if example.text_pair is None else literal
+    first_text, first_pair = data.first_text  # of the validation set, else the training set
+    literal = json.dumps({"text": first_text, "text_pair": first_pair}, ensure_ascii=False)
+    text = json.dumps(first_text, ensure_ascii=False) if first_pair is None else literal
     options = f"truncation=True, max_length={args.max_seq_len}" + (", top_k=None" if args.multi_label else "")
     usage = "\n".join([
         "```python", "from transformers import pipeline", "",
@@ -456,7 +446,7 @@ def model_card(args, labels, examples, run):
         f"print(classifier({text}, {options}))", "```", "",
         f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
         + (f"texts.jsonl --text_column {args.text_column} --text_pair_column {args.text_pair_column}"
-           if example.text_pair is not None else "texts.txt")
+           if first_pair is not None else "texts.txt")
         + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT`."])
     model = str(args.model_name_or_path)
     if args.from_scratch:
@@ -477,4 +467,4 @@ def model_card(args, labels, examples, run):
                   **({"base_model": args.model_name_or_path} if hub_id else {})},
         labels=labels, settings=settings, usage=usage, command=command_line(),
         data_files={split: (files[split] or f"{args.dataset_name} ({split})", len(found))
-                    for split, found in examples.items()})
+                    for split, found in data.datasets.items()})
