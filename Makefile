@@ -22,7 +22,7 @@ GPU_READY := $(GPU_SITE)/.installed
 GPU_ENV := PYTHONPATH=$(GPU_SITE)
 endif
 
-.PHONY: install install-dev demo test test-slurm test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
+.PHONY: install install-dev demo test test-long test-slurm test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
 
 $(VENV)/.installed: requirements.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +41,15 @@ demo: install
 
 # Two pytest workers (pytest-xdist), one test file each at a time (module fixtures train once), files in name order:
 # most of a test is one process starting or one thread training, so a 2-core machine's second core would idle.
+# `make test` leaves out the learning checks that need many steps (marked `long`); `make test-long` runs only those.
+# The 15 slowest tests are listed at the end, so a slow one is seen the day it lands.
 TEST_WORKERS ?= 2
+PYTEST := $(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 test: install-dev
-	$(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST) -m "not long" tests
+
+test-long: install-dev
+	$(PYTEST) -m long tests
 
 # slurm/multinode.sbatch on a real Slurm: a throwaway cluster of slurmds on this machine (tests/slurm/). Needs root;
 # installs Debian's Slurm 22.05 and munge with apt-get if they are missing. 5 to 8 minutes on 2 cores.

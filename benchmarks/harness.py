@@ -92,7 +92,10 @@ def bert_train_loader(script_args, tokenizer, labels, examples):
     """The unprepared training loader train_bert_cls.py builds (its build_dataloaders): tokenised once, padded per
     batch."""
     from train_bert_cls import build_dataloaders
-    return build_dataloaders(script_args, tokenizer, labels, {"train": examples}, None)[0]["train"]
+    from utils.text_data import label_targets, tokenize_examples
+    targets = label_targets(examples, labels, script_args.multi_label, script_args.do_regression)
+    dataset = tokenize_examples(tokenizer, examples, targets, script_args.max_seq_len)
+    return build_dataloaders(script_args, tokenizer, {"train": dataset}, None)["train"]
 
 
 def script_accelerator(**flags):

@@ -1,6 +1,6 @@
 """The benchmarks' command lines: --help shows every flag benchmarks/README.md promises, with defaults, and a
-missing data root is one line on stderr and exit status 2, not a traceback. Every CPU benchmark but the two that run
-whole training commands (bench_memory, bench_vs_trainer) also runs --quick end to end on the suite's tiny data laid
+missing data root is one line on stderr and exit status 2, not a traceback. Every CPU benchmark but the three that run
+whole training commands (bench_memory, bench_vs_trainer, bench_startup) also runs --quick end to end on the suite's tiny data laid
 out like the real data (bench_checkpointing on its built-in models): each arm must report a rate (its size is not
 checked: nothing here is a measurement)."""
 import importlib
@@ -17,7 +17,7 @@ from conftest import ACCELERATE, ENV, ROOT, free_port, read_json, run
 BENCHMARKS = ROOT / "benchmarks"
 # name -> does it read real data (--data_root) and run interleaved rounds (--rounds); benchmarks/README.md's table
 FLAGS = {"bench_bert_input": True, "bench_overhead": True, "bench_ddp_scaling": True, "bench_cpu_precision": True,
-         "bench_memory": False, "bench_checkpointing": False}
+         "bench_memory": False, "bench_checkpointing": False, "bench_startup": True}
 
 
 def benchmark(name):

@@ -156,6 +156,30 @@ def test_labelled_predict_file_predicts_on_its_texts(trained, text_data, tmp_pat
     assert agreement == pytest.approx(read_json(out / "all_results.json")["test_accuracy"])
 
 
+def test_predictions_are_made_and_written_a_batch_at_a_time(trained, text_data, tmp_path, monkeypatch):
+    """Memory bounded for any number of texts: the rows are made from one batch of logits at a time (never all of
+    them at once), in input order, the skipped records before, between and after the texts included."""
+    import train_bert_cls
+
+    out, _ = trained[1]
+    texts = [line.split("\t", 1)[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()]
+    lines = ["", *texts[:20], "", *texts[20:40], "", ""]
+    predict_file = tmp_path / "texts.txt"
+    predict_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    sizes, real = [], train_bert_cls.prediction_rows
+
+    def counted(logits, examples, *args):
+        sizes.append(len(logits))
+        return real(logits, examples, *args)
+    monkeypatch.setattr(train_bert_cls, "prediction_rows", counted)
+    run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--do_predict", "--predict_file",
+                      predict_file, "--eval_batch_size", "16", "--output_dir", tmp_path / "pred"])
+    assert sizes == [16, 16, 8, 0]  # 40 texts in batches of 16, then the blank lines after the last one
+    rows = read_jsonl(tmp_path / "pred" / "predictions.jsonl")
+    assert [(r["line"], r["text"]) for r in rows] == list(enumerate(lines, start=1))
+    assert [r["line"] for r in rows if "skipped" in r] == [1, 22, 43, 44]
+
+
 def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
     """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE): dev.json validates; the unlabelled
     test.json cannot be a --do_test file, and is a --predict_file."""
@@ -219,9 +243,10 @@ def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
     # a head for another number of classes, and a file that would unpickle arbitrary objects, are refused
     torch.save({"state_dict": {**legacy, "module.linear.weight": torch.zeros(3, 64),
                                "module.linear.bias": torch.zeros(3)}}, tmp_path / "three.pt")
-    import argparse
+    import fractions
 
-    torch.save({"state_dict": legacy, "args": argparse.Namespace(lr=1)}, tmp_path / "pickled.pt")
+    # (an argparse.Namespace, torchvision's recorded command line, is allowed: utils/export.py load_torch_checkpoint)
+    torch.save({"state_dict": legacy, "args": fractions.Fraction(1, 3)}, tmp_path / "pickled.pt")
     for name, message in (("three.pt", "its head predicts 3 classes, this run has 10 labels"), ("pickled.pt", "weights_only")):
         proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", text_data / "model", "--init_from_legacy",
                                  tmp_path / name, "--labels_file", out / "labels.txt", "--data_dir", text_data,

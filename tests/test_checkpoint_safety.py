@@ -383,3 +383,28 @@ def test_ctrl_c_is_one_line_and_exit_status_130(text_data, tmp_path):
     check_checkpoint_files(OneProcess(), last)
     assert not (out / ".lock").exists()  # the interrupted run let go of its output directory
     assert not AcceleratorState._shared_state  # run_here put everything back
+
+
+def test_checkpoint_files_reach_the_disk_before_the_rename(digits, tmp_path, monkeypatch):
+    """Every file of a checkpoint (accelerate's, the EMA's safetensors) is fsynced under its temporary name, and the
+    directory after the rename: a power loss never leaves step_N naming empty files."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "out"
+    run_here("train_resnet.py", resnet_args(digits, out, *EMA))
+    tmp, final = str(out / "checkpoints" / ".tmp-step_2"), str(out / "checkpoints" / "step_2")
+    renamed = events.index(("replace", tmp, final))
+    synced = {os.path.basename(event[1]) for event in events[:renamed]
+              if event[0] == "fsync" and event[1].startswith(tmp + "/")}
+    assert {path.name for path in (out / "checkpoints" / "step_2").iterdir()} <= synced
+    assert ("fsync", str(out / "checkpoints")) in events[renamed:]

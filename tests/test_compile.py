@@ -85,11 +85,12 @@ def resnet_args(data, out, *extra):
             "-j", "0", "-p", "5", "--epochs", "1", "--output_dir", out, *extra]
 
 
-def test_compiled_resnet_exports_what_plain_torchvision_loads(digits_data, tmp_path):
+def test_compiled_resnet_exports_what_plain_torchvision_loads(few_digits, tmp_path):
     import torchvision
 
     out = tmp_path / "compiled"
-    proc = compiled_launch("eager", "train_resnet.py", resnet_args(digits_data, out, "--checkpointing_steps", "10"))
+    # 5 steps of 64 of the 336 training images, a checkpoint at steps 2 and 4 (inside the epoch)
+    proc = compiled_launch("eager", "train_resnet.py", resnet_args(few_digits, out, "--checkpointing_steps", "2"))
     assert f"{COMPILED} eager" in proc.stderr
     uninterrupted = torch.load(out / "checkpoint.pth", weights_only=True)["state_dict"]
     for name in ("checkpoint.pth", "model_best.pth"):
@@ -98,14 +99,14 @@ def test_compiled_resnet_exports_what_plain_torchvision_loads(digits_data, tmp_p
     # the uncompiled model from the export scores the validation set as the compiled one did
     again = tmp_path / "evaluated"
     run([*ACCELERATE, "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-         "no", "train_resnet.py", "--cpu", *resnet_args(digits_data, again, "--evaluate", "--resume",
+         "no", "train_resnet.py", "--cpu", *resnet_args(few_digits, again, "--evaluate", "--resume",
                                                          out / "model_best.pth")])
     trained, evaluated = read_json(out / "all_results.json"), read_json(again / "eval_results.json")
     assert evaluated["eval_acc1"] == trained["eval_acc1"]
     assert evaluated["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-4)
     # resumed under compile from a mid-epoch checkpoint, it ends where the uninterrupted compiled run ended
-    compiled_launch("eager", "train_resnet.py", resnet_args(digits_data, out, "--checkpointing_steps", "10",
-                                                            "--resume", out / "checkpoints" / "step_10"))
+    compiled_launch("eager", "train_resnet.py", resnet_args(few_digits, out, "--checkpointing_steps", "2",
+                                                            "--resume", out / "checkpoints" / "step_2"))
     resumed = torch.load(out / "checkpoint.pth", weights_only=True)["state_dict"]
     assert resumed.keys() == uninterrupted.keys()
     assert max((resumed[k].float() - uninterrupted[k].float()).abs().max().item() for k in resumed) < 1e-6

@@ -173,14 +173,26 @@ TRANSFORMERS_4_TRAINING_ARGUMENTS = ("overwrite_output_dir", "warmup_ratio", "gr
 BERT_MINIMAL = ["--model_name_or_path", "m", "--do_train"]
 
 
-def run_classification_table():
-    """(flag, status, how) rows of docs/bert.md's run_classification.py table."""
+def flag_table(heading):
+    """(flag, status, how) rows of the docs/bert.md table under `heading`."""
     text = (ROOT / "docs" / "bert.md").read_text(encoding="utf-8")
-    section = text[text.index("## run_classification.py flag → ours"):]
+    section = text[text.index(heading):]
+    section = section[:section.find("\n## ", 1) if "\n## " in section[1:] else None]
     lines = [line for line in section.splitlines() if line.startswith("| `--")]
     rows = [re.fullmatch(r"\| `--(\w+)` \| (supported|replaced|not supported) \| (.+) \|", line) for line in lines]
     assert all(rows), [line for line, row in zip(lines, rows) if not row]
     return [row.groups() for row in rows]
+
+
+def run_classification_table():
+    return flag_table("## run_classification.py flag → ours")
+
+
+BERT_TABLES = ("## run_classification.py flag → ours", "## The Chinese BERT tutorial's flag → ours",
+               "## accelerate's examples' flag → ours")
+# Values a refused flag is probed with: it is refused only if it is refused without a value and with each of these,
+# so that a flag that became supported with `choices` (or as a switch) cannot pass as refused
+PROBE_VALUES = ("1", "true", "0.5", "epoch", "linear", "adamw_torch", "x", "cnews")
 
 
 def bert_parses(argv):
@@ -211,7 +223,8 @@ def test_run_classification_table_covers_every_flag():
     assert not set(flags) - known, f"not a flag of run_classification.py: {sorted(set(flags) - known)}"
 
 
-@pytest.mark.parametrize("flag, status, how", run_classification_table(), ids=lambda value: str(value)[:30])
+@pytest.mark.parametrize("flag, status, how", [row for heading in BERT_TABLES for row in flag_table(heading)],
+                         ids=lambda value: str(value)[:30])
 def test_run_classification_table_tells_the_truth(flag, status, how):
     """A supported flag's example (the code that starts its cell) parses and uses that very spelling; a replaced
     one's example parses with our flag; every replaced or unsupported flag is refused, never silently taken."""
@@ -219,11 +232,54 @@ def test_run_classification_table_tells_the_truth(flag, status, how):
         assert not how.startswith("`"), "an unsupported flag explains why, in words"
     else:
         example = shlex.split(re.match(r"`([^`]+)`", how).group(1))
-        data = [] if {"--dataset_name", "--train_file"} & set(example) else ["--train_file", "t.csv"]
-        assert bert_parses([*BERT_MINIMAL, *data, *example]), f"`{' '.join(example)}` is refused"
+        data = [] if {"--dataset_name", "--train_file", "--data_dir"} & set(example) else ["--train_file", "t.csv"]
+        minimal = BERT_MINIMAL if "--bert_dir" not in example else BERT_MINIMAL[2:]  # its alias
+        assert bert_parses([*minimal, *data, *example]), f"`{' '.join(example)}` is refused"
         assert (f"--{flag}" in example) == (status == "supported"), example
     if status != "supported":
-        assert not bert_parses([*BERT_MINIMAL, "--train_file", "t.csv", f"--{flag}", "1"]), f"--{flag} is accepted"
+        for probe in ([], *([value] for value in PROBE_VALUES)):
+            assert not bert_parses([*BERT_MINIMAL, "--train_file", "t.csv", f"--{flag}", *probe]), \
+                f"--{flag} {' '.join(probe)} is accepted"
+
+
+def test_bert_table_defaults_are_the_parser_defaults():
+    """A row saying `default X here` states the parser's default of the flag that row's example sets."""
+    import train_bert_cls
+
+    parser = train_bert_cls.build_parser()
+    checked = 0
+    for heading in BERT_TABLES:
+        for flag, status, how in flag_table(heading):
+            stated = re.search(r"default (?:`(--\w+)` )?([\w.+-]+) here", how)
+            if not stated:
+                continue
+            example = shlex.split(re.match(r"`([^`]+)`", how).group(1))
+            ours = stated.group(1) or next(word for word in example if word.startswith("--"))
+            default = parser.get_default(parser._option_string_actions[ours].dest)
+            if default is None:  # decided at start (the model's positions): its help says how
+                continue
+            same = (str(default) == stated.group(2) or not isinstance(default, (str, bool))
+                    and float(default) == float(stated.group(2)))
+            assert same, f"--{flag}: the default of {ours} is {default}"
+            checked += 1
+    assert checked >= 8, checked
+
+
+def test_resnet_peer_spellings_are_accepted_or_refused_in_one_line():
+    """Every torchvision and timm flag the recipe table names is a flag of train_resnet.py, or refused in one line
+    with what replaces it."""
+    import train_resnet
+    from utils.image_references import MAIN_PY_FLAGS, TIMM_FLAGS, TORCHVISION_FLAGS
+
+    text = (ROOT / "docs" / "resnet_recipes.md").read_text(encoding="utf-8")
+    table = text[text.index("## Flags and their torchvision / timm equivalents"):]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    theirs = {flag for row in rows for cell in row[1:3] for flag in re.findall(r"`(--[\w-]+)", cell)}
+    ours = set(train_resnet.build_parser()._option_string_actions)
+    unknown = theirs - ours - {*MAIN_PY_FLAGS, *TORCHVISION_FLAGS, *TIMM_FLAGS}
+    # timm's flags with no counterpart that the table itself says are not built here, by name
+    assert unknown == {"--pretrained-path", "--input-size", "--crop-pct", "--scale", "--ratio", "--train-interpolation",
+                       "--repeated-aug", "--patience-epochs"}, sorted(unknown)
 
 
 ROLE_ROWS = {CHANGE: "may change on resume (named, then applied)", KEEP: "must be kept on resume (refused otherwise)",
@@ -263,3 +319,26 @@ def test_readme_stays_scannable():
     """README.md is read in two minutes: at most 150 lines; detail belongs in docs/."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def pytest_line(target):
+    """The arguments of the pytest that `make TARGET` runs, as make prints it without running anything (`make -n`)."""
+    proc = subprocess.run(["make", "-n", "--no-print-directory", target, "PY=python"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [shlex.split(line) for line in proc.stdout.splitlines() if " -m pytest " in line]
+    assert len(lines) == 1, proc.stdout
+    return lines[0][lines[0].index("pytest") + 1:]
+
+
+def test_make_test_leaves_the_long_tier_to_make_test_long_and_ci_runs_both(pytestconfig):
+    """The README's `make test` deselects the tests marked `long` and lists its 15 slowest tests; `make test-long`
+    runs exactly those; `.ci/run` runs both, so no check stops being run."""
+    fast, long = pytest_line("test"), pytest_line("test-long")
+    assert "--durations=15" in fast and fast[fast.index("-m") + 1] == "not long" and fast[-1] == "tests"
+    assert long[long.index("-m") + 1] == "long" and long[-1] == "tests"
+    assert any(marker.startswith("long:") for marker in pytestconfig.getini("markers"))  # registered in conftest.py
+    marked = [path.name for path in (ROOT / "tests").glob("test_*.py") if "@pytest.mark.long" in path.read_text()]
+    assert marked, "no test is marked long: `make test-long` would collect nothing and fail"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "make test" in ci and "make test-long" in ci

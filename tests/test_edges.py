@@ -119,7 +119,7 @@ def test_rollback_with_a_lower_learning_rate_starts_a_new_branch_on_more_process
                   num_processes=2)
     assert "resumed with changed settings (applied from here on): --learning_rate 0.001 -> 0.0001" in proc.stdout
     assert "starts a new branch: the later step_6" in proc.stdout
-    assert "resumed on 2 processes from a checkpoint of 1" in proc.stdout
+    assert "resumed on 2 processes from a checkpoint of 1 process" in proc.stdout
     assert "warning: ranks 1-1 have no saved random state" in proc.stderr
     abandoned = checkpoints / "step_6.abandoned_on_resume_from_step_3"
     assert_same(load_file(abandoned / "model.safetensors"), old_step_6)

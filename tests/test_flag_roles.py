@@ -74,12 +74,17 @@ BERT_RESUMABLE_ADDED = {
     "--validation_file": "validation_file", "--validation_split_name": "validation_split_name",  # named: the best
     "--threshold": "threshold", "--eval_steps": "eval_steps",  # so far was measured with the old ones
     "--pool": "pool",  # how an evaluation pools a text's windows: the training does not depend on it
+    # the Trainer's schedule flags: the schedule is a function of the step, rebuilt at the resumed one
+    "--lr_scheduler_type": "lr_scheduler_type", "--lr_scheduler_kwargs": "lr_scheduler_kwargs",
+    "--warmup_steps": "warmup_steps",
 }
 BERT_KEPT = ["--train_batch_size", "--max_train_samples", "--max_eval_samples", "--shuffle_train_dataset",
              "--shuffle_seed", "--gradient_accumulation_steps", "--max_seq_len", "multi_label", "regression"]
 BERT_KEPT_ADDED = ["--seed", "--group_by_length",  # the sample order
                    "--tokenizer_name",  # the inputs
-                   "--truncation", "--head_tokens", "--doc_stride"]  # how long texts become the inputs
+                   "--truncation", "--head_tokens", "--doc_stride",  # how long texts become the inputs
+                   "--optim", "--adam_beta1", "--adam_beta2", "--adam_epsilon",  # the optimizer's state
+                   "--layerwise_lr_decay", "--head_learning_rate"]  # its parameter groups
 RESNET_RESUMABLE = {"--lr": "lr", "--momentum": "momentum", "--wd": "weight_decay", "--epochs": "epochs",
                     "--lr_scheduler": "lr_scheduler", "--lr_step_epochs": "lr_step_epochs",
                     "--warmup_epochs": "warmup_epochs", "--lr_warmup_method": "lr_warmup_method",
@@ -90,7 +95,8 @@ RESNET_RESUMABLE = {"--lr": "lr", "--momentum": "momentum", "--wd": "weight_deca
 RESNET_RESUMABLE_ADDED = [  # each applies from the resumed step on, and was taken without a word before
     "--label_smoothing", "--lr_gamma", "--clip_grad_norm", "--drop_path", "--drop", "--sync_bn", "--crop_scale",
     "--crop_ratio", "--hflip", "--auto_augment", "--ra_magnitude", "--augmix_severity", "--random_erase",
-    "--mixup_alpha", "--cutmix_alpha", "--mixup_mode", "--model_ema_steps", "--model_ema_decay"]
+    "--mixup_alpha", "--cutmix_alpha", "--mixup", "--cutmix", "--mixup_mode", "--model_ema_steps",
+    "--model_ema_decay"]
 RESNET_KEPT = ["arch", "global_batch_size", "--gradient_accumulation_steps", "--train_crop_size", "--opt", "model_ema"]
 RESNET_KEPT_ADDED = ["--seed", "--ra_sampler", "--ra_reps",  # which images (and augmentations) each step sees
                      "--norm_weight_decay", "--bias_weight_decay"]  # the optimizer's parameter groups

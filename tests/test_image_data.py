@@ -1,4 +1,6 @@
 """utils/image_data.py: every image mode loads as RGB, unreadable files are marked (not raised), class checks."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -102,7 +104,23 @@ def test_empty_class_folder(tmp_path):
     (root / "empty").mkdir()
     (root / "empty" / "notes.txt").write_text("no images here")
     with pytest.raises(UserError, match=r"train/empty: empty class folder"):
-        image_classes(root)
+        RGBImageFolder(root, None, 16)
+
+
+def test_each_class_folder_is_listed_once(tmp_path, monkeypatch):
+    """One listing of the images (ImageFolder's), which also finds an empty class: none before it to check them."""
+    write_folder(tmp_path / "train", classes=("cat", "dog"))
+    write_folder(tmp_path / "val", classes=("cat", "dog"), per_class=1)
+    listed, real = [], os.scandir
+
+    def scandir(path="."):
+        listed.append(os.fspath(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    build_datasets(tmp_path, 0, (*transforms(16, 16), 16, 16))
+    for split in ("train", "val"):
+        for name in ("cat", "dog"):
+            assert listed.count(str(tmp_path / split / name)) == 1, listed
 
 
 def test_missing_split_and_no_classes(tmp_path):

@@ -7,14 +7,15 @@ ResNet's BatchNorm normalises each process's share of the batch, and torch's Syn
 on CPU; so on CPU the proof is that 2 processes x 32 images equal 1 process x 32 images x 2 accumulation
 steps (same BatchNorm batches, same averaged gradient). With GPUs, `--sync_bn` makes 1 and N processes equal.
 Neither training set divides into global batches: BERT's 88 samples end each epoch with 8 (accelerate pads that
-batch with repeated samples on 2 processes, which weigh nothing in the loss), ResNet's 1,348 images drop the last 4
+batch with repeated samples on 2 processes, which weigh nothing in the loss), ResNet's 336 images drop the last 16
 (drop_last, the same ones on any number of processes).
 """
 import subprocess
 
 import pytest
 import torch
-from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_json, run
+from conftest import (ACCELERATE, ENV, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, ROOT, TORCHRUN, free_port, launch, read_json,
+                      run)
 from launch_options import default_config, launch_with_config
 from safetensors.torch import load_file
 
@@ -109,7 +110,7 @@ def test_bert_bf16_on_cpu_runs_and_fp16_is_reported_honestly(uneven_text_data, t
         assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-RESNET_STEPS = 1348 // 64  # one epoch of the digits fixture (1,348 training images, drop_last)
+RESNET_STEPS = FEW_DIGITS_TRAIN // 64  # one epoch of the few_digits fixture (336 training images, drop_last)
 
 
 def resnet_args(data, out, *extra):
@@ -134,30 +135,30 @@ RESNET_LAUNCHES = [*LAUNCHES, FP16_DEFAULT_CONFIG]
 
 
 @pytest.fixture(scope="module")
-def resnet_runs(digits_data, tmp_path_factory):
+def resnet_runs(few_digits, tmp_path_factory):
     fp16_config = default_config(tmp_path_factory.mktemp("default_config") / "fp16.json", "fp16")
     launches = {**LAUNCHES, FP16_DEFAULT_CONFIG: lambda args: launch_with_config(fp16_config, args[0], args[2:],
                                                                                  num_processes=2)}
     outs = {}
     for name, start in launches.items():
         out = tmp_path_factory.mktemp("resnet_" + name.replace(" ", "_").replace(".", "_"))
-        args = resnet_args(digits_data, out)
+        args = resnet_args(few_digits, out)
         if name == "1 process":  # 32 images per micro-batch, as each of 2 processes sees them
-            args = resnet_args(digits_data, out, "-b", "32", "--gradient_accumulation_steps", "2")
+            args = resnet_args(few_digits, out, "-b", "32", "--gradient_accumulation_steps", "2")
         start(args)
         outs[name] = out
     return outs
 
 
 @pytest.mark.parametrize("name", RESNET_LAUNCHES)
-def test_resnet_records_how_it_ran(resnet_runs, name, digits_data):
+def test_resnet_records_how_it_ran(resnet_runs, name, few_digits):
     results = read_json(resnet_runs[name] / "all_results.json")
     processes = 1 if name == "1 process" else 2
     assert results["num_processes"] == processes
     assert results["distributed_type"] == ("NO" if processes == 1 else "MULTI_CPU")
     assert results["global_batch_size"] == (32 if processes == 1 else 64)  # 1 process: 32 x 2 accumulation steps
-    val_images = sum(1 for _ in (digits_data / "val").rglob("*.png"))
-    assert results["eval_samples"] == val_images  # 449: odd, counted exactly on 2 processes
+    val_images = sum(1 for _ in (few_digits / "val").rglob("*.png"))
+    assert results["eval_samples"] == val_images == FEW_DIGITS_VAL  # odd, counted exactly on 2 processes
 
 
 @pytest.mark.parametrize("name", RESNET_LAUNCHES[1:])
@@ -186,7 +187,7 @@ def test_resnet_fp16_two_processes_from_a_default_config_file(resnet_runs):
     # fp16 on the CPU trains in fp32, and the results say so
     assert (results["num_processes"], results["mixed_precision"], results["mixed_precision_requested"]) == (
         2, "no", "fp16")
-    assert results["eval_samples"] == 449 and torch.isfinite(torch.tensor(results["eval_loss"]))
+    assert results["eval_samples"] == FEW_DIGITS_VAL and torch.isfinite(torch.tensor(results["eval_loss"]))
     state_dict = torch.load(out / "model_best.pth", weights_only=True)["state_dict"]
     assert {w.dtype for w in state_dict.values() if w.is_floating_point()} == {torch.float32}
     torchvision.models.resnet18(num_classes=10).load_state_dict(state_dict)  # strict: every key, no prefix

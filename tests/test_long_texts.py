@@ -7,7 +7,7 @@ from conftest import launch, one_thread, read_json, read_jsonl, run_here
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from utils.text_data import LongText, tokenize
-from utils.text_metrics import pool_windows
+from utils.text_metrics import StreamedWindows, pool_windows
 
 SCRIPT = "train_bert_cls.py"
 LEN = 16  # tokens: most headlines (up to 24 tokens with [CLS] and [SEP]) are longer
@@ -66,6 +66,19 @@ def test_pool_windows_by_mean_and_max():
     assert pool_windows(logits, targets, docs, "max")[0].tolist() == [[3.0, 5.0], [4.0, 4.0], [2.0, 0.0]]
 
 
+@pytest.mark.parametrize("pool", ["mean", "max"])
+def test_streamed_windows_pool_as_the_whole_does(pool):
+    """Predictions come a gathered batch at a time: a text whose windows span batches is pooled once, whole."""
+    logits = torch.arange(18.0).view(9, 2) % 5
+    docs = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2, 3])  # text 0 and text 2 span batches of 2
+    streamed = StreamedWindows(pool)
+    parts = [streamed.add(logits[i:i + 2], docs[i:i + 2]) for i in range(0, 9, 2)]
+    assert [len(part) for part in parts] == [0, 1, 1, 0, 1]  # a text once the next one has begun
+    whole = torch.cat([*parts, streamed.end(2)])
+    assert whole.tolist() == pool_windows(logits, None, docs, pool)[0].tolist()
+    assert StreamedWindows(pool).end(2).shape == (0, 2)  # nothing predicted
+
+
 def pooled_accuracy(model_dir, texts, labels, stride, pool):
     """Accuracy of the exported model over whole texts, each pooling its windows as the model card says."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -102,7 +115,7 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
         "max_seq_len": LEN, "multi_label": False, "truncation": "head", "head_tokens": 128, "doc_stride": 4,
         "pool": pool}
     card = (out / "best_model" / "README.md").read_text(encoding="utf-8")
-    assert f"stride=4, return_overflowing_tokens=True" in card
+    assert "stride=4, return_overflowing_tokens=True" in card
     if n == 2:  # evaluating the export later: the model's windows, the training's numbers
         with one_thread():
             later = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--model_name_or_path", out / "best_model",

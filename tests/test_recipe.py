@@ -171,10 +171,11 @@ def test_learning_rate_schedule():
     assert step(19) == 1.0 and step(20) == 0.5 and step(45) == 0.25
 
 
-def test_torchvision_recipe_command_parses_with_per_process_batch(monkeypatch, capsys):
+def test_torchvision_recipe_command_parses_with_one_batch_rule(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "8")
     args = train_resnet.parse_args(RECIPE + ["--data-path", "/data/imagenet"])
-    assert args.batch_size == 1024 and "128 x 8 processes = 1024" in args.batch_size_note  # torchvision's total
+    assert args.batch_size == 128  # -b is GLOBAL whatever else the command names
+    assert "--model resnet50 = --arch resnet50" in args.command_notes
     assert (args.arch, args.lr, args.lr_scheduler, args.warmup_epochs, args.epochs) == (
         "resnet50", 0.5, "cosineannealinglr", 5, 600)
     assert (args.auto_augment, args.random_erase, args.weight_decay, args.norm_weight_decay) == (
@@ -182,11 +183,16 @@ def test_torchvision_recipe_command_parses_with_per_process_batch(monkeypatch, c
     assert (args.label_smoothing, args.mixup_alpha, args.cutmix_alpha, args.model_ema) == (0.1, 0.2, 1.0, True)
     assert (args.train_crop_size, args.val_crop_size, args.val_resize) == (176, 224, 232)
     assert (args.ra_sampler, args.ra_reps, str(args.data)) == (True, 4, "/data/imagenet")
-    assert train_resnet.parse_args(["--dummy", "-b", "128"]).batch_size == 128  # ours/main.py's: global
+    per_process = [word if word != "--batch-size" else "--per_device_batch_size" for word in RECIPE]
+    args = train_resnet.parse_args(per_process + ["--data-path", "/data/imagenet"])
+    assert args.batch_size == 1024  # torchvision's 128 per process on 8 processes
+    assert "--per_device_batch_size 128 x 8 processes = -b 1024 (the GLOBAL batch)" in args.command_notes
+    assert train_resnet.parse_args(["--dummy", "-b", "128"]).batch_size == 128
     assert train_resnet.parse_args(["--dummy", "--model", "resnet50", "--batch_size", "128"]).batch_size == 128
     with pytest.raises(SystemExit):
-        train_resnet.parse_args(["--model", "resnet50", "--data-path", "x", "-b", "8", "--batch_size", "64"])
-    assert "both given; pass one of them" in capsys.readouterr().err
+        train_resnet.parse_args(["--data-path", "x", "--per_device_batch_size", "8", "--batch_size", "64"])
+    assert capsys.readouterr().err == ("error: --per_device_batch_size and --batch_size set the same thing "
+                                       "(--batch_size); pass one\n")
     assert train_resnet.parse_args(["--dummy", "--test-only", "--pretrained"]).evaluate
     for conflicting, message in ((["--dummy", "--test-only", "--pretrained", "--model-ema"],
                                   "for the EMA, --resume checkpoint_ema.pth"),
@@ -194,9 +200,7 @@ def test_torchvision_recipe_command_parses_with_per_process_batch(monkeypatch, c
         with pytest.raises(SystemExit):
             train_resnet.parse_args(conflicting)
         assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_resnet.parse_args(["--dummy", "--amp"])
-    assert "--amp  ->  accelerate launch --mixed_precision" in capsys.readouterr().err
+    assert train_resnet.parse_args(["--dummy", "--amp"]).mixed_precision == "fp16"  # torchvision's and timm's --amp
 
 
 def test_weights_by_name(tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ import signal
 import numpy as np
 import pytest
 import torch
-from accelerate import PartialState
 from accelerate.state import AcceleratorState
 from conftest import launch, run
 from datasets import Dataset
@@ -18,7 +17,7 @@ from utils.demo_data import write_small_bert
 from utils.runtime import UserError
 import train_resnet
 from utils.image_data import RGBImageFolder
-from utils.runtime import loader_settings
+from utils.runtime import ignore_stop_signals, loader_settings
 from utils.loop import PreemptionGuard
 from utils.runtime import add_runtime_args, build_accelerator, loader_generator
 from utils.loop import Throughput
@@ -68,10 +67,9 @@ def test_unk_rate_matches_the_definition_on_random_ids(tokenizer):
 
 
 def test_check_unk_rate_returns_the_rate_and_refuses_a_vocabulary_that_does_not_fit(tokenizer):
-    state = PartialState(cpu=True)
-    assert check_unk_rate(state, tokenizer, tokenised(tokenizer, ["比赛球队"]), "model") == 0.0
+    assert check_unk_rate(unk_rate(tokenizer, tokenised(tokenizer, ["比赛球队"])), "model") == 0.0
     with pytest.raises(UserError, match=r"^model: the tokenizer maps 67% of the training text to \[UNK\]"):
-        check_unk_rate(state, tokenizer, tokenised(tokenizer, ["龘靐比"]), "model")
+        check_unk_rate(unk_rate(tokenizer, tokenised(tokenizer, ["龘靐比"])), "model")
 
 
 def test_unk_check_stops_every_process_with_one_line(text_data, tmp_path):
@@ -131,7 +129,8 @@ def epochs_of_crops(accelerator, root, num_workers, epochs=2, skip=0):
 
 def test_persistent_workers_see_each_epoch_and_resume_exactly(pictures, tmp_path):
     accelerator = build_accelerator(runtime_args(), tmp_path)
-    assert loader_settings(2) == {"num_workers": 2, "pin_memory": False, "persistent_workers": True}
+    assert loader_settings(2) == {"num_workers": 2, "pin_memory": False, "persistent_workers": True,
+                                  "worker_init_fn": ignore_stop_signals}  # workers leave stopping to their parent
     assert loader_settings(0)["persistent_workers"] is False  # torch refuses persistent workers without workers
     in_process = epochs_of_crops(accelerator, pictures, num_workers=0)
     persistent = epochs_of_crops(accelerator, pictures, num_workers=2)

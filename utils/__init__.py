@@ -8,7 +8,12 @@ both scripts
   runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
                  an output directory: its lock), DataLoader settings, the --help look and the parser's number
                  checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on one rank
-                 stopping all of them (a failure to write: a full disk)
+                 stopping all of them (a failure to write: a full disk), stops that reach every process (loader
+                 workers leave them to their parent, ranks stop with their launcher, a rank that stopped answering
+                 is named: RollCall)
+  flags.py       the command line: the parser (a refused flag or value costs one line, with what replaces it or
+                 the closest flag), the peers' spellings (Trainer, run_classification, accelerate's examples, the
+                 Chinese BERT tutorial, main.py, torchvision, timm) read with their meaning and said once
   loop.py        the training loop's bookkeeping, one optimizer step walked through in its header: Cadence,
                  LossScale, ClassWeights (--class_weights), LossMeter, HealthCheck, Throughput, PreemptionGuard,
                  epoch_batches; Selection (the best model's metric and early stopping); micro-batches and the retry
@@ -31,6 +36,8 @@ train_bert_cls.py
   text_data.py   text files (cnews .txt/.tsv, CSV, JSON) and `datasets` datasets (--dataset_name), labels, the
                  --max_*_samples cuts, tokenising (long texts: --truncation, --doc_stride windows), padding,
                  length-grouped sampling
+  text_cache.py  the tokenised data cache: the files read and tokenised once, by one process (one per node on
+                 node-local disks), into memory-mapped Arrow files every rank and later start reads; its key
   text_model.py  where the model's files come from (--config_name, --tokenizer_name, hub options), loading the
                  classifier from any checkpoint layout, tokenizer and task checks, best.pt, gradient checkpointing,
                  AdamW groups
@@ -44,7 +51,7 @@ train_resnet.py
   image_optim.py torchvision's optimizer, weight-decay groups and schedule; the model EMA
   image_model.py the image model: torchvision or timm, starting weights (torchvision's, timm's hub cache, local
                  files) with a new head for the data's classes, drop path, gradient checkpointing
-  image_references.py main.py's and torchvision's flags, batch-size convention and .pth checkpoint files
+  image_references.py main.py's, torchvision's and timm's refused flags, the batch-size rule, .pth checkpoint files
   image_device_decode.py --decode_on_device: JPEGs decoded on the training device, the script's transform
                  pipeline replayed there (what cannot be replayed refused at start-up)
 

@@ -5,7 +5,8 @@ RNG states of every rank, sampler), `<name>.safetensors` for each of the run's o
 `modules`: the ResNet script's EMA), plus training_state.json (`training_state`: where in training the run was, what
 it had selected, what must match for a resume, and the settings a resume may change).
 A checkpoint is first written to `.tmp-step_<N>`, and renamed to `step_<N>` only once every rank has finished and
-training_state.json is on disk, so `latest` always resolves to a complete one. A save that cannot finish (a full
+fsynced its files and training_state.json is on disk, so `latest` always resolves to a complete one, after a power loss
+too. A save that cannot finish (a full
 disk) stops every rank with one line naming the directory and its free space, removes its `.tmp-step_<N>`, and
 leaves the previous checkpoint the latest.
 
@@ -46,15 +47,19 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_model, save_model
 
 from .export import check_dcp_checkpoint, check_torch_file, safetensors_problem
-from .runtime import UserError, stop_together, writing
+from .runtime import UserError, effective_precision, stop_together, writing
 
 STATE_FILE = "training_state.json"
 SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
 TRACKER_RUNS = "tracker_runs"  # the loop's `state` entry with each tracker's run id (utils/outputs.py), kept too
+# the loop's `state` entry saying that a stop abandoned the validation due at the checkpoint's step: the resumed run
+# validates (and selects, exports) first
+VALIDATION_DUE = "validation_due"
 
 DATA_KEY = "training_data"  # must_match's entry for data_fingerprint
 
@@ -89,9 +94,16 @@ def resolve_resume(resume, checkpoint_dir):
     if resume == "latest":
         return latest_checkpoint(checkpoint_dir)
     path = Path(resume)
+    if not path.exists():
+        ours = Path(checkpoint_dir) / path.name
+        hint = (f"this run's checkpoints are in {checkpoint_dir}: --resume_from_checkpoint {ours}" if (
+            ours / STATE_FILE).is_file() else f"resume from `latest` or one of {checkpoint_dir}/step_N")
+        raise UserError(f"{path}: no such checkpoint directory; {hint} (accelerate's examples save OUTPUT_DIR/step_N "
+                        "and epoch_N; this script saves OUTPUT_DIR/checkpoints/step_N)")
     if not (path / STATE_FILE).is_file():
-        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}); resume from `latest` or a "
-                        "checkpoints/step_N directory")
+        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}: an interrupted save, or a bare "
+                        "accelerate save_state directory, which lacks where the run stood); resume from `latest` or "
+                        "a checkpoints/step_N directory")
     return path
 
 
@@ -157,6 +169,29 @@ def start_new_branch(accelerator, path, output_dir, writer, exports=()):
     return bool(moved_exports)
 
 
+def set_aside_exports_beyond(accelerator, step, output_dir, writer, exports, best_export_step):
+    """A best-model export written after checkpoint `step` (a run killed between its best-model export and its next
+    checkpoint) belongs to no checkpoint this run can resume from: move `exports` aside as start_new_branch does,
+    so that the results, the model card and the weights name one step. `best_export_step()`: the step the best-model
+    export holds, None without one (read by the main process). Returns whether it did (the resumed run then selects
+    its best model afresh)."""
+    found = [best_export_step() if accelerator.is_main_process else None]
+    broadcast_object_list(found)
+    accelerator.wait_for_everyone()  # every rank has read what it needs before the writer moves anything
+    if found[0] is None or found[0] <= step:
+        return False
+    moved = [Path(output_dir) / e for e in exports if (Path(output_dir) / e).exists()]
+    suffix = f".abandoned_on_resume_from_step_{step}"
+    if writer:
+        for old in moved:
+            os.replace(old, old.with_name(old.name + suffix))
+    accelerator.wait_for_everyone()
+    accelerator.print(f"the best model was exported at step {found[0]}, after this checkpoint (step {step}): "
+                      f"{', '.join(p.name for p in moved)} moved aside (*{suffix}); the best model is selected afresh "
+                      "from here")
+    return True
+
+
 def read_training_state(path):
     try:
         return json.loads((Path(path) / STATE_FILE).read_text())
@@ -174,9 +209,11 @@ def add_allow_data_change(group):
 def data_fingerprint(source, records):
     """must_match[DATA_KEY]: `records` (one string per training example, in the order read) as their count and
     SHA-256; `source`: the file or directory they came from, named in messages."""
-    records = list(records)
-    digest = hashlib.sha256("".join(record + "\n" for record in records).encode("utf-8"))
-    return {"source": str(source), "examples": len(records), "sha256": digest.hexdigest()}
+    digest, count = hashlib.sha256(), 0
+    for record in records:  # one at a time: memory stays flat for any number of examples
+        digest.update((record + "\n").encode("utf-8"))
+        count += 1
+    return {"source": str(source), "examples": count, "sha256": digest.hexdigest()}
 
 
 def check_same_data(saved, current, path, allow_change, say):
@@ -226,15 +263,21 @@ class Checkpoints:
     abandoned branch's best model replaced (start_new_branch). `modules`: {name: nn.Module} saved beside accelerate's
     files as `<name>.safetensors` and restored from there (the same on every rank, written once), instead of
     accelerate's pickled register_for_checkpointing. `allow_data_change`: resume on changed training data.
+    `best_export_step()`: the step the best-model export in output_dir holds, None without one
+    (set_aside_exports_beyond). `per_process`: what a resume on another number of processes computes differently
+    (BatchNorm statistics, dropout streams), named in the line that says so.
 
     Constructing it is a collective: every rank finds out whether output_dir is one disk shared by the nodes or each
     node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
 
     def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), modules=None,
-                 allow_data_change=False):
+                 allow_data_change=False, best_export_step=lambda: None, per_process=()):
         self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
         self.dir = self.output_dir / "checkpoints"
         self.must_match, self.settings, self.exports = must_match, settings, exports
+        self.best_export_step, self.per_process = best_export_step, per_process
+        # the run's launches so far (each checkpoint records them): processes, precision, the step each resumed at
+        self.launches = [launch_record(accelerator, None)]
         self.modules, self.allow_data_change = modules or {}, allow_data_change
         shared = output_dir_is_shared(accelerator, self.dir)
         accelerator.project_configuration.save_on_each_node = not shared
@@ -274,11 +317,13 @@ class Checkpoints:
                 if self.writer:
                     for name, module in self.modules.items():
                         save_model(module, str(tmp / f"{name}.safetensors"))
+                fsync_files(tmp)  # every rank: its files' data reach the disk before the rename publishes them
             with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
                 if self.writer:
                     _write_json_durably(tmp / STATE_FILE, {
                         **training_state(self.must_match, state, self.settings, step, epoch, batches_in_epoch),
-                        "num_processes": self.accelerator.num_processes})
+                        "num_processes": self.accelerator.num_processes,
+                        "mixed_precision": effective_precision(self.accelerator), "launches": self.launches})
                     replace_dir_atomically(tmp, final)
                     if self.total_limit:
                         for old in complete_checkpoints(self.dir)[:-self.total_limit]:
@@ -295,19 +340,23 @@ class Checkpoints:
         A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
         optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and `settings`
         that differ from the checkpoint's are named in one line. A checkpoint older than the newest starts a new
-        branch (start_new_branch).
+        branch (start_new_branch), and a best-model export from after the checkpoint goes aside
+        (set_aside_exports_beyond).
         """
-        state = dict(fresh_state)
+        state = {**fresh_state, VALIDATION_DUE: False}
         if path is not None:
             command_line = _hyperparameters(optimizer)
             # an entry an older checkpoint lacks (the early-stopping count) starts fresh
             state = {**fresh_state, **load_checkpoint(self.accelerator, path, self.must_match, self.modules,
                                                       self.allow_data_change)}
-            if start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports):
+            branched = start_new_branch(self.accelerator, path, self.output_dir, self.writer, self.exports)
+            if set_aside_exports_beyond(self.accelerator, state["completed_steps"], self.output_dir, self.writer,
+                                        self.exports, self.best_export_step) or branched:
                 state.update({k: v for k, v in fresh_state.items() if k.startswith(SELECTION_PREFIXES)})
             _apply_hyperparameters(optimizer, scheduler, command_line)
             self.accelerator.print(f"Resumed from {path} at step {state['completed_steps']}")
-            _report_changes(self.accelerator, path, state, self.settings)
+            _report_changes(self.accelerator, path, state, self.settings, self.per_process)
+            self.launches = [*launches_of(state), launch_record(self.accelerator, state["completed_steps"])]
         if state["batches_in_epoch"] >= batches_per_epoch:
             state.update(epoch=state["epoch"] + 1, batches_in_epoch=0)
         return state
@@ -320,7 +369,8 @@ def training_state(must_match, state, settings, completed_steps, epoch, batches_
     change."""
     return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
             **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)},
-            **({TRACKER_RUNS: state[TRACKER_RUNS]} if state.get(TRACKER_RUNS) else {}), "settings": settings}
+            **({TRACKER_RUNS: state[TRACKER_RUNS]} if state.get(TRACKER_RUNS) else {}),
+            VALIDATION_DUE: state.get(VALIDATION_DUE, False), "settings": settings}
 
 
 def resume_settings(args, flags):
@@ -579,8 +629,41 @@ def _apply_hyperparameters(optimizer, scheduler, groups):
             inner._last_lr = lrs
 
 
-def _report_changes(accelerator, path, saved, settings):
-    """One line for the settings that differ from the checkpoint's (they apply), and one for the process count."""
+def per_process_differences(model):
+    """What each process of `model` computes on its own (Checkpoints' `per_process`): BatchNorm statistics over its
+    share of the batch (SyncBatchNorm aside), dropout and drop-path masks from its own random stream."""
+    modules = list(model.modules())
+    found = []
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+           for m in modules):
+        found.append("BatchNorm statistics are computed per process, over its share of each batch")
+    if any(_drop_rate(m) > 0 for m in modules):
+        found.append("dropout masks are drawn from each process's own random stream")
+    return found
+
+
+def _drop_rate(module):
+    """The drop probability of torch's dropout layers, torchvision's StochasticDepth and timm's DropPath; 0 else."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd) or type(module).__name__ == "StochasticDepth":
+        return module.p
+    return getattr(module, "drop_prob", 0) or 0
+
+
+def launch_record(accelerator, resume_step):
+    """all_results.json's record of one launch of the run (`launches`)."""
+    return {"processes": accelerator.num_processes, "mixed_precision": effective_precision(accelerator),
+            "resume_step": resume_step}
+
+
+def launches_of(saved):
+    """The launches a checkpoint's training_state records; one for a checkpoint that records none."""
+    return saved.get("launches") or [{"processes": saved.get("num_processes"),
+                                      "mixed_precision": saved.get("mixed_precision"), "resume_step": None}]
+
+
+def _report_changes(accelerator, path, saved, settings, per_process=()):
+    """One line for the settings that differ from the checkpoint's (they apply), one for the process count (with
+    `per_process`: what is computed per process, and so differs), one for the precision."""
     saved_settings = saved.get("settings", {})
     changed = [f"{flag} {saved_settings[flag]} -> {value}" for flag, value in settings.items()
                if flag in saved_settings and saved_settings[flag] != value]
@@ -588,13 +671,28 @@ def _report_changes(accelerator, path, saved, settings):
         accelerator.print(f"resumed with changed settings (applied from here on): {', '.join(changed)}")
     before = saved.get("num_processes")
     if before and before != accelerator.num_processes:
-        accelerator.print(f"resumed on {accelerator.num_processes} processes from a checkpoint of {before}: the "
-                          "global batch and the sample order are the same, so training continues identically")
+        differs = "".join(f"; {what}" for what in per_process)
+        now = _processes(accelerator.num_processes)
+        accelerator.print(f"resumed on {now} from a checkpoint of {_processes(before)}: the global batch and the "
+                          f"sample order are the same{differs}; sums over the processes add up in another order: "
+                          f"training goes on as on {now}, not bit for bit as on {before}")
         if accelerator.num_processes > before:
             accelerator.on_main_process(_warn)(
                 f"warning: ranks {before}-{accelerator.num_processes - 1} have no saved random state in {path}: "
                 "their dropout/augmentation draws start afresh (the run stays valid, but is not the bit-for-bit "
                 "continuation of the uninterrupted one)")
+    precision, now = saved.get("mixed_precision"), effective_precision(accelerator)
+    if precision and precision != now:
+        accelerator.print(f"resumed in {_precision_name(now)} from a checkpoint trained in {_precision_name(precision)}"
+                          f": the steps from here compute in {_precision_name(now)}")
+
+
+def _processes(count):
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+def _precision_name(precision):
+    return "fp32" if precision == "no" else precision
 
 
 def _warn(message):
@@ -609,7 +707,26 @@ def replace_dir_atomically(tmp, final):
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync(final.parent)  # the new name on disk
     shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_files(directory):
+    """Every file under `directory` on disk, then the directory's entries: after a power loss a renamed checkpoint
+    holds its data, never a complete name over empty files (the rename itself may be undone: the previous checkpoint
+    is then the latest)."""
+    for path in sorted(Path(directory).rglob("*")):
+        if path.is_file():
+            _fsync(path)
+    _fsync(directory)
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_json_durably(path, data):

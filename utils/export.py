@@ -21,6 +21,7 @@ that says so (`eval_max_seq_len_64_*`), so that they never pass for the training
 Neighbours: utils/checkpoint.py (resumable checkpoints), utils/image_references.py (main.py's .pth layout),
 utils/text_model.py (the Hugging Face export's loading).
 """
+import argparse
 import io
 import json
 import pickle
@@ -125,6 +126,15 @@ def mark_selection(best_dir, step):
     (Path(best_dir) / SELECTION_FILE).write_text(json.dumps({"step": step}) + "\n")
 
 
+def selected_step(best_dir):
+    """The step whose weights the export `best_dir` holds (mark_selection's), None when there is no such record."""
+    selection = Path(best_dir) / SELECTION_FILE
+    try:
+        return json.loads(selection.read_text(encoding="utf-8-sig"))["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_selected_weights(accelerator, model, best_dir, step):
     """The best weights of a run that resumed after selecting them: from the main process's export, after
     checking (there) that it is whole and holds that step, every rank stopping at once if not."""
@@ -162,20 +172,48 @@ def load_torch_checkpoint(path):
     """
     path = Path(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        # torchvision's checkpoint.pth records its command line as an argparse.Namespace: plain values, allowed
+        # alone beside the tensors and containers weights_only allows
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{path}: no such checkpoint file") from None
     except Exception as err:
         raise UserError(torch_load_problem(path, err)) from None
     if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict, as torch.save(model.state_dict()) writes
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("model"), dict) and "state_dict" not in checkpoint:
+        checkpoint = from_torchvision_layout(checkpoint)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise UserError(f"{path}: no 'state_dict' in this checkpoint (expected main.py's keys state_dict, "
-                        "optimizer, epoch, best_acc1, or a bare state_dict)")
+                        "optimizer, epoch, best_acc1, torchvision's model, optimizer, epoch, args, or a bare "
+                        "state_dict)")
     checkpoint["state_dict"] = strip_module_prefix(checkpoint["state_dict"])
     if torch.is_tensor(checkpoint.get("best_acc1")):  # main.py stores a (CUDA) tensor
         checkpoint["best_acc1"] = checkpoint["best_acc1"].item()
     return checkpoint
+
+
+# torchvision's train.py arguments that are image settings here (utils/image_augment.py recorded_image_settings)
+TORCHVISION_IMAGE_ARGS = {"train_crop_size": "train_crop_size", "val_resize_size": "val_resize",
+                          "val_crop_size": "val_crop_size", "interpolation": "interpolation"}
+
+
+def from_torchvision_layout(checkpoint):
+    """torchvision's references/classification checkpoint.pth ({model, optimizer, lr_scheduler, epoch, args,
+    model_ema, scaler}) in main.py's layout: its epoch is the last one done counted from 0 (main.py's: epochs done),
+    its --model the arch, its image sizes the settings recorded; its scheduler and scaler are not carried over
+    (the schedule here is a function of the epoch)."""
+    args = vars(checkpoint["args"]) if isinstance(checkpoint.get("args"), argparse.Namespace) else {}
+    converted = {"state_dict": checkpoint["model"], "arch": args.get("model"),
+                 **{ours: args[theirs] for theirs, ours in TORCHVISION_IMAGE_ARGS.items() if args.get(theirs)}}
+    if isinstance(checkpoint.get("epoch"), int):
+        converted["epoch"] = checkpoint["epoch"] + 1
+    if isinstance(checkpoint.get("optimizer"), dict):
+        converted["optimizer"] = checkpoint["optimizer"]
+    if isinstance(checkpoint.get("model_ema"), dict):  # ExponentialMovingAverage's state: module.* and n_averaged
+        converted["model_ema"] = {key: value for key, value in checkpoint["model_ema"].items() if key != "n_averaged"}
+    return {key: value for key, value in converted.items() if value is not None}
 
 
 DAMAGED = "damaged or incomplete (a copy or a save cut short?)"
@@ -186,7 +224,8 @@ def torch_load_problem(path, err):
     """One line for what torch.load(weights_only=True) raised on `path`; the error itself if it is none of those."""
     if not isinstance(err, _LOAD_ERRORS):
         raise err
-    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    # torch's wordings: "Unsupported global: GLOBAL x.y", and for a blocked module "unsupported GLOBAL posix.system"
+    refused = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(err))
     if refused:
         return (f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; only "
                 "tensors and plain values are loaded from checkpoints")

@@ -21,6 +21,8 @@ defaults (224 and 256 pixels, bilinear).
 
 Neighbours: utils/image_data.py, utils/image_optim.py.
 """
+import argparse
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Sampler
@@ -35,7 +37,7 @@ AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
     group = parser.add_argument_group("augmentation (torchvision's presets; timm's names in docs/resnet_recipes.md)")
-    group.add_argument("--image_size", type=positive_int, default=None,
+    group.add_argument("--image_size", "--img-size", type=positive_int, default=None,
                        help="pixels: default of --train_crop_size and --val_crop_size (default: 224; -e: the model's)")
     group.add_argument("--train_crop_size", "--train-crop-size", type=positive_int, default=None,
                        help="pixels: RandomResizedCrop output (default --image_size)")
@@ -85,6 +87,7 @@ EVAL_IMAGE_FLAGS = IMAGE_ROLES.evaluation()  # {flag: args attribute}: the valid
 def resolve_augment_args(args, sizes_from_model=False):
     """Fill the image sizes from --image_size and the defaults, unless `sizes_from_model` (-e: resolve_image_sizes
     does it once the model is known), and check ranges (before anything starts)."""
+    resolve_mixup_mode(args)
     if not sizes_from_model:
         args.image_size = args.image_size or IMAGE_DEFAULTS["train_crop_size"]
         for key, default in IMAGE_DEFAULTS.items():
@@ -161,19 +164,41 @@ class RepeatedAugmentationSampler(Sampler):
 
 # add_mixing_args' flags: each group's mixing is drawn from (seed, epoch, batch, group), so they apply from the
 # resumed step on
-MIXING_ROLES = {"--mixup_alpha": MAY_CHANGE, "--cutmix_alpha": MAY_CHANGE, "--mixup_mode": MAY_CHANGE}
+MIXING_ROLES = {"--mixup_alpha": MAY_CHANGE, "--cutmix_alpha": MAY_CHANGE, "--mixup": MAY_CHANGE, "--cutmix": MAY_CHANGE,
+                "--mixup_mode": MAY_CHANGE}
 
 
 def add_mixing_args(parser):
     group = parser.add_argument_group("batch mixing (torchvision's MixUp/CutMix; timm's names in the docs)")
-    group.add_argument("--mixup_alpha", "--mixup-alpha", "--mixup", type=nonnegative_float, default=0.0,
+    group.add_argument("--mixup_alpha", "--mixup-alpha", type=nonnegative_float, default=0.0,
                        help="MixUp Beta(alpha, alpha); 0: off")
-    group.add_argument("--cutmix_alpha", "--cutmix-alpha", "--cutmix", type=nonnegative_float, default=0.0,
+    group.add_argument("--cutmix_alpha", "--cutmix-alpha", type=nonnegative_float, default=0.0,
                        help="CutMix Beta(alpha, alpha); 0: off. Both set: one of the two per group")
-    group.add_argument("--mixup_mode", "--mixup-mode", choices=["pair", "batch"], default="pair",
+    group.add_argument("--mixup", type=nonnegative_float, dest="mixup_alpha", action=TimmMixing,
+                       help="timm's: --mixup_alpha with timm's --mixup-mode batch (unless --mixup_mode is given)")
+    group.add_argument("--cutmix", type=nonnegative_float, dest="cutmix_alpha", action=TimmMixing,
+                       help="timm's: --cutmix_alpha with timm's --mixup-mode batch (unless --mixup_mode is given)")
+    group.add_argument("--mixup_mode", "--mixup-mode", choices=["pair", "batch"], default=None,
                        help="pair: each 2 images mixed together (exact for any process count); batch: each "
-                            "process's share together (torchvision's)")
+                            "process's share together (torchvision's); default pair, batch with timm's --mixup/--cutmix")
     return group
+
+
+class TimmMixing(argparse.Action):
+    """timm's --mixup / --cutmix: the alpha, and timm's batch mode unless --mixup_mode says otherwise."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.timm_mixing = option_string
+
+
+def resolve_mixup_mode(args):
+    """--mixup_mode as given; else timm's batch for a command with timm's --mixup/--cutmix (said), else pair."""
+    if args.mixup_mode is None:
+        timm_flag = getattr(args, "timm_mixing", None)
+        args.mixup_mode = "batch" if timm_flag else "pair"
+        if timm_flag:
+            args.command_notes = (*args.command_notes, f"{timm_flag}: timm's whole-batch mixing = --mixup_mode batch")
 
 
 def build_mixer(args, num_classes, per_process_batch):

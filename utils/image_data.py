@@ -12,6 +12,8 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 - Augmentation randomness depends only on (seed, epoch, index), so a resumed run, any number of
   processes and any number of workers see the same crops and flips (the epoch reaches persistent workers through
   `EpochValue`).
+- The images are listed once, by ImageFolder's own walk of each class folder, which also finds a class folder
+  without an image (`RGBImageFolder.make_dataset`); the class scan reads only the root's top level.
 - `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
@@ -29,6 +31,7 @@ import functools
 import io
 import os
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -137,13 +140,38 @@ def describe_bad_image(path):
     return "cannot be decoded"
 
 
+# Every type the decoders read: torchvision's list, and those PIL reads here (AVIF in Pillow 11+; HEIC/HEIF with the
+# pillow-heif plugin; animated GIF's first frame), so that no image is left out unnoticed.
+IMAGE_EXTENSIONS = tuple(dict.fromkeys((*datasets.folder.IMG_EXTENSIONS, *(
+    ext for ext in (".gif", ".avif", ".heic", ".heif", ".jxl", ".jfif") if ext in Image.registered_extensions()))))
+MACOS_METADATA = "__MACOSX"  # a folder that macOS's Archive Utility adds to a zip, beside AppleDouble `._*` files
+
+
 class RGBImageFolder(datasets.ImageFolder):
-    """ImageFolder that decodes to RGB tensors, marks unreadable files, and seeds augmentation per sample."""
+    """ImageFolder that decodes to RGB tensors, marks unreadable files, and seeds augmentation per sample. Class
+    folders and images as image_classes and is_image_file find them (macOS metadata left out)."""
 
     def __init__(self, root, transform, image_size, seed=0):
-        super().__init__(str(root), transform=transform)
+        super().__init__(str(root), transform=transform, is_valid_file=lambda path: is_image_file(Path(path)),
+                         allow_empty=True)  # an empty class: our one line in make_dataset
         self.placeholder = torch.zeros(3, image_size, image_size)
         self.seed, self.epoch = seed, EpochValue()  # shared with persistent workers' copies of this dataset
+
+    def find_classes(self, directory):
+        """ImageFolder's class scan, with its errors as one line (`image_classes`)."""
+        classes = image_classes(directory)
+        return classes, {name: index for index, name in enumerate(classes)}
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        """ImageFolder's one listing of the folder, which also finds the class folders without an image."""
+        samples = datasets.folder.make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty=True)
+        found = {target for _, target in samples}
+        empty = [name for name, index in class_to_idx.items() if index not in found]
+        if empty:
+            raise UserError(f"{Path(directory) / empty[0]}: empty class folder (no "
+                            f"{', '.join(IMAGE_EXTENSIONS)} files); remove it or add its images")
+        return samples
 
     def set_epoch(self, epoch):
         self.epoch.set(epoch)
@@ -174,23 +202,42 @@ def sample_key(seed, epoch, item):
 
 
 def image_classes(root):
-    """Sorted class folder names of an ImageFolder root; a missing root or an empty class folder is an error."""
+    """Sorted class folder names of an ImageFolder root (its top level only: the images are listed once, by
+    `RGBImageFolder.make_dataset`, which refuses an empty class folder); a missing root or no class is an error."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no such directory; the data argument must be an ImageFolder root holding "
                         "train/<class>/*.jpg and val/<class>/*.jpg")
-    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and entry.name != MACOS_METADATA)
     if not classes:
         raise UserError(f"{root}: no class folders (expected {root}/<class>/<image files>)")
-    for name in classes:
-        if not any(is_image_file(path) for path in (root / name).rglob("*")):
-            raise UserError(f"{root / name}: empty class folder (no {', '.join(datasets.folder.IMG_EXTENSIONS)} "
-                            "files); remove it or add its images")
     return classes
 
 
 def is_image_file(path):
-    return path.suffix.lower() in datasets.folder.IMG_EXTENSIONS and path.is_file()
+    """An image of a type the decoders read, not macOS metadata (an AppleDouble `._NAME` file, or under __MACOSX/)."""
+    return (path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith("._")
+            and MACOS_METADATA not in path.parts and path.is_file())
+
+
+def left_out_notes(root):
+    """One line each for what the class folders of an ImageFolder root hold that is not read: macOS archive metadata,
+    and files of types the decoders do not read, counted by type."""
+    metadata, others = 0, Counter()
+    for path in Path(root).rglob("*"):
+        if MACOS_METADATA in path.relative_to(root).parts or path.name.startswith("._"):
+            metadata += path.is_file()
+        elif path.is_file() and path.suffix.lower() not in IMAGE_EXTENSIONS and path.parent != Path(root):
+            others[path.suffix.lower() or "(no suffix)"] += 1
+    notes = []
+    if metadata:
+        notes.append(f"{root}: {metadata} macOS archive metadata files (__MACOSX/, AppleDouble ._*) skipped: not "
+                     "images")
+    if others:
+        counts = ", ".join(f"{count} {suffix}" for suffix, count in sorted(others.items()))
+        notes.append(f"{root}: files of types no decoder here reads left out ({counts}); read: "
+                     f"{' '.join(IMAGE_EXTENSIONS)}")
+    return notes
 
 
 def check_same_classes(train_classes, val_classes, train_root, val_root):
@@ -207,14 +254,16 @@ def _few(names, limit=5):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def build_datasets(data, seed, transforms, folder=RGBImageFolder):
+def build_datasets(data, seed, transforms, folder=RGBImageFolder, say=print):
     """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes.
 
     transforms: (train, val, train_crop, val_crop) from utils/image_augment.py.
-    folder: the dataset class, RGBImageFolder or a subclass (utils/image_device_decode.py EncodedImageFolder)."""
+    folder: the dataset class, RGBImageFolder or a subclass (utils/image_device_decode.py EncodedImageFolder).
+    say: prints what is left out (left_out_notes)."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
-    train_classes, val_classes = image_classes(train_root), image_classes(val_root)
-    check_same_classes(train_classes, val_classes, train_root, val_root)
+    for note in [*left_out_notes(train_root), *left_out_notes(val_root)]:
+        say(note)
+    check_same_classes(image_classes(train_root), image_classes(val_root), train_root, val_root)
     train = folder(train_root, transforms[0], transforms[2], seed)
     val = folder(val_root, transforms[1], transforms[3], seed)
     return train, val
@@ -336,7 +385,7 @@ def files_to_predict(paths):
         if path.is_dir():
             found = sorted(str(p) for p in path.rglob("*") if is_image_file(p))
             if not found:
-                raise UserError(f"--predict {path}: no image files ({', '.join(datasets.folder.IMG_EXTENSIONS)}) "
+                raise UserError(f"--predict {path}: no image files ({', '.join(IMAGE_EXTENSIONS)}) "
                                 "in this folder or below it")
             files += found
         elif not path.is_file():

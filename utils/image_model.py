@@ -49,7 +49,7 @@ def add_model_args(group):
     group.add_argument("--pretrained", nargs="?", const="DEFAULT", default=None, metavar="PATH",
                        help="start from pretrained weights: torchvision's ImageNet ones, timm's default ones (from the "
                             "Hugging Face cache), or a .safetensors/.pth file's; a new head for other classes")
-    group.add_argument("--weights", default=None, metavar="NAME|PATH",
+    group.add_argument("--weights", "--initial-checkpoint", default=None, metavar="NAME|PATH",
                        help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2, or a weights file")
     group.add_argument("--drop_path", "--drop-path", type=float, default=None,
                        help="stochastic depth rate (timm's drop_path_rate, torchvision's stochastic_depth_prob)")
@@ -111,15 +111,16 @@ def regularisation_kwargs(args):
             if value is not None}
 
 
-def build_image_model(args, num_classes, print_fn=print):
+def build_image_model(args, num_classes, print_fn=print, class_to_idx=None):
     """The model of -a, with the weights of --weights/--pretrained, a head for `num_classes` classes and the
-    regularisation of --drop_path/--drop; `print_fn` says when the head starts new."""
+    regularisation of --drop_path/--drop; `print_fn` says when the head starts new. `class_to_idx`: the data's
+    classes, which a weights file's head is matched with by name (classes_by_name)."""
     if args.arch.startswith("timm:"):
-        return timm_model(args, num_classes, print_fn)
-    return torchvision_model(args, num_classes, print_fn)
+        return timm_model(args, num_classes, print_fn, class_to_idx)
+    return torchvision_model(args, num_classes, print_fn, class_to_idx)
 
 
-def timm_model(args, num_classes, print_fn):
+def timm_model(args, num_classes, print_fn, class_to_idx=None):
     import timm
     name, pretrained = timm_name(args.arch), args.weights == "DEFAULT"
     cfg = timm.models.get_pretrained_cfg(name) if pretrained else None  # NAME.TAG's, or the default tag's
@@ -138,7 +139,7 @@ def timm_model(args, num_classes, print_fn):
                         f"from the Hugging Face cache {HF_HUB_CACHE} (HF_HUB_CACHE), where they are downloaded once, "
                         "which needs the network; or pass --pretrained PATH, a weights file") from None
     if args.weights is not None and not pretrained:
-        load_weights_file(model, args.weights, timm_heads(model), num_classes, args.evaluate, print_fn)
+        load_weights_file(model, args.weights, timm_heads(model), num_classes, args.evaluate, print_fn, class_to_idx)
     return model
 
 
@@ -148,12 +149,13 @@ def timm_heads(model):
     return (heads,) if isinstance(heads, str) else tuple(heads)
 
 
-def torchvision_model(args, num_classes, print_fn):
+def torchvision_model(args, num_classes, print_fn, class_to_idx=None):
     kwargs = {**({"aux_logits": False} if args.arch in AUX_HEAD_MODELS else {}), **regularisation_kwargs(args)}
     if args.weights is None or is_weights_file(args.weights):
         model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
         if args.weights is not None:
-            load_weights_file(model, args.weights, (last_linear(model)[0],), num_classes, args.evaluate, print_fn)
+            load_weights_file(model, args.weights, (last_linear(model)[0],), num_classes, args.evaluate, print_fn,
+                              class_to_idx)
         return model
     flag = "--pretrained" if args.pretrained else f"--weights {args.weights}"
     try:
@@ -209,16 +211,42 @@ def weights_file_fields(weights):
     return load_torch_checkpoint(weights) if Path(weights).is_file() else {}  # a missing one: build_model's error
 
 
-def load_weights_file(model, path, heads, num_classes, evaluate, print_fn):
+def load_weights_file(model, path, heads, num_classes, evaluate, print_fn, class_to_idx=None):
     """The weights of `path` into `model`, strictly, but for the `heads` (module names) when the file's were trained
-    for another number of classes: those keep the model's new head."""
+    for another number of classes: those keep the model's new head. A file that names its classes (this script's
+    exports) has its head matched with the data's `class_to_idx` by name (classes_by_name)."""
     state_dict, own = read_weights_file(path), model.state_dict()
     head_keys = [key for head in heads for key in (f"{head}.weight", f"{head}.bias") if key in own]
     different = [key for key in head_keys if key in state_dict and state_dict[key].shape != own[key].shape]
     if different:
         check_new_head(path, state_dict[different[0]].shape[0], num_classes, evaluate, print_fn)
         state_dict = {**state_dict, **{key: own[key] for key in head_keys}}
+    elif class_to_idx:
+        rows = classes_by_name(path, weights_file_fields(path).get("class_to_idx"), class_to_idx, evaluate, print_fn)
+        state_dict = {**state_dict, **{key: own[key] if rows is None else state_dict[key][rows] for key in head_keys}}
     load_weights(model, state_dict, path)
+
+
+def classes_by_name(path, trained, class_to_idx, evaluate, print_fn):
+    """The head rows of a file trained on classes `trained` ({name: index}; None: it does not say) in the order of
+    the data's `class_to_idx`: the identity when they agree or the file does not name them, the file's rows
+    reordered when the names are the same set in another order, None (a new head, said in one line) when the names
+    differ; evaluating with other names is refused, as it would score one class as another."""
+    identity = list(range(len(class_to_idx)))
+    if not trained or trained == class_to_idx:
+        return identity
+    names = sorted(class_to_idx, key=class_to_idx.get)
+    if set(trained) == set(class_to_idx):
+        print_fn(f"{path}: its head lists the same {len(names)} classes in another order: its rows are reordered to "
+                 "the data's classes, matched by name")
+        return [trained[name] for name in names]
+    ours, theirs = sorted(set(class_to_idx) - set(trained)), sorted(set(trained) - set(class_to_idx))
+    what = f"classes {', '.join(ours[:4])} of the data are not among its classes (it has {', '.join(theirs[:4])})"
+    if evaluate:
+        raise UserError(f"{path}: {what}; evaluating by position would score one class as another: evaluate on a "
+                        "folder whose class folders carry the model's class names")
+    print_fn(f"{path}: {what}: the head starts new (random), every other weight from the file")
+    return None
 
 
 def enable_gradient_checkpointing(model, arch, blocks):

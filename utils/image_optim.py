@@ -10,6 +10,7 @@ epochs it copies the weights instead. world_size * batch_size_per_gpu is our glo
 
 Neighbours: utils/image_augment.py, utils/image_references.py.
 """
+import importlib.util
 import math
 
 import torch
@@ -22,12 +23,16 @@ from utils.runtime import UserError, nonnegative_float, positive_float, positive
 NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
                torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)  # torchvision's list
 
-SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannealinglr": "cosine"}
+# torchvision's names (steplr, cosineannealinglr, exponentiallr) and timm's (--sched step, cosine) of each schedule
+SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannealinglr": "cosine",
+              "exponential": "exponential", "exponentiallr": "exponential"}
 
 
 def add_optim_args(parser):
     group = parser.add_argument_group("optimisation (torchvision's names)")
-    group.add_argument("--opt", choices=["sgd", "sgd_nesterov", "adamw", "rmsprop"], default="sgd")
+    group.add_argument("--opt", type=str.lower, choices=["sgd", "sgd_nesterov", "adamw", "rmsprop", "rmsproptf"],
+                       default="sgd", help="any case, as torchvision lower-cases it (--opt SGD); rmsproptf: timm's "
+                                           "TensorFlow-style RMSprop")
     # > 0: the cosine schedule is a fraction of --lr (lr_lambda), and a learning rate of 0 trains nothing
     group.add_argument("--lr", "--learning-rate", type=positive_float, default=0.1, help="peak learning rate")
     group.add_argument("--momentum", type=nonnegative_float, default=0.9, help="sgd, sgd_nesterov, rmsprop")
@@ -37,20 +42,23 @@ def add_optim_args(parser):
                        help="weight decay of normalisation layers' weights and biases (default: --wd)")
     group.add_argument("--bias_weight_decay", "--bias-weight-decay", type=nonnegative_float, default=None,
                        help="weight decay of every parameter named 'bias' (default: --wd)")
-    group.add_argument("--lr_scheduler", "--lr-scheduler", choices=list(SCHEDULERS), default="step",
-                       help="step|steplr: x--lr_gamma every --lr_step_epochs (main.py); "
-                            "cosine|cosineannealinglr: to --lr_min at the last step")
-    group.add_argument("--lr_step_epochs", "--lr-step-size", type=positive_int, default=30,
+    group.add_argument("--lr_scheduler", "--lr-scheduler", "--sched", type=str.lower, choices=list(SCHEDULERS),
+                       default="step", help="step|steplr: x--lr_gamma every --lr_step_epochs (main.py); "
+                                            "cosine|cosineannealinglr: to --lr_min at the last step; "
+                                            "exponential|exponentiallr: x--lr_gamma every epoch")
+    group.add_argument("--lr_step_epochs", "--lr-step-size", "--decay-epochs", type=positive_int, default=30,
                        help="epochs between decays")
-    group.add_argument("--lr_gamma", "--lr-gamma", type=float, default=0.1, help="factor of each 'step' decay")
-    group.add_argument("--lr_min", "--lr-min", type=nonnegative_float, default=0.0,
+    group.add_argument("--lr_gamma", "--lr-gamma", "--decay-rate", type=float, default=0.1,
+                       help="factor of each 'step' or 'exponential' decay")
+    group.add_argument("--lr_min", "--lr-min", "--min-lr", type=nonnegative_float, default=0.0,
                        help="last learning rate of 'cosine'")
-    group.add_argument("--warmup_epochs", "--lr_warmup_epochs", "--lr-warmup-epochs", type=nonnegative_float,
+    group.add_argument("--warmup_epochs", "--lr_warmup_epochs", "--lr-warmup-epochs", "--warmup-epochs",
+                       type=nonnegative_float,
                        default=0.0, dest="warmup_epochs", help="epochs of warmup")
     group.add_argument("--lr_warmup_method", "--lr-warmup-method", choices=["linear", "constant"], default="linear")
     group.add_argument("--lr_warmup_decay", "--lr-warmup-decay", type=float, default=0.01,
                        help="warmup starts at this fraction of --lr (torchvision's default)")
-    group.add_argument("--clip_grad_norm", "--clip-grad-norm", type=positive_float, default=None,
+    group.add_argument("--clip_grad_norm", "--clip-grad-norm", "--clip-grad", type=positive_float, default=None,
                        help="largest global L2 norm of the gradients")
     return group
 
@@ -90,6 +98,11 @@ def build_optimizer(model, args):
         return torch.optim.SGD(groups, args.lr, momentum=args.momentum, nesterov=args.opt == "sgd_nesterov")
     if args.opt == "rmsprop":  # torchvision's eps and alpha (TF's RMSProp)
         return torch.optim.RMSprop(groups, args.lr, momentum=args.momentum, eps=0.0316, alpha=0.9)
+    if args.opt == "rmsproptf":  # timm's --opt rmsproptf, as timm.optim.create_optimizer_v2 builds it
+        if importlib.util.find_spec("timm") is None:
+            raise UserError("--opt rmsproptf is timm's optimizer: pip install timm")
+        from timm.optim import RMSpropTF
+        return RMSpropTF(groups, args.lr, alpha=0.9, momentum=args.momentum)
     return torch.optim.AdamW(groups, args.lr)
 
 
@@ -104,11 +117,20 @@ def load_optimizer_state(optimizer, state, source):
         group.update(chosen, initial_lr=chosen["lr"])
 
 
+def schedule_from(optimizer, factor, start_step):
+    """The LambdaLR of `factor` (lr_lambda's), positioned after `start_step` optimizer steps: a run continued from a
+    .pth file or --start-epoch starts inside the schedule. LambdaLR takes the base learning rate from each group's
+    `initial_lr`, which only a loaded optimizer state brings (load_optimizer_state): a fresh optimizer's --lr is it."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)
+
+
 def lr_lambda(args, steps_per_epoch, total_steps):
     """The factor of --lr after `step` optimizer steps: warmup, then step decay or cosine to --lr_min."""
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
     kind = SCHEDULERS[args.lr_scheduler]
-    if kind == "step" and args.lr_min:
+    if kind != "cosine" and args.lr_min:
         raise UserError("--lr_min applies to --lr_scheduler cosine only")
 
     def factor(step):
@@ -118,6 +140,8 @@ def lr_lambda(args, steps_per_epoch, total_steps):
             return args.lr_warmup_decay + (1 - args.lr_warmup_decay) * (step + 1) / warmup_steps
         if kind == "step":
             return args.lr_gamma ** (step // steps_per_epoch // args.lr_step_epochs)
+        if kind == "exponential":  # torchvision's ExponentialLR, stepped once per epoch
+            return args.lr_gamma ** (step // steps_per_epoch)
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return (args.lr_min + (args.lr - args.lr_min) * 0.5 * (1 + math.cos(math.pi * progress))) / args.lr
 

@@ -1,10 +1,13 @@
 """What users bring from the scripts train_resnet.py replaces, pytorch/examples imagenet/main.py and torchvision's
 references/classification/train.py: their flags, their batch-size convention and their checkpoint files.
 
-- main.py's distribution flags are replaced by the launcher, and a few torchvision flags have no counterpart:
-  passing one prints what replaces it (MAIN_PY_FLAGS, TORCHVISION_FLAGS).
-- torchvision's -b/--batch-size is per process, main.py's and ours global: `global_batch_size` decides from the
-  command which one it is, and the run summary says so.
+- main.py's distribution flags are replaced by the launcher, and a few torchvision and timm flags have no
+  counterpart: passing one prints, in one line, what replaces it (MAIN_PY_FLAGS, TORCHVISION_FLAGS, TIMM_FLAGS,
+  refused by utils/flags.py Parser).
+- -b/--batch-size is always the GLOBAL batch (main.py's "total batch size of all GPUs on the current node", on every
+  node together here); torchvision's and timm's per-process -b is --per_device_batch_size (BATCH_RULE).
+- torchvision's checkpoint.pth ({model, optimizer, lr_scheduler, epoch, args}) is read in main.py's layout
+  (utils/export.py from_torchvision_layout).
 - main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
   prefix of DataParallel/DDP) load with `weights_only=True` (utils/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
@@ -14,14 +17,12 @@ references/classification/train.py: their flags, their batch-size convention and
 
 Neighbours: utils/image_optim.py, utils/export.py.
 """
-import argparse
 import os
 from pathlib import Path
 
 import torch
 
-from utils.checkpoint import REFUSED_FLAG
-from utils.export import check_same_keys, export_state_dict, strip_module_prefix
+from utils.export import check_same_keys, export_state_dict, load_torch_checkpoint, strip_module_prefix
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, writing
 from utils.image_data import IMAGENET_MEAN, IMAGENET_STD
@@ -44,59 +45,32 @@ MAIN_PY_FLAGS = {
 # (its other flags are accepted under their own spelling: docs/resnet_recipes.md).
 TORCHVISION_FLAGS = {
     "--device": "the launcher and accelerate_configs/*.yaml choose the device (--cpu forces the CPU)",
-    "--amp": "accelerate launch --mixed_precision bf16|fp16 (or this script's --mixed_precision)",
     "--cache-dataset": "nothing: the ImageFolder is scanned in seconds; drop the flag",
     "--use-deterministic-algorithms": "nothing: runs are already reproducible per (seed, epoch, image); drop it",
     "--backend": "nothing: images are always decoded to tensors (torchvision's --backend tensor); drop it",
     "--use-v2": "nothing: transforms are always torchvision.transforms.v2; drop it",
-    "--transformer-embedding-decay": "not supported for ResNets; use --norm_weight_decay / --bias_weight_decay",
+    "--transformer-embedding-decay": "no separate decay of the position embeddings and class token of swin/vit "
+                                     "models; --norm_weight_decay / --bias_weight_decay for the other groups",
 }
 
+# timm train.py flags with no counterpart here, or another meaning, and what to pass instead (its others are accepted
+# under their own spelling, with timm's meaning: docs/resnet_recipes.md)
+TIMM_FLAGS = {
+    "--num-classes": "the classes are the folders of train/; drop --num-classes",
+    "--output": "--output_dir DIR (the files go straight into DIR; timm's --output adds a folder per run)",
+    "--torchcompile": "accelerate launch --dynamo_backend inductor ... (or --dynamo_backend in the accelerate config)",
+    "--reprob": "--random_erase P (torchvision's RandomErasing fills with zeros, timm's --remode const; timm's "
+                "default --remode pixel fills with noise, which is not built here)",
+    "--remode": "--random_erase P erases with zeros (timm's --remode const); drop --remode",
+    "--aa": "--auto_augment NAME with torchvision's policies (ra, ta_wide, augmix, imagenet); timm's "
+            "rand-m9-mstd0.5 strings are not parsed here",
+    "--warmup-lr": "--lr_warmup_decay F (the warmup starts at F x --lr)",
+    "--sched-on-updates": "nothing: the schedule is stepped every optimizer step here; drop it",
+    "--amp-dtype": "--mixed_precision bf16|fp16",
+}
 
-# add_replaced_flags' flags (utils/checkpoint.py Role)
-REPLACED_ROLES = dict.fromkeys([*MAIN_PY_FLAGS, *TORCHVISION_FLAGS], REFUSED_FLAG)
-
-
-class _ReplacedFlag(argparse.Action):
-    """A flag that no longer exists: print what replaces it, and every other one, then exit 2."""
-
-    def __init__(self, option_strings, dest, replacements, source, **kwargs):
-        self.replacements, self.source = replacements, source
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        width = max(map(len, self.replacements))
-        table = "\n".join(f"  {flag:<{width}}  ->  {text}" for flag, text in self.replacements.items())
-        parser.exit(2, f"error: {option_string} is a {self.source} flag; here it is replaced by:\n"
-                       f"  {option_string}  ->  {self.replacements[option_string]}\n"
-                       f"All of {self.source}'s flags of this kind and what replaces them:\n{table}\n")
-
-
-def add_replaced_flags(parser, replacements=MAIN_PY_FLAGS, source="pytorch/examples imagenet/main.py"):
-    """Accept the old flags only to explain them (the parser needs allow_abbrev=False to tell
-    main.py's --dist-backend from our --dist_backend)."""
-    for flag in replacements:
-        parser.add_argument(flag, action=_ReplacedFlag, replacements=replacements, source=source)
-
-
-def global_batch_size(argv, parsed_batch_size, world_size):
-    """(global batch, note or None). torchvision's -b/--batch-size is PER PROCESS, main.py's and ours GLOBAL.
-
-    The command decides: one that names torchvision's --model or --data-path is a torchvision command, and its
-    -b/--batch-size is multiplied by the number of processes (and said so at start). --batch_size (underscore)
-    is always global; a command mixing it with a per-process -b/--batch-size is refused.
-    """
-    flags = {arg.split("=")[0] for arg in argv if arg.startswith("-")}
-    flags |= {"-b" for arg in argv if arg.startswith("-b") and not arg.startswith("--")}  # -b64
-    if not flags & {"-b", "--batch-size"} or not flags & {"--model", "--data-path"}:
-        return parsed_batch_size, None
-    if "--batch_size" in flags:
-        raise UserError("-b/--batch-size (torchvision's, per process, in a command with --model/--data-path) and "
-                        "--batch_size (global) both given; pass one of them")
-    total = parsed_batch_size * world_size
-    return total, (f"-b/--batch-size {parsed_batch_size} is torchvision's per-process batch (the command uses "
-                   f"--model/--data-path): global batch {parsed_batch_size} x {world_size} processes = {total}; "
-                   "--batch_size sets the global batch directly")
+BATCH_RULE = ("-b/--batch-size is the GLOBAL batch on any number of processes (main.py's total batch); torchvision's "
+              "and timm's per-process -b N is --per_device_batch_size N")
 
 
 def check_legacy_compatible(checkpoint, expected, path):
@@ -104,6 +78,46 @@ def check_legacy_compatible(checkpoint, expected, path):
     for key, value in expected.items():
         if checkpoint.get(key) is not None and checkpoint[key] != value:
             raise UserError(f"{path}: checkpoint's {key}: {_describe(checkpoint[key])}; this run's: {_describe(value)}")
+
+
+def exported_step(path, steps_per_epoch):
+    """The optimizer step whose weights the export `path` (model_best.pth) holds, None without the file: its `step`,
+    or, in a file that records only its epoch, that epoch's last step."""
+    if not Path(path).is_file():
+        return None
+    fields = load_torch_checkpoint(path)
+    return fields.get("step", fields.get("epoch", 0) * steps_per_epoch)
+
+
+def start_epoch_of(checkpoint, start_epoch):
+    """The epochs done before this run: a checkpoint's `epoch` (main.py's: it overrides --start-epoch), or
+    --start-epoch."""
+    return checkpoint.get("epoch", start_epoch) if checkpoint else start_epoch
+
+
+def continuation_line(args, checkpoint, start_step, total_steps, lr):
+    """One line for a run that starts inside the schedule (--resume FILE.pth, --start-epoch): where, and what does not
+    carry on. A file without optimizer state (this project's .pth exports, a bare state_dict) restarts the optimizer's
+    momentum; --start-epoch alone starts from the starting weights, not trained ones."""
+    epoch = start_epoch_of(checkpoint, args.start_epoch)
+    done = "epoch 1 counts" if epoch == 1 else f"epochs 1-{epoch} count"
+    where = (f"{done} as done: training starts at epoch {epoch + 1}, step {start_step} of "
+             f"{total_steps} of the --lr_scheduler {args.lr_scheduler} schedule (lr {lr:.3g})")
+    if checkpoint is None:
+        return f"--start-epoch {epoch}: {where}, from the starting weights (no --resume file)"
+    ignored = (f"; --start-epoch {args.start_epoch} ignored: the file records epoch {epoch}"
+               if args.start_epoch and "epoch" in checkpoint and args.start_epoch != epoch else "")
+    optimizer = ("weights and optimizer state (momentum) from the file" if "optimizer" in checkpoint else
+                 "weights from the file, which holds no optimizer state: the optimizer's momentum starts afresh")
+    return f"--resume {args.resume}: {where}; {optimizer}{ignored}"
+
+
+def selection_from_file(checkpoint, selection):
+    """The best-model selection a file of this project records (its best value and epoch) when the run that wrote it
+    goes on: model_best.pth beside it holds that epoch. Nothing (select afresh) when it records neither."""
+    if not checkpoint or checkpoint.get("best_epoch") is None or checkpoint.get(selection.best_key) is None:
+        return {}
+    return {selection.best_key: checkpoint[selection.best_key], selection.position_key: checkpoint["best_epoch"]}
 
 
 def _describe(value):

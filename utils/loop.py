@@ -207,7 +207,7 @@ def read_class_weights_file(path, labels):
     if not path.is_file():
         raise UserError(f"--class_weights {path}: no such file (or pass 'balanced')")
     try:
-        weights = json.loads(path.read_text(encoding="utf-8"))
+        weights = json.loads(path.read_text(encoding="utf-8-sig"))  # with or without a BOM, as every input
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UserError(f"{path}: not a JSON file ({err})") from None
     if not isinstance(weights, dict):
@@ -367,15 +367,24 @@ class Throughput:
         return values
 
 
+class EvaluationAbandoned(Exception):
+    """Every rank agreed to stop during an evaluation (PreemptionGuard.batches): the loop saves its position, with the
+    validation still due (the resumed run validates first)."""
+
+
 class PreemptionGuard:
-    """SIGTERM (what Slurm and cloud preemption send) becomes "checkpoint at the next step boundary, then exit";
-    Ctrl-C (SIGINT) stops at once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
+    """SIGTERM (what Slurm and cloud preemption send, and what a rank gets when its launcher dies:
+    utils/runtime.py stop_with_launcher) becomes "checkpoint at the next step boundary, then exit"; Ctrl-C (SIGINT)
+    stops at once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
 
     The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one tiny
     all-reduce per optimizer step, and a device sync with it: skipped when there is a single process), so every
-    rank saves the same checkpoint and none hangs. Ctrl-C saves nothing: a save it interrupts leaves only a
-    `.tmp-step_N` that is never `latest`, and the line names the last complete checkpoint (`last_checkpoint()`) and
-    how to continue (`resume`, the script's resume flag).
+    rank saves the same checkpoint and none hangs. An evaluation iterates `batches`, which checks the same way
+    before each batch and abandons the evaluation (EvaluationAbandoned) once the ranks agreed: the launcher's grace
+    between its SIGTERM and its SIGKILL (30 s under torchrun and accelerate launch) is spent saving, not evaluating.
+    DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C saves nothing: a save it
+    interrupts leaves only a `.tmp-step_N` that is never `latest`, and the line names the last complete checkpoint
+    (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag).
     """
 
     def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest", signals=(signal.SIGTERM,)):
@@ -410,6 +419,15 @@ class PreemptionGuard:
         if self.received:
             self.accelerator.set_trigger()
         return self.accelerator.check_trigger()
+
+    def batches(self, loader):
+        """An evaluation's batches of `loader`, abandoned (EvaluationAbandoned) before the next one once every rank
+        agreed to stop. A collective per batch: every rank iterates the same number of evaluation batches (the
+        prepared loader pads the last one)."""
+        for batch in loader:
+            if self.should_stop(self.step):
+                raise EvaluationAbandoned(f"evaluation after step {self.step} abandoned on {self.received or 'SIGTERM'}")
+            yield batch
 
 
 def epoch_batches(accelerator, loader, epoch, state):

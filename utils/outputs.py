@@ -135,10 +135,24 @@ class RunLog:
                     self.console(line)
 
     def write_jsonl(self, name, rows):
-        with writing(self.accelerator, self.output_dir):
-            if self.accelerator.is_main_process:
-                _write_atomically(self.output_dir / name,
-                                  "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        """`rows` as JSON lines, written by the main process one at a time as they come and swapped into place at the
+        end. `rows` is consumed on every rank, so it may run collectives (predictions computed batch by batch); a
+        failure to write stops the writing, not the iteration, so that every rank reaches the same collectives."""
+        path = self.output_dir / name
+        tmp = path.with_name(f".{path.name}.tmp")
+        with writing(self.accelerator, self.output_dir, unfinished=tmp):
+            f = open(tmp, "w", encoding="utf-8") if self.accelerator.is_main_process else None
+            problem = None
+            try:
+                for row in rows:
+                    problem = problem or _write_line(f, row)
+            finally:
+                if f is not None:
+                    f.close()
+            if problem is not None:
+                raise problem
+            if f is not None:
+                os.replace(tmp, path)
 
     def read_events(self, event):
         """Events of one kind from metrics.jsonl (main process; used for the curves plot)."""
@@ -453,6 +467,17 @@ def merge_results(path, results, prefixes=("eval_", "test_")):
     _write_atomically(path, json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
     return [f"{path}: keeps its {prefix}* numbers, measured with {merged[f'{prefix}settings']} (this evaluation: "
             f"{results.get(f'{prefix}settings')}, in its own {prefix}results.json)" for prefix in kept]
+
+
+def _write_line(f, row):
+    """Write `row` as a JSON line to `f` (None: not this rank's to write); the OSError of a failed write, else None."""
+    if f is None:
+        return None
+    try:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    except OSError as err:
+        return err
+    return None
 
 
 def _write_atomically(path, text):

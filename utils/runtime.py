@@ -19,6 +19,12 @@ instead of "To enable traceback see ...". The launcher's own traceback above tha
 there, the processes exit 2. Every process of a multi-process launch leaves through `leave_process`: its atexit
 handlers, then os._exit, without the interpreter's finalization, where gloo's worker threads can abort a finished
 run.
+Stops (utils/loop.py PreemptionGuard acts on them): DataLoader workers leave SIGTERM and Ctrl-C to their parent
+(`ignore_stop_signals`, in every loader's settings); a process started by torch's elastic agent gets SIGTERM when the
+agent dies (`stop_with_launcher`), and so saves and leaves instead of training on as an orphan; a collective that
+another rank never answered ends each surviving rank with one line naming the ranks that missed a roll call in the
+launcher's store (`RollCall`), and a frozen one on the same host is ended, so the job ends within --ddp_timeout
+and a few seconds.
 A problem found on one rank must stop every rank, or the others wait in their next collective until --ddp_timeout:
 `stop_together` shares it (a collective), and `writing` does so for a block that writes files, where a full disk
 surfaces as torch.save's "unexpected pos" or safetensors' "os error 28" and becomes one line naming the directory and
@@ -44,6 +50,7 @@ utils/outputs.py.
 """
 import argparse
 import atexit
+import ctypes
 import datetime
 import importlib.util
 import json
@@ -54,6 +61,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -90,6 +98,13 @@ def run_cli(main, args):
             tqdm.write(line, file=sys.stderr)  # on its own line even under a progress bar
         record_for_launcher(line)
         code = 2
+    except RuntimeError as err:
+        if not is_lost_peer(err):
+            raise
+        line = lost_peer_line(err, getattr(args, "ddp_timeout", None))
+        tqdm.write(line, file=sys.stderr)
+        record_for_launcher(line)
+        code = 1
     except KeyboardInterrupt as err:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on too: one line, not two
         line = str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)"
@@ -105,6 +120,96 @@ def run_cli(main, args):
     if code:
         sys.exit(code)
     return result
+
+
+TIMEOUT_MARK = "Timed out waiting"  # gloo's words for a collective that waited --ddp_timeout
+LOST_PEER_MARKS = (TIMEOUT_MARK, "Connection closed by peer", "onnection reset by peer")
+
+
+def is_lost_peer(err):
+    """Whether `err` is a collective that another rank never answered (gloo: a timeout after --ddp_timeout, or the
+    peer's connection closed) in a multi-process launch."""
+    return launched_world_size() > 1 and any(mark in str(err) for mark in LOST_PEER_MARKS)
+
+
+def lost_peer_line(err, ddp_timeout):
+    """`rank R: rank S stopped answering ...`: the one line a surviving rank prints when a collective failed for want
+    of another rank, naming the ranks that missed the roll call (RollCall.absent) and ending those frozen on this
+    host, so that the launcher ends the job now rather than after its own grace."""
+    absent, ended = RollCall.absent(), []
+    for rank in absent:
+        if RollCall.end_if_here(rank):
+            ended.append(rank)
+    who = (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}" if absent
+           else "another rank (the launcher's store did not say which)")
+    waited = (f"no reply within --ddp_timeout {ddp_timeout:g} s" if TIMEOUT_MARK in str(err) and ddp_timeout
+              else "its connection closed")
+    note = f"; ended the frozen process of rank {', '.join(map(str, ended))} on this machine" if ended else ""
+    return (f"rank {os.environ.get('RANK', '?')}: {who} stopped answering ({waited}: a frozen or dead process, a stuck "
+            f"disk or network){note}; the job ends here: continue from its latest checkpoint")
+
+
+class RollCall:
+    """Who is still there, asked through the launcher's store (torch elastic's TCPStore at MASTER_ADDR:MASTER_PORT,
+    which a frozen rank does not hold up): each rank enters its host, PID and start time when the run starts
+    (`enter`); after a failed collective, each surviving rank answers, and the ranks that do not within a few
+    seconds are the ones that stopped answering (`absent`)."""
+    ANSWER_SECONDS = 5.0  # how long survivors wait for each other's answers: their collectives time out together
+    _store = None
+
+    @classmethod
+    def store(cls):
+        """This launch attempt's keys in the launcher's store, or None where there is none to reach."""
+        if cls._store is None and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+            attempt = f"roll_call/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+            client = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                is_master=False, timeout=datetime.timedelta(seconds=5))
+            cls._store = torch.distributed.PrefixStore(attempt, client)
+        return cls._store
+
+    @classmethod
+    def enter(cls):
+        """Record this rank's host, PID and start time (at start-up, on every rank of a multi-process launch)."""
+        try:
+            store = cls.store()
+            if store is not None:
+                store.set(f"process/{os.environ['RANK']}", json.dumps(
+                    {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid())}))
+        except (RuntimeError, OSError):
+            cls._store = None  # no store to reach: a lost rank is then not named
+
+    @classmethod
+    def absent(cls):
+        """The ranks that do not answer within ANSWER_SECONDS; [] where the store cannot be reached."""
+        try:
+            store = cls.store()
+            if store is None:
+                return []
+            store.set(f"here/{os.environ['RANK']}", "1")
+            deadline = time.monotonic() + cls.ANSWER_SECONDS
+            while True:
+                missing = [rank for rank in range(launched_world_size()) if not store.check([f"here/{rank}"])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.2)
+        except (RuntimeError, OSError):
+            return []
+
+    @classmethod
+    def end_if_here(cls, rank):
+        """SIGKILL `rank`'s process if it runs on this host (the same PID and start time as it entered); whether it
+        did. The launcher would SIGKILL it after its grace: a stopped (SIGSTOP) process does not act on SIGTERM."""
+        try:
+            entry = json.loads(cls.store().get(f"process/{rank}"))
+        except (RuntimeError, OSError, ValueError, AttributeError):
+            return False
+        if entry.get("host") != socket.gethostname() or _process_start(entry["pid"]) != entry.get("pid_start"):
+            return False
+        try:
+            os.kill(entry["pid"], signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
 
 def leave_process(code):
@@ -270,11 +375,16 @@ def elastic_restart_warning(environ=os.environ):
 def add_runtime_args(parser):
     """Flags both scripts share for how the run is executed (not what it trains)."""
     group = parser.add_argument_group("runtime")
-    group.add_argument("--cpu", action="store_true",
+    group.add_argument("--cpu", "--no-accel", action="store_true",
                        help="CPU only, whatever the machine holds (GPUs are hidden from the process); needed for "
-                            "multi-process CPU (gloo) DDP")
+                            "multi-process CPU (gloo) DDP (main.py's --no-accel)")
     group.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                        help="default: whatever the launcher / accelerate config says")
+    group.add_argument("--fp16", "--amp", dest="mixed_precision", action="store_const", const="fp16",
+                       help="the same as --mixed_precision fp16 (the Trainer's and accelerate's examples' --fp16, "
+                            "torchvision's and timm's --amp)")
+    group.add_argument("--bf16", dest="mixed_precision", action="store_const", const="bf16",
+                       help="the same as --mixed_precision bf16 (the Trainer's --bf16)")
     group.add_argument("--dist_backend", choices=["nccl", "gloo"], default=None,
                        help="process-group backend; default nccl on GPU, gloo on CPU and on Windows")
     group.add_argument("--ddp_timeout", type=positive_float, default=300.0,
@@ -373,6 +483,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives."""
     hide_gpus_under_cpu(args)
     check_launch(args)
+    stop_with_launcher()
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
     # backend=None lets accelerate choose (nccl on GPU, gloo on CPU)
@@ -392,6 +503,8 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=os.path.join(output_dir, "runs")),
     )
     check_sharding_applies(accelerator)
+    if accelerator.num_processes > 1:
+        RollCall.enter()
     if effective_precision(accelerator) != accelerator.mixed_precision:
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")
@@ -475,9 +588,47 @@ def print_run_summary(accelerator, title, rows):
 
 
 def loader_settings(num_workers):
-    """DataLoader keyword arguments for `num_workers` worker processes on the device this run trains on."""
+    """DataLoader keyword arguments for `num_workers` worker processes on the device this run trains on; the workers
+    leave stopping to their parent (ignore_stop_signals)."""
     return {"num_workers": num_workers, "pin_memory": PartialState().device.type == "cuda",
-            "persistent_workers": num_workers > 0}
+            "persistent_workers": num_workers > 0, "worker_init_fn": ignore_stop_signals if num_workers else None}
+
+
+def ignore_stop_signals(worker_id):
+    """A DataLoader worker's start: SIGTERM and Ctrl-C are its parent's to act on. A scheduler signals every process
+    of the job (Slurm's time limit, scancel), and torch's worker dies of a SIGTERM that its parent did not send; the
+    parent then fails with "DataLoader worker (pid N) is killed by signal" instead of saving. Here the worker leaves
+    on its parent's SIGTERM alone (multiprocessing's exit ends daemon workers so), as torch's own handler does, and
+    ignores everyone else's; it also ends when its parent dies (torch's watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pending until _leave_on_parents_sigterm takes it
+    threading.Thread(target=_leave_on_parents_sigterm, args=(os.getppid(),), daemon=True).start()
+
+
+def _leave_on_parents_sigterm(parent):
+    """Take every SIGTERM sent to this process (blocked in all its threads); leave at once on the parent's."""
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_launcher():
+    """A process started by torch's elastic agent (torchrun, accelerate launch) gets SIGTERM when the agent dies (a
+    SIGKILL, the OOM killer), and so stops as on a scheduler's SIGTERM (utils/loop.py PreemptionGuard): it saves
+    where the ranks can still agree, then leaves, and lets go of the output directory. Without this, the ranks (in
+    sessions of their own) train on as orphans, holding the directory's lock. Linux only (prctl); a process started
+    otherwise (python script.py, nohup) is left as it is."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getppid()
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        return  # the kernel refused: the job then ends as it did without it
+    if os.getppid() != parent:  # the launcher died while the request was being made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check_sharding_applies(accelerator):
@@ -578,6 +729,10 @@ def _claim(output_dir, token):
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file of that name, no permission
         raise UserError(f"{output_dir}: cannot create the output directory ({err.strerror or err})") from None
+    if path.is_symlink():  # O_EXCL refuses to create through it, and reading it finds no holder
+        _remove_empty(created)
+        raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, not a lock a run writes (one is a file); "
+                        "remove it, then start the run again")
     for _ in range(5):  # each round: create, or judge the holder (and take a stale lock over)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

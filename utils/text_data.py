@@ -50,7 +50,8 @@ index (`doc`), gathered with the logits, so that its windows are pooled into one
 pool_windows) on any number of processes. Single texts only: a sentence pair is cut longest_first.
 
 The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
-checkpoint, so that a resume on changed data is refused (utils/checkpoint.py).
+checkpoint, so that a resume on changed data is refused (utils/checkpoint.py); for files it is computed once, when the
+tokenised data cache is built, and kept there (utils/text_cache.py).
 
 Neighbours: utils/text_model.py (the model and tokenizer), utils/text_metrics.py (loss, metrics, predictions).
 """
@@ -66,6 +67,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from accelerate.utils import DynamoBackend
 from datasets import ClassLabel, Dataset, DatasetDict
@@ -242,6 +244,12 @@ def _open_text(path, codec, newline=None):
     return open(path, encoding="utf-8-sig" if codec == "utf-8" else codec, newline=newline)
 
 
+def looks_utf16(data):
+    """A UTF-16 byte-order mark, or NUL bytes in a quarter of the first 4 KB (ASCII text in UTF-16 without one)."""
+    head = data[:4096]
+    return head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or head.count(0) > len(head) // 4
+
+
 def _decode_error(path, codec):
     """The UserError for a file that is not valid `codec`: the line and byte of its first undecodable byte."""
     data = Path(path).read_bytes()
@@ -249,6 +257,9 @@ def _decode_error(path, codec):
     utf8 = codec == "utf-8"
     hint = ("; pass --encoding gb18030 for GBK/GB2312 files, --encoding big5 for Big5" if utf8 else
             "; pass the file's real --encoding")
+    if looks_utf16(data):
+        hint = ("; it is UTF-16 (Windows' \"Unicode\": a byte-order mark, a NUL byte beside each ASCII character), "
+                "whose line breaks no --encoding here reads: save it as UTF-8")
     try:
         data[skip:].decode(codec)
     except UnicodeDecodeError as err:
@@ -301,7 +312,8 @@ def _table_rows(path, fmt, labelled, delimiter):
     header_line, header = next(((line, fields) for line, fields in records if fields), (1, []))
     missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled) if column not in header]
     if missing:
-        raise UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}")
+        raise UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}"
+                        + _sentence_hint(fmt, header))
     for line, fields in records:
         if not any(field.strip() for field in fields):
             yield line, None
@@ -474,8 +486,15 @@ def _check_columns(row, where, fmt, labelled):
     for column, flag in _columns(fmt, labelled):
         if column not in row:
             hint = ("; files to train or evaluate on need labels (texts without labels go to --predict_file)"
-                    if column == fmt.label_column else "")
+                    if column == fmt.label_column else _sentence_hint(fmt, row))
             raise UserError(f"{where}: no field '{column}' ({flag}){hint}")
+
+
+def _sentence_hint(fmt, fields):
+    """run_classification.py reads a `sentence` column by default, this script `text`: name the flag to pass."""
+    if fmt.text_column not in fields and "sentence" in fields and not fmt.joined_columns:
+        return "; it has 'sentence', run_classification.py's default text column: pass --text_column sentence"
+    return ""
 
 
 def _row_text(row, fmt):
@@ -493,16 +512,23 @@ def _example(row, where, fmt, line, labelled=True):
     return Example(_check_text(_row_text(row, fmt), where), label, where, pair, line)
 
 
-def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
-    """All examples of a labelled file: .txt/.tsv `label<TAB>text` lines (or a table with a header row), .csv, or
-    .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels are not read). `say` prints
-    one-line notes (a header row skipped)."""
+def iter_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
+    """The examples of a labelled file one at a time, as they are read: .txt/.tsv `label<TAB>text` lines (or a table
+    with a header row), .csv, or .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels
+    are not read). `say` prints one-line notes (a header row skipped). A file without examples is an error."""
     path = Path(path)
-    examples = [_example(row, f"{path}:{line}", fmt, line, labelled)
-                for line, row in _rows(path, fmt, say, _cnews_lines, labelled) if row is not None]
-    if not examples:
+    found = False
+    for line, row in _rows(path, fmt, say, _cnews_lines, labelled):
+        if row is not None:
+            found = True
+            yield _example(row, f"{path}:{line}", fmt, line, labelled)
+    if not found:
         raise UserError(f"{path}: no examples (the file is empty)")
-    return examples
+
+
+def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
+    """All examples of a labelled file, as a list (`iter_examples`)."""
+    return list(iter_examples(path, labelled, fmt, say))
 
 
 def read_predict_file(path, fmt=DEFAULT_FORMAT, labels=(), say=print):
@@ -577,6 +603,12 @@ class Splits:
     notes: list[str] = field(default_factory=list)
 
 
+# run_classification.py evaluates on the test split when there is no validation split; here the test set is only
+# ever evaluated by --do_test, once, on the selected model
+TEST_FOR_EVAL = ("; run_classification.py would evaluate on the test split instead: here that is --do_test (or "
+                 "pass the test file as --validation_file)")
+
+
 def read_file_splits(args, fmt, say=print):
     """The files of --train_file/--validation_file/--test_file (or --data_dir's) this run needs; the ones found in
     --data_dir are set on args, so that run_config.json records them."""
@@ -587,7 +619,8 @@ def read_file_splits(args, fmt, say=print):
     for split, need in needed.items():
         if need and files[split] is None:
             raise UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
-                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)")
+                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)"
+                            + (TEST_FOR_EVAL if split == "validation" and files["test"] is not None else ""))
     if args.do_train and files["validation"] is not None:
         needed["validation"] = True  # model selection uses the validation set, never the test set
     return Splits({split: read_examples(files[split], fmt=fmt, say=say) for split, need in needed.items() if need})
@@ -601,6 +634,11 @@ def load_dataset_dict(name, config_name, cache_dir=None, token=None):
     if saved and config_name:
         raise UserError(f"--dataset_config_name {config_name}: {name} was written by save_to_disk, which has no "
                         "configurations")
+    scripts = sorted(path.glob("*.py")) if path.is_dir() and not saved else []
+    if scripts:  # datasets 4 no longer runs loading scripts (a RuntimeError)
+        raise UserError(f"--dataset_name {name}: holds a loading script ({scripts[0].name}), which datasets no longer "
+                        "runs; load the data with it once and save_to_disk, or convert it to parquet/csv/json files "
+                        "in that directory")
     try:
         loaded = (datasets.load_from_disk(str(path)) if saved else
                   datasets.load_dataset(name, config_name, cache_dir=cache_dir and str(cache_dir), token=token))
@@ -692,7 +730,8 @@ def read_dataset_splits(args, fmt):
     for role, need in needed.items():
         if need and roles[role] is None:
             raise UserError(f"--do_{'eval' if role == 'validation' else role} needs a {role} split: "
-                            f"{args.dataset_name} has {', '.join(dataset_dict)} (--{role}_split_name NAME)")
+                            f"{args.dataset_name} has {', '.join(dataset_dict)} (--{role}_split_name NAME)"
+                            + (TEST_FOR_EVAL if role == "validation" and roles["test"] is not None else ""))
     if args.do_predict and not args.predict_file and roles["test"] is None:
         raise UserError(f"--do_predict needs --predict_file or a test split: {args.dataset_name} has "
                         f"{', '.join(dataset_dict)} (--test_split_name NAME)")
@@ -783,7 +822,9 @@ def check_dataset_args(args):
         raise UserError("--shuffle_seed needs --shuffle_train_dataset")
     if args.shuffle_train_dataset and args.shuffle_seed is None:  # the seed the shuffle uses, as checkpoints record it
         args.shuffle_seed = SHUFFLE_SEED
-    test_split = args.test_file or args.dataset_name or (args.data_dir and find_split_file(args.data_dir, "test"))
+    # a --data_dir that does not exist is named by the data loading, in its own line
+    test_split = args.test_file or args.dataset_name or (args.data_dir and (not Path(args.data_dir).is_dir()
+                                                                            or find_split_file(args.data_dir, "test")))
     if args.do_predict and not (args.predict_file or test_split):
         raise UserError("--do_predict needs --predict_file, or a test split to predict (run_classification.py's "
                         "--test_file, --data_dir with a test file, --dataset_name)")
@@ -804,22 +845,32 @@ def build_label_list(train_examples, labels_file=None, encoding="utf-8"):
     """Deterministic label order: the labels file if given, else the sorted labels of the train file.
 
     (The reference built it from a Python set, so ids changed between runs.)
-    """
+    One pass over `train_examples` (any iterable: a file read as it streams)."""
     if labels_file:
         labels = read_labels_file(labels_file, encoding)
         check_known_labels(train_examples, labels, source=str(labels_file))
         return labels
-    check_label_spellings(train_examples)
-    return sorted({label for example in train_examples for label in label_set(example)})
+    first_seen = _first_seen(train_examples)
+    _check_spellings(first_seen)
+    return sorted(first_seen)
+
+
+def _first_seen(examples):
+    """{label: where it first appears}."""
+    first_seen = {}
+    for example in examples:
+        for label in label_set(example):
+            first_seen.setdefault(label, example.where)
+    return first_seen
 
 
 def check_label_spellings(examples):
     """Labels are strings, so '1' and '1.0' (or a JSON 1 and true) would be two classes: refused, naming the first
     line of each. (A --labels_file that lists both says they are different classes.)"""
-    first_seen = {}
-    for example in examples:
-        for label in label_set(example):
-            first_seen.setdefault(label, example.where)
+    _check_spellings(_first_seen(examples))
+
+
+def _check_spellings(first_seen):
     by_number = {}
     for label, where in first_seen.items():
         number = _label_number(label)
@@ -970,16 +1021,18 @@ def label_targets(examples, labels, multi_label, regression=False):
     return targets
 
 
-def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cut=LongText(), keep_doc=False):
-    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator.
+def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cut=LongText(), keep_doc=False,
+             cache_file=None):
+    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator. `cache_file`: the
+    Arrow file the tokenised data go to (memory-mapped from there; utils/text_cache.py), else they stay in memory.
 
     A sentence pair becomes the tokenizer's pair encoding ([CLS] a [SEP] b [SEP], token_type_ids 0/1), truncated
     longest_first: the longer sentence loses tokens first, so a short question keeps all of its words. A single text
     is cut as `cut` says (LongText); with windows, `keep_doc` keeps each window's text index in a `doc` column."""
     if cut.doc_stride is not None:
-        return tokenize_windows(tokenizer, texts, targets, max_seq_len, cut.doc_stride, keep_doc)
+        return tokenize_windows(tokenizer, texts, targets, max_seq_len, cut.doc_stride, keep_doc, cache_file)
     if cut.truncation != "head":
-        return tokenize_cut(tokenizer, texts, targets, max_seq_len, cut)
+        return tokenize_cut(tokenizer, texts, targets, max_seq_len, cut, cache_file)
     columns = {"text": list(texts)}
     paired = text_pairs is not None
     if paired:
@@ -992,14 +1045,15 @@ def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cut=LongTe
         return tokenizer(batch["text"], pair, truncation="longest_first", max_length=max_seq_len)
 
     dataset = Dataset.from_dict(columns)
-    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"])
+    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"],
+                       cache_file_name=cache_file and str(cache_file))
 
 
-def tokenize_windows(tokenizer, texts, targets, max_seq_len, doc_stride, keep_doc):
+def tokenize_windows(tokenizer, texts, targets, max_seq_len, doc_stride, keep_doc, cache_file=None):
     """Each text as windows of max_seq_len tokens overlapping by doc_stride ([CLS] and [SEP] in each), with the
     text's label (and its index as `doc` if keep_doc)."""
-    columns = {"text": list(texts), "doc": list(range(len(texts))), **({"labels": targets} if targets is not None
-                                                                          else {})}
+    columns = {"text": list(texts), **({"doc": list(range(len(texts)))} if keep_doc else {}),
+               **({"labels": targets} if targets is not None else {})}
 
     def encode(batch):
         encoded = tokenizer(batch["text"], truncation=True, max_length=max_seq_len, stride=doc_stride,
@@ -1009,11 +1063,11 @@ def tokenize_windows(tokenizer, texts, targets, max_seq_len, doc_stride, keep_do
                               if column in batch}}
 
     dataset = Dataset.from_dict(columns)
-    windows = dataset.map(encode, batched=True, batch_size=1000, remove_columns=list(columns))
-    return windows if keep_doc else windows.remove_columns("doc")
+    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=list(columns),
+                       cache_file_name=cache_file and str(cache_file))
 
 
-def tokenize_cut(tokenizer, texts, targets, max_seq_len, cut):
+def tokenize_cut(tokenizer, texts, targets, max_seq_len, cut, cache_file=None):
     """Each text's tail, or its head and tail, in max_seq_len tokens with [CLS] and [SEP] (the tokenizer's ids)."""
     if tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
         raise UserError(f"--truncation {cut.truncation}: the tokenizer has no [CLS]/[SEP] tokens to frame the kept "
@@ -1031,13 +1085,14 @@ def tokenize_cut(tokenizer, texts, targets, max_seq_len, cut):
                 "attention_mask": [[1] * len(ids) for ids in input_ids]}
 
     dataset = Dataset.from_dict(columns)
-    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=["text"])
+    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=["text"],
+                       cache_file_name=cache_file and str(cache_file))
 
 
-def tokenize_examples(tokenizer, examples, targets, max_seq_len, cut=LongText(), keep_doc=False):
+def tokenize_examples(tokenizer, examples, targets, max_seq_len, cut=LongText(), keep_doc=False, cache_file=None):
     """`tokenize` for Examples: texts, and sentence pairs when the examples have them."""
     pairs = [e.text_pair for e in examples] if examples[0].text_pair is not None else None
-    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs, cut, keep_doc)
+    return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs, cut, keep_doc, cache_file)
 
 
 def fingerprint_examples(path, examples):
@@ -1049,8 +1104,26 @@ def fingerprint_examples(path, examples):
 
 
 def token_lengths(dataset):
-    """Tokens per sample, for length-grouped batching."""
-    return [len(ids) for ids in dataset["input_ids"]]
+    """Tokens per sample (N,), for length-grouped batching: counted by Arrow, without a Python list per text."""
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
+
+
+@dataclass
+class TextData:
+    """The data a run trains and evaluates on: the label list, the tokenised splits ({"train"|"validation"|"test":
+    Dataset}, memory-mapped from the data cache for files), and what was learnt while reading them."""
+    labels: list[str]
+    datasets: dict
+    first_text: list  # [text, text_pair or None] of the first validation (else training) example, for the model card
+    unk_rate: float | None  # [UNK] tokens among the training text's tokens; None without training data
+    fingerprint: dict | None  # the training data's, for the checkpoints (utils/checkpoint.py data_fingerprint)
+    notes: list[str] = field(default_factory=list)  # said while reading (a header row skipped, the cuts)
+    predict: list | None = None  # --do_predict's records (Examples, blank lines marked `skipped`), in input order
+
+    def meta(self):
+        """What the data cache keeps beside the Arrow files (utils/text_cache.py)."""
+        return {"labels": self.labels, "splits": list(self.datasets), "first_text": self.first_text,
+                "unk_rate": self.unk_rate, "fingerprint": self.fingerprint, "notes": self.notes}
 
 MEGABATCH_BATCHES = 50  # transformers' choice: large enough to group well, small enough to stay random
 

@@ -142,6 +142,33 @@ def pool_windows(logits, targets, docs, how="mean"):
     return pooled, None if targets is None else targets[first]
 
 
+class StreamedWindows:
+    """pool_windows a gathered batch of window logits at a time (predictions streamed): the texts whose windows all
+    came are pooled; the last text of a batch, whose windows may go on in the next one, is held until they end."""
+
+    def __init__(self, how="mean"):
+        self.how = how
+        self.held = None  # (logits, docs) of the windows of the text the last batch ended in
+
+    def add(self, logits, docs):
+        """The pooled logits (n, C) of the texts whose last window is in this batch, but for its last text."""
+        if self.held is not None:
+            logits, docs = torch.cat([self.held[0], logits]), torch.cat([self.held[1], docs])
+        ended = docs != docs[-1]
+        self.held = logits[~ended], docs[~ended]
+        return self._pool(logits[ended], docs[ended])
+
+    def end(self, classes):
+        """The pooled logits (0 or 1, C) of the held text, after the last batch."""
+        held, self.held = self.held, None
+        return torch.empty(0, classes) if held is None else self._pool(*held)
+
+    def _pool(self, logits, docs):
+        if not len(docs):
+            return logits
+        return pool_windows(logits, None, docs - docs[0], self.how)[0]
+
+
 def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regression=False):
     """predictions.jsonl rows, one per input record in file order: its `line` (a file's; a dataset's rows are in
     its order), the input, the label(s) the file gave (`label_given`), the predicted label(s) with their probability,

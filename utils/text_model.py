@@ -12,8 +12,8 @@ starts from random weights trains to a poor model without any error, so here a m
 
 The tokenizer check counts the share of real tokens mapped to [UNK]. It caught a real failure (transformers 5
 ignoring `vocab_file=` and mapping every Chinese character to [UNK]), so it stays, at the cost it should have: one
-vectorised pass over the tokenised column, on the main process only, while the other processes wait for its verdict
-and stop with it.
+vectorised pass over the tokenised column, once, when the data are tokenised (utils/text_cache.py keeps the rate with
+the data), and every process stops with the same verdict.
 
 Hub id or path (`check_hub_ids_or_paths`, for --model_name_or_path, --config_name, --tokenizer_name, --dataset_name
 and --metric): a value that names nothing on the local disk is a hub id only if it has
@@ -31,14 +31,15 @@ Neighbours: utils/text_data.py (tokenising), utils/text_metrics.py, utils/export
 """
 import json
 import os
-import time
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from accelerate.utils import broadcast
+from transformers import Adafactor, get_scheduler
+
 from utils.checkpoint import MUST_KEEP, kept_by, this_launch
 from utils.export import load_torch_checkpoint, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
@@ -91,7 +92,24 @@ def loading(source, what):
     try:
         yield
     except (OSError, ValueError) as err:
+        if "trust_remote_code" in str(err):  # transformers asks to run the repository's own Python code
+            raise UserError(f"{source}: its {what} is custom code in the model's files; pass --trust_remote_code if "
+                            "you trust that code") from None
         raise UserError(f"{source}: cannot load {what} ({str(err).strip().splitlines()[0]})") from None
+
+
+def check_custom_code(source, trust_remote_code):
+    """A local model whose type only its own code defines (config.json `auto_map`, a model_type transformers does not
+    know) needs --trust_remote_code; without it transformers reports the tokenizer as failing to load."""
+    config_file = Path(source) / "config.json"
+    if trust_remote_code or not config_file.is_file():
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = read_model_json(config_file)
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        raise UserError(f"{source}: its model type {config.get('model_type')!r} is custom code in the model's files "
+                        "(config.json auto_map); pass --trust_remote_code if you trust that code")
 
 
 def hub_options(args):
@@ -126,6 +144,28 @@ def check_starting_weights(model, new_weights, source):
                         "checkpoint? (--from_scratch trains from random on purpose)")
 
 
+def head_by_name(model, source, labels, say=print):
+    """A trained classifier (its config.json id2label) trained on further with this run's `labels`: its head rows
+    follow the labels by name. The same names in another order: the rows are reordered, said in one line; other
+    names with as many labels: refused in one line (by position each label would start as another's)."""
+    trained = saved_labels(source) if Path(source).is_dir() else None
+    if not trained or trained == labels or len(trained) != len(labels):  # another count: a new head
+        return
+    if set(trained) != set(labels):
+        ours, theirs = sorted(set(labels) - set(trained)), sorted(set(trained) - set(labels))
+        raise UserError(f"{source}: trained for other labels ({', '.join(theirs[:4])}; the data has "
+                        f"{', '.join(ours[:4])}): by position each label would start as another's; train from its base "
+                        "model, or name the labels as the model does")
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == len(labels)][-1]
+    rows = [trained.index(label) for label in labels]
+    with torch.no_grad():
+        head.weight.copy_(head.weight[rows])
+        if head.bias is not None:
+            head.bias.copy_(head.bias[rows])
+    say(f"{source}: its head lists the same {len(labels)} labels in another order: its rows are reordered to this "
+        "run's labels, matched by name")
+
+
 MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
 
 
@@ -138,17 +178,9 @@ def unk_rate(tokenizer, dataset, column="input_ids"):
     return float(np.count_nonzero(real == tokenizer.unk_token_id)) / max(1, real.size)
 
 
-def check_unk_rate(accelerator, tokenizer, dataset, source, limit=MAX_UNK_RATE):
-    """The training text's [UNK] rate, counted on the main process and shared with every rank; above `limit`, a
-    UserError on every rank at once (so all stop cleanly, none waits in a collective for a rank that has left)."""
-    rate = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
-    if accelerator.is_main_process:
-        start = time.perf_counter()
-        rate[0] = unk_rate(tokenizer, dataset)
-        seconds = time.perf_counter() - start
-        if seconds > 1.0:
-            print(f"[UNK] check: {seconds:.1f} s for {len(dataset):,} texts", flush=True)
-    rate = broadcast(rate, from_process=0).item()
+def check_unk_rate(rate, source, limit=MAX_UNK_RATE):
+    """The training text's [UNK] rate (`unk_rate`, counted once when the data were tokenised); above `limit` a
+    UserError, on every rank alike (each holds the same rate)."""
     if rate > limit:
         raise UserError(f"{source}: the tokenizer maps {rate:.0%} of the training text to [UNK]; "
                         "its vocab.txt does not fit this text")
@@ -162,10 +194,27 @@ def problem_type(multi_label, regression=False):
     return "multi_label_classification" if multi_label else "single_label_classification"
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def read_model_json(path, bom_allowed=False):
+    """A JSON file of a model directory, whose problems are one line naming it: cut short or otherwise not JSON, or
+    starting with a UTF-8 byte-order mark (a re-save in Windows Notepad), which transformers cannot read in
+    config.json; our own files (`bom_allowed`) are read with or without one."""
+    data = Path(path).read_bytes()
+    if data.startswith(UTF8_BOM) and not bom_allowed:
+        raise UserError(f"{path}: starts with a UTF-8 byte-order mark (a re-save in Windows Notepad?), which "
+                        "transformers cannot read; save it as UTF-8 without a BOM")
+    try:
+        return json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a readable JSON file (cut short by a copy or a full disk?): {err}") from None
+
+
 def check_problem_type(model_name_or_path, multi_label, regression=False):
     """A trained model evaluated or used for prediction in the mode it was trained in (config.json problem_type)."""
     config_file = Path(model_name_or_path) / "config.json"
-    saved = json.loads(config_file.read_text(encoding="utf-8")).get("problem_type") if config_file.is_file() else None
+    saved = read_model_json(config_file).get("problem_type") if config_file.is_file() else None
     wanted = problem_type(multi_label, regression)
     flags = {"multi_label_classification": "--multi_label", "regression": "--do_regression"}
     if saved in ("multi_label_classification", "single_label_classification", "regression") and saved != wanted:
@@ -227,23 +276,73 @@ def saved_labels(model_name_or_path):
     config_file = Path(model_name_or_path) / "config.json"
     if not config_file.is_file():
         return None
-    id2label = json.loads(config_file.read_text(encoding="utf-8")).get("id2label")
+    id2label = read_model_json(config_file).get("id2label")
     if not id2label or all(name.startswith("LABEL_") for name in id2label.values()):
         return None
     return [id2label[str(i)] for i in range(len(id2label))]
 
 
-def optimizer_groups(model, weight_decay):
-    """AdamW parameter groups: no weight decay on biases and LayerNorm weights."""
-    no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
+NO_DECAY = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
+
+
+def optimizer_groups(model, weight_decay, learning_rate=None, layer_decay=1.0, head_learning_rate=None):
+    """Parameter groups: no weight decay on biases and LayerNorm weights. With `layer_decay` < 1 (layer-wise
+    learning-rate decay) or a `head_learning_rate`, one group per depth and decay: the classification head (and the
+    pooler) at head_learning_rate (default learning_rate), encoder layer i of L at learning_rate x layer_decay^(L - i),
+    the embeddings at learning_rate x layer_decay^(L + 1)."""
     named = list(model.named_parameters())
-    return [
-        {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
-        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
-    ]
+    if layer_decay == 1.0 and head_learning_rate is None:
+        return [
+            {"params": [p for n, p in named if not any(nd in n for nd in NO_DECAY)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if any(nd in n for nd in NO_DECAY)], "weight_decay": 0.0},
+        ]
+    layers = model.config.num_hidden_layers
+    groups = {}
+    for name, parameter in named:
+        rate = _layer_learning_rate(name, model.base_model_prefix, layers, learning_rate, layer_decay,
+                                    head_learning_rate)
+        decay = 0.0 if any(nd in name for nd in NO_DECAY) else weight_decay
+        groups.setdefault((rate, decay), []).append(parameter)
+    return [{"params": params, "lr": rate, "weight_decay": decay} for (rate, decay), params in groups.items()]
+
+
+def _layer_learning_rate(name, base_prefix, layers, learning_rate, layer_decay, head_learning_rate):
+    if not name.startswith(f"{base_prefix}.") or ".pooler." in f".{name}":
+        return head_learning_rate or learning_rate
+    layer = re.search(r"\.layer\.(\d+)\.", name)
+    depth = int(layer.group(1)) + 1 if layer else 0  # the embeddings below layer 0
+    return learning_rate * layer_decay ** (layers + 1 - depth)
+
+
+# the Trainer's --optim names, each the optimizer the Trainer builds for it
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adagrad", "rmsprop")
+
+
+def build_optimizer(groups, args, device):
+    """The Trainer's --optim over `groups` (optimizer_groups), with its --adam_* settings for AdamW."""
+    if args.optim in ("adamw_torch", "adamw_torch_fused"):
+        # fused: one kernel for all parameters; the step of the 21,128-row embedding was a fifth of a small model's step
+        return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                 eps=args.adam_epsilon, fused=device.type in ("cpu", "cuda"))
+    if args.optim == "adafactor":  # the Trainer's: a fixed learning rate, not Adafactor's relative step
+        return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False)
+    optimizers = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
+    return optimizers[args.optim](groups, lr=args.learning_rate)
 
 
 HUB_OR_PATH_FLAGS = ("--model_name_or_path", "--config_name", "--tokenizer_name", "--dataset_name", "--metric")
+
+
+def check_scheduler_args(args):
+    """--lr_scheduler_type with its --lr_scheduler_kwargs, built once on a stand-in optimizer, so that a schedule that
+    lacks an argument (cosine_with_min_lr's min_lr) or gets a wrong one stops here, not after the data is read."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
+                      scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs "
+                        f"{json.dumps(args.lr_scheduler_kwargs)}: {err}") from None
 
 
 def check_hub_ids_or_paths(args, flags=HUB_OR_PATH_FLAGS):
@@ -309,10 +408,9 @@ def recorded_settings(model_name_or_path):
     """A local model's TRAINED_WITH, else its label mode from config.json's problem_type; {} for a base model."""
     model_dir = Path(model_name_or_path)
     if (model_dir / TRAINED_WITH).is_file():
-        return json.loads((model_dir / TRAINED_WITH).read_text(encoding="utf-8"))
+        return read_model_json(model_dir / TRAINED_WITH, bom_allowed=True)
     config_file = model_dir / "config.json"
-    problem_type = (json.loads(config_file.read_text(encoding="utf-8")).get("problem_type")
-                    if config_file.is_file() else None)
+    problem_type = read_model_json(config_file).get("problem_type") if config_file.is_file() else None
     return {"multi_label": problem_type == "multi_label_classification"} if problem_type else {}
 
 
@@ -344,7 +442,7 @@ def long_text_usage(args):
                 f"stride={args.doc_stride}, return_overflowing_tokens=True, padding=True, return_tensors=\"pt\")",
                 "inputs.pop(\"overflow_to_sample_mapping\")",
                 "with torch.no_grad():",
-                f"    logits = classifier.model(**inputs).logits  # (windows, labels)",
+                "    logits = classifier.model(**inputs).logits  # (windows, labels)",
                 f"probabilities = {pooled}.softmax(-1)", "```"]
     if args.truncation == "tail":
         return ["", "Trained on the last tokens of long texts: set `classifier.tokenizer.truncation_side = \"left\"` "
@@ -361,14 +459,14 @@ def long_text_usage(args):
     return []
 
 
-def model_card(args, labels, examples, run):
+def model_card(args, labels, data, run):
     """best_model/README.md's fixed part (utils/outputs.py ModelCard): the labels, the key settings (`run`:
     run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
     truncated as in training."""
     best_dir = Path(args.output_dir) / "best_model"
-    example = (examples.get("validation") or examples["train"])[0]
-    literal = json.dumps({"text": example.text, "text_pair": example.text_pair}, ensure_ascii=False)
-    text = json.dumps(example.text, ensure_ascii=False) if example.text_pair is None else literal
+    first_text, first_pair = data.first_text  # of the validation set, else the training set
+    literal = json.dumps({"text": first_text, "text_pair": first_pair}, ensure_ascii=False)
+    text = json.dumps(first_text, ensure_ascii=False) if first_pair is None else literal
     options = f"truncation=True, max_length={args.max_seq_len}" + (", top_k=None" if args.multi_label else "")
     usage = "\n".join([
         "```python", "from transformers import pipeline", "",
@@ -378,7 +476,7 @@ def model_card(args, labels, examples, run):
         f"print(classifier({text}, {options}))", "```", "",
         f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
         + (f"texts.jsonl --text_column {args.text_column} --text_pair_column {args.text_pair_column}"
-           if example.text_pair is not None else "texts.txt")
+           if first_pair is not None else "texts.txt")
         + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT` "
         "(it cuts long texts as the training did, from the model's trained_with.json).", *long_text_usage(args)])
     model = str(args.model_name_or_path)
@@ -402,4 +500,4 @@ def model_card(args, labels, examples, run):
                   **({"base_model": args.model_name_or_path} if hub_id else {})},
         labels=labels, settings=settings, usage=usage, command=command_line(),
         data_files={split: (files[split] or f"{args.dataset_name} ({split})", len(found))
-                    for split, found in examples.items()})
+                    for split, found in data.datasets.items()})

@@ -11,7 +11,10 @@ A throwaway cluster on this machine (slurm_cluster.py): nodes n1 and n2 at 127.0
   again by `scancel --signal=TERM` mid-training, requeued, and finished. Every stop ends the job run with exit status
   0 and "stopped cleanly at step N, resumable" with checkpoints/step_N, every resume starts at step N, metrics.jsonl
   never repeats a step and matches the reference's, and the exported model is bitwise the reference's;
-- submitting the finished run again does nothing.
+- submitting the finished run again does nothing;
+- a ResNet run with DataLoader workers (-j 2), whose every process the time limit's --signal reaches (cgroup
+  process tracking), saves, ends with exit status 0 and "stopped cleanly at step N, resumable", and the same command
+  submitted again resumes from step N and finishes.
 The file name does not start with test_, so `make test` does not collect it.
 """
 import os
@@ -25,7 +28,7 @@ from conftest import ENV, ROOT, assert_same_weights, read_json, read_jsonl
 from safetensors.torch import load_file
 from slurm_cluster import SlurmCluster, free_port, slurm_installed
 
-from utils.demo_data import write_text_classification_data
+from utils.demo_data import write_digits_imagefolder, write_text_classification_data
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 TRAIN_LINE = r"^epoch \d+ step (\d+)/"
@@ -253,3 +256,28 @@ def test_stops_save_and_resume_exactly(cluster, data, reference, tmp_path):
     job_id, log = submit(cluster, command, wait=True)
     assert cluster.job(job_id)["ExitCode"] == "0:0"
     assert "holds a finished run (all_results.json): nothing to do" in log_text(log)
+
+
+def resnet_command(data, output_dir):
+    """train_resnet.py on the 16x16 digits with 2 loader workers per process: 21 steps per epoch, a few minutes."""
+    return ["train_resnet.py", data, "--arch", "resnet18", "--image_size", 16, "--val_resize", 16, "-b", 64,
+            "--lr", 0.02, "--momentum", 0, "-j", 2, "-p", 5, "--epochs", 12, "--output_dir", output_dir]
+
+
+def test_resnet_with_loader_workers_stopped_by_the_time_limit_saves_and_resumes(cluster, tmp_path):
+    data, out = write_digits_imagefolder(tmp_path / "digits", size=16), tmp_path / "run"
+    command = resnet_command(data, out)
+    job_id, log = submit(cluster, command, [f"--time={LIMIT}", "--signal=TERM@170"])
+    wait_line(cluster, job_id, log, r"^Epoch: \[1\]")  # training, with its loader workers
+    hours, minutes, seconds = map(int, cluster.job(job_id)["RunTime"].split("-")[-1].split(":"))
+    cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={hours * 60 + minutes + 1 + 2}")
+    step, _ = stopped_at(cluster, job_id, log, 0)
+    job, text = wait_job(cluster, job_id, log), log_text(log)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "killed by signal" not in text and (out / "checkpoints" / f"step_{step}").is_dir(), text[-3000:]
+
+    job_id, log = submit(cluster, command, wait=True)
+    job, text = cluster.job(job_id), log_text(log)
+    assert re.search(rf"^Resumed from \S+/step_{step} at step {step}$", text, re.M), text[-3000:]
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0") and text.rstrip().endswith("\nfinished"), text
+    assert read_json(out / "all_results.json")["train_steps"] == 12 * (1348 // 64)

@@ -1,0 +1,144 @@
+"""The BERT data are tokenised once (utils/text_cache.py): a second start reads the cache without tokenising, any
+input of the cache key (file content, tokenizer, --max_seq_len, --labels_file, the long-text cut) makes a new entry,
+2 processes tokenise once in all, nodes with their own disks once per node, and a bad line stops every rank with one
+line."""
+import os
+import shutil
+
+import pytest
+from conftest import launch, read_json, run_here
+from test_edges import two_machines
+
+SCRIPT = "train_bert_cls.py"
+BUILT = "tokenising the data into"
+
+
+def small_args(data, out, cache, *extra):
+    return ["--cpu", "--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch", "--config_overrides",
+            "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64", "--max_seq_len", "32",
+            "--train_batch_size", "16", "--eval_batch_size", "16", "--max_train_steps", "2", "--checkpointing_steps",
+            "2", "--do_train", "--do_eval", "--data_cache_dir", cache, "--output_dir", out, "--overwrite_output_dir",
+            *extra]
+
+
+def entries(cache):
+    return sorted(path.name for path in cache.iterdir() if not path.name.startswith("."))
+
+
+def arrow_times(cache):
+    return {path.name: path.stat().st_mtime_ns for path in cache.glob("*/*.arrow")}
+
+
+@pytest.fixture
+def data(text_data, tmp_path):
+    """A private copy of the session's text data: the tests here change its files."""
+    return shutil.copytree(text_data, tmp_path / "data")
+
+
+def test_second_start_reads_the_cache_without_tokenising(data, tmp_path):
+    cache = tmp_path / "cache"
+    first = run_here(SCRIPT, small_args(data, tmp_path / "a", cache))
+    assert first.stdout.count(BUILT) == 1
+    times = arrow_times(cache)
+    assert sorted(times) == ["train.arrow", "validation.arrow"] and len(entries(cache)) == 1
+    second = run_here(SCRIPT, small_args(data, tmp_path / "b", cache))
+    assert BUILT not in second.stdout
+    assert arrow_times(cache) == times  # read, never rewritten
+    assert "--data_dir" in second.stdout  # what was read for what is said on every start
+    results = [read_json(tmp_path / out / "all_results.json") for out in ("a", "b")]
+    for key in ("train_unk_rate", "eval_accuracy", "eval_loss", "train_steps"):
+        assert results[0][key] == results[1][key]
+    saved = [read_json(tmp_path / out / "checkpoints" / "step_2" / "training_state.json") for out in ("a", "b")]
+    assert saved[0]["training_data"] == saved[1]["training_data"]
+    assert saved[0]["training_data"]["examples"] == 800
+
+
+def test_each_input_of_the_key_makes_a_new_entry(data, tmp_path):
+    cache = tmp_path / "cache"
+
+    def start(*extra, model=None):
+        args = small_args(data, tmp_path / "o", cache, *extra)
+        if model is not None:
+            args[args.index("--model_name_or_path") + 1] = model
+        return run_here(SCRIPT, args).stdout
+
+    assert BUILT in start()
+    same_tokenizer = shutil.copytree(data / "model", tmp_path / "copy_of_model")
+    assert BUILT not in start(model=same_tokenizer)  # the tokenizer's content decides, not its path
+    assert len(entries(cache)) == 1
+
+    train = data / "train.txt"
+    stat, lines = train.stat(), train.read_text(encoding="utf-8").splitlines(keepends=True)
+    train.write_text("".join([lines[1], lines[0], *lines[2:]]), encoding="utf-8")  # same size, other content
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same modification time
+    assert BUILT in start()
+    assert len(entries(cache)) == 2
+
+    vocab = tmp_path / "other_vocab"
+    shutil.copytree(data / "model", vocab)
+    words = (vocab / "vocab.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+    (vocab / "vocab.txt").write_text("".join([*words[:-2], words[-1], words[-2]]), encoding="utf-8")
+    assert BUILT in start(model=vocab)
+    assert BUILT in start("--max_seq_len", "24")
+    labels = tmp_path / "labels.txt"
+    labels.write_text("".join(f"{label}\n" for label in reversed((tmp_path / "o" / "labels.txt").read_text().split())))
+    assert BUILT in start("--labels_file", labels)
+    assert (tmp_path / "o" / "labels.txt").read_text() == labels.read_text()
+    assert len(entries(cache)) == 5
+
+
+def test_each_long_text_cut_makes_a_new_entry(data, tmp_path):
+    cache = tmp_path / "cache"
+
+    def start(*extra):
+        out = tmp_path / "o"
+        return run_here(SCRIPT, small_args(data, out, cache, "--max_seq_len", "12", *extra)).stdout, \
+            read_json(out / "all_results.json")
+
+    assert BUILT in start()[0]
+    assert BUILT in start("--truncation", "tail")[0]
+    assert BUILT in start("--truncation", "head_tail", "--head_tokens", "4")[0]
+    assert BUILT in start("--truncation", "head_tail", "--head_tokens", "6")[0]
+    stdout, windows = start("--doc_stride", "4")
+    assert BUILT in stdout and windows["validation_windows"] > windows["eval_samples"]
+    assert len(entries(cache)) == 5
+    stdout, pooled_by_max = start("--doc_stride", "4", "--pool", "max")  # how windows are pooled: not the data
+    assert BUILT not in stdout and len(entries(cache)) == 5
+    assert pooled_by_max["validation_windows"] == windows["validation_windows"]
+    assert pooled_by_max["eval_samples"] == windows["eval_samples"]
+
+
+def test_two_processes_tokenise_once(data, tmp_path):
+    cache = tmp_path / "cache"
+    proc = launch(SCRIPT, small_args(data, tmp_path / "o", cache), num_processes=2)
+    assert (proc.stdout + proc.stderr).count(BUILT) == 1
+    assert len(entries(cache)) == 1 and not list(cache.glob(".*tmp*"))
+    again = launch(SCRIPT, small_args(data, tmp_path / "o", cache, "--resume_from_checkpoint", "latest",
+                                      "--max_train_steps", "3"), num_processes=2)
+    assert BUILT not in again.stdout + again.stderr
+
+
+def test_a_bad_line_or_a_missing_file_stops_both_processes_with_one_line(data, tmp_path):
+    with open(data / "train.txt", "a", encoding="utf-8") as f:
+        f.write("a line without a tab\n")
+    proc = launch(SCRIPT, small_args(data, tmp_path / "o", tmp_path / "cache"), num_processes=2, check=False,
+                  timeout=180)
+    assert proc.returncode != 0
+    line = f"error: {data / 'train.txt'}:801: expected 'label<TAB>text', found no TAB"
+    assert line in proc.stderr, proc.stderr[-3000:]
+    assert 'train_bert_cls.py", line' not in proc.stderr  # no traceback on either rank
+    assert entries(tmp_path / "cache") == [] and not list((tmp_path / "cache").glob(".*tmp*"))
+    missing = launch(SCRIPT, [*small_args(data, tmp_path / "o", tmp_path / "cache"), "--test_file",
+                              tmp_path / "missing.txt", "--do_test"], num_processes=2, check=False, timeout=180)
+    assert missing.returncode != 0  # found while the cache key is computed, by the main process, said by both
+    assert f"error: {tmp_path / 'missing.txt'}: file not found" in missing.stderr, missing.stderr[-3000:]
+    assert 'train_bert_cls.py", line' not in missing.stderr
+
+
+def test_nodes_with_their_own_disks_tokenise_once_each(data, tmp_path):
+    caches = [tmp_path / "node0" / "cache", tmp_path / "node1" / "cache"]
+    codes, logs = two_machines([small_args(data, tmp_path / f"node{rank}" / "out", caches[rank])[1:]
+                                for rank in range(2)])
+    assert codes == [0, 0], logs[1][-3000:]
+    assert [log.count(BUILT) for log in logs] == [1, 1]
+    assert entries(caches[0]) == entries(caches[1]) and len(entries(caches[0])) == 1

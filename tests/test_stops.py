@@ -1,0 +1,246 @@
+"""Stops as schedulers, containers and machines deliver them, on 2 processes through `accelerate launch`: SIGTERM to
+every process of the job (DataLoader workers included), SIGTERM to the launcher alone during a validation longer than
+its grace, SIGKILL to the launcher, a frozen rank. Each ends with a resumable checkpoint or one line, and no process
+left behind."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from accelerate.state import AcceleratorState
+from torch.utils.data import DataLoader
+from conftest import (descendants, kill_job, launch, launch_cmd, read_json, read_jsonl, run_here, start, wait_for,
+                      workers)
+
+from utils.runtime import loader_settings
+
+GRACE = 30  # seconds torch's elastic agent (accelerate launch, torchrun) waits between its SIGTERM and its SIGKILL
+RESNET_STEPS_PER_EPOCH = 1348 // 64  # the digits' training images, -b 64, drop_last
+
+
+def resnet_args(data, out, *extra):
+    return [data, "--arch", "resnet18", "--image_size", "16", "--val_resize", "16", "-b", "64", "--lr", "0.02",
+            "--momentum", "0", "-j", "2", "-p", "5", "--epochs", "2", "--checkpointing_steps", "5",
+            "--output_dir", out, *extra]
+
+
+def bert_args(data, out, *extra):
+    return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch", "--do_train",
+            "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "16", "--num_workers", "2",
+            "--max_train_steps", "60", "--checkpointing_steps", "5", "--logging_steps", "5", "--output_dir", out,
+            *extra]
+
+
+# script, its arguments, its resume flag, its steps
+SCRIPTS = {"resnet": ("train_resnet.py", resnet_args, ["--resume", "latest"], 2 * RESNET_STEPS_PER_EPOCH),
+           "bert": ("train_bert_cls.py", bert_args, ["--resume_from_checkpoint", "latest"], 60)}
+
+
+def complete(out, step):
+    return lambda: (out / "checkpoints" / f"step_{step}" / "training_state.json").exists()
+
+
+def checkpoint_steps(out):
+    return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+
+
+def alive(pids):
+    """The processes of `pids` still running (a zombie has ended)."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.append(pid)
+    return running
+
+
+def gone_within(pids, seconds):
+    """Whether every process of `pids` ended within `seconds` (a DataLoader worker notices its parent's exit within
+    torch's 5-second watchdog interval)."""
+    deadline = time.time() + seconds
+    while alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    return not alive(pids)
+
+
+def end_all(pids):
+    """SIGKILL whatever a test started and left running (a failing test must not leave orphans training on)."""
+    for pid in alive(pids):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def rank_tracebacks(log, script):
+    """Lines of a training process's traceback (the launcher's own traceback is its business)."""
+    return [line for line in log.splitlines() if f'{script}", line' in line or "killed by signal" in line]
+
+
+def test_loader_workers_leave_on_their_parents_sigterm_alone():
+    """A worker ignores Ctrl-C and a SIGTERM from anyone else (a scheduler signalling every process): the epoch goes
+    on. Its parent's SIGTERM (multiprocessing's exit ends daemon workers so) ends it at once, with exit status 0."""
+    try:
+        settings = loader_settings(2)  # what every loader of both scripts is built with
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # loader_settings asked PartialState for the device
+    batches = iter(DataLoader(list(range(64)), batch_size=4, **settings))
+    next(batches)
+    next(batches)  # from the second worker: both have started (a signal before the start is torch's to handle)
+    started = psutil.Process().children()
+    pids = [str(child.pid) for child in started]
+    assert len(pids) == 2
+    for sig in ("-TERM", "-INT"):
+        subprocess.run(["kill", sig, *pids], check=True)  # from another process
+    time.sleep(1)
+    assert len(list(batches)) == 14 and all(child.is_running() for child in started)
+    started[0].send_signal(signal.SIGTERM)  # from the parent
+    assert started[0].wait(timeout=10) == 0
+    started[1].send_signal(signal.SIGTERM)
+    assert started[1].wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("name", ["resnet", "bert"])
+def test_sigterm_to_every_process_with_loader_workers_saves_and_resumes(name, digits_data, text_data, tmp_path):
+    """Slurm's time limit and scancel: SIGTERM to the launcher, the ranks and their DataLoader workers at once."""
+    script, args, resume, steps = SCRIPTS[name]
+    data, out = (digits_data if name == "resnet" else text_data), tmp_path / "out"
+    job = start(launch_cmd(script, args(data, out), num_processes=2), tmp_path / "job.log")
+    processes = []
+    try:
+        wait_for(complete(out, 5), job, timeout=240)
+        wait_for(lambda: len(workers(job, out)) >= 2 + 2 * 2, job)  # the ranks and each one's 2 loader workers
+        processes = [job.pid, *descendants(job.pid)]
+        signaled = time.time()
+        kill_job(job, signal.SIGTERM)
+        job.wait(timeout=GRACE + 30)
+        seconds = time.time() - signaled
+        ended = gone_within(processes, 10)
+    finally:
+        end_all([job.pid, *processes])
+    log = (tmp_path / "job.log").read_text()
+    assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    assert not rank_tracebacks(log, script), log[-3000:]
+    assert seconds < GRACE, f"{seconds:.1f} s: the launcher's SIGKILL ended the ranks"
+    assert ended, "a process of the job outlived it"
+    results = read_json(out / "all_results.json")
+    assert results["preempted"] is True and checkpoint_steps(out)[-1] == results["train_steps"] < steps
+    assert not (out / ".lock").exists()
+    print(f"{name}: launcher exit {job.returncode}, checkpoint step {results['train_steps']}, {seconds:.1f} s")
+    launch(script, [*args(data, out), *resume], num_processes=2, timeout=400)
+    assert read_json(out / "all_results.json")["train_steps"] == steps
+
+
+def long_validation_copy(digits_data, root, copies):
+    """The digits with `copies` hard links of every validation image beside it: a validation of minutes, the same
+    training data (the links are removed again before the resume)."""
+    root.mkdir()
+    (root / "train").symlink_to(digits_data / "train")
+    for image in sorted((digits_data / "val").rglob("*.png")):
+        folder = root / "val" / image.parent.name
+        folder.mkdir(parents=True, exist_ok=True)
+        os.link(image, folder / image.name)
+        for copy in range(copies):
+            os.link(image, folder / f"copy{copy}_{image.name}")
+    return root
+
+
+def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves(digits_data, tmp_path):
+    """docker stop, kubectl delete: SIGTERM to PID 1 (the launcher), which passes it on and SIGKILLs the ranks
+    GRACE seconds later. The stop abandons the epoch's validation (minutes long here), saves the epoch's end with the
+    validation still due, and the resumed run validates that epoch first."""
+    data, out = long_validation_copy(digits_data, tmp_path / "data", copies=200), tmp_path / "out"
+    args = resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000")  # no checkpoint but the stop's
+    job = start(launch_cmd("train_resnet.py", args, num_processes=2), tmp_path / "job.log")
+    processes = []
+    try:
+        # the last log line of epoch 1 (step 20); step 21 ends the epoch and starts the validation
+        wait_for(lambda: (out / "metrics.jsonl").exists() and any(
+            e["event"] == "train" and e["step"] == 20 for e in read_jsonl(out / "metrics.jsonl")), job, timeout=240)
+        time.sleep(5)
+        processes = [job.pid, *descendants(job.pid)]
+        signaled = time.time()
+        os.kill(job.pid, signal.SIGTERM)
+        job.wait(timeout=GRACE + 60)
+        seconds = time.time() - signaled
+        ended = gone_within(processes, 10)
+    finally:
+        end_all([job.pid, *processes])
+    log = (tmp_path / "job.log").read_text()
+    assert "evaluation after step 21 abandoned on SIGTERM" in log, log[-3000:]
+    assert checkpoint_steps(out) == [RESNET_STEPS_PER_EPOCH], log[-3000:]
+    state = json.loads((out / "checkpoints" / "step_21" / "training_state.json").read_text())
+    assert state["validation_due"] is True
+    assert seconds < GRACE and ended, f"{seconds:.1f} s"
+    print(f"launcher SIGTERM during validation: launcher exit {job.returncode}, checkpoint step 21, {seconds:.1f} s")
+    for copy in (data / "val").rglob("copy*.png"):
+        copy.unlink()
+    launch("train_resnet.py", [*resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000"),
+                               "--resume", "latest"], num_processes=2, timeout=400)
+    evals = [(e["step"], e["epoch"]) for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
+    assert evals == [(21, 1), (42, 2)], evals  # the abandoned validation, then the next epoch's
+    assert read_json(out / "all_results.json")["train_steps"] == 42
+
+
+def test_sigkill_to_the_launcher_stops_the_ranks_and_frees_the_directory(text_data, tmp_path):
+    """The OOM killer or kill -9 on the launcher: torchrun started the ranks in sessions of their own, so no signal
+    reaches them. They notice their launcher's death, save where they agree, and leave; a new run takes the
+    directory."""
+    out = tmp_path / "out"
+    job = start(launch_cmd("train_bert_cls.py", bert_args(text_data, out, "--max_train_steps", "5000"),
+                           num_processes=2), tmp_path / "job.log")
+    processes = []
+    try:
+        wait_for(complete(out, 10), job, timeout=240)
+        processes = [*descendants(job.pid)]
+        killed = time.time()
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        ended = gone_within(processes, 30)
+        seconds = time.time() - killed
+    finally:
+        end_all(processes)
+    assert ended, f"processes of the job still running {seconds:.0f} s after the launcher's death"
+    log = (tmp_path / "job.log").read_text()
+    assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    assert not (out / ".lock").exists()
+    step = checkpoint_steps(out)[-1]
+    print(f"launcher SIGKILL: ranks gone after {seconds:.1f} s, checkpoint step {step}")
+    run_here("train_bert_cls.py", ["--cpu", *bert_args(text_data, out, "--num_workers", "0", "--max_train_steps",
+                                                       str(step + 1), "--resume_from_checkpoint", "latest")])
+    assert read_json(out / "all_results.json")["train_steps"] == step + 1
+
+
+def test_a_frozen_rank_is_named_by_the_survivor_and_the_job_ends_within_the_timeout(text_data, tmp_path):
+    """A rank SIGSTOPped (or stuck on a filesystem): the survivor's collective times out after --ddp_timeout and it
+    prints one line naming the rank; the frozen process on its machine is ended, so the launcher does not wait its
+    grace for it."""
+    out, timeout = tmp_path / "out", 15
+    job = start(launch_cmd("train_bert_cls.py", bert_args(text_data, out, "--max_train_steps", "5000",
+                                                          "--ddp_timeout", str(timeout)), num_processes=2),
+                tmp_path / "job.log")
+    processes = []
+    try:
+        wait_for(complete(out, 10), job, timeout=240)
+        processes = [*descendants(job.pid)]
+        rank1 = [pid for pid in workers(job, out) if "RANK=1\0" in Path(f"/proc/{pid}/environ").read_text()]
+        stopped = time.time()
+        os.kill(rank1[0], signal.SIGSTOP)
+        job.wait(timeout=timeout + GRACE + 30)
+        seconds = time.time() - stopped
+    finally:
+        end_all([job.pid, *processes])
+    log = (tmp_path / "job.log").read_text()
+    lines = [line for line in log.splitlines() if line.startswith("rank 0: rank 1 stopped answering")]
+    assert len(lines) == 1 and f"no reply within --ddp_timeout {timeout} s" in lines[0], log[-3000:]
+    assert not rank_tracebacks(log, "train_bert_cls.py"), log[-3000:]
+    assert job.returncode != 0 and seconds < timeout + 20, f"{seconds:.1f} s"  # the launcher's grace: 30 s more
+    print(f"frozen rank: launcher exit {job.returncode}, {seconds:.1f} s")
