@@ -59,7 +59,7 @@ from utils.runtime import (UserError, add_runtime_args, build_accelerator, check
                             writing)
 from utils.image_augment import (AUGMENT_ROLES, MIXING_ROLES, RepeatedAugmentationSampler, add_augment_args,
                                  add_mixing_args, build_mixer, dominant_labels, eval_image_settings, image_settings,
-                                 recorded_image_settings, resolve_augment_args, resolve_image_sizes,
+                                 recorded_image_settings, resolve_augment_args, resolve_image_sizes, resolve_mixup_mode,
                                  soft_cross_entropy)
 from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, PredictImages,
                               RGBImageFolder, bad_image_error, build_datasets, build_dummy_datasets, files_to_predict,
@@ -291,6 +291,7 @@ def parse_args(argv=None):
         parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
     try:
         resolve_augment_args(args, sizes_from_model=args.evaluate or bool(args.predict))
+        resolve_mixup_mode(args)
     except UserError as err:
         parser.error(str(err))
     if args.predict:  # the architecture, when not given, and the sizes come from the export

@@ -87,7 +87,6 @@ EVAL_IMAGE_FLAGS = IMAGE_ROLES.evaluation()  # {flag: args attribute}: the valid
 def resolve_augment_args(args, sizes_from_model=False):
     """Fill the image sizes from --image_size and the defaults, unless `sizes_from_model` (-e: resolve_image_sizes
     does it once the model is known), and check ranges (before anything starts)."""
-    resolve_mixup_mode(args)
     if not sizes_from_model:
         args.image_size = args.image_size or IMAGE_DEFAULTS["train_crop_size"]
         for key, default in IMAGE_DEFAULTS.items():

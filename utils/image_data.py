@@ -149,11 +149,13 @@ MACOS_METADATA = "__MACOSX"  # a folder that macOS's Archive Utility adds to a z
 
 class RGBImageFolder(datasets.ImageFolder):
     """ImageFolder that decodes to RGB tensors, marks unreadable files, and seeds augmentation per sample. Class
-    folders and images as image_classes and is_image_file find them (macOS metadata left out)."""
+    folders and images as image_classes and ImageFiles find them (macOS metadata left out)."""
 
     def __init__(self, root, transform, image_size, seed=0):
-        super().__init__(str(root), transform=transform, is_valid_file=lambda path: is_image_file(Path(path)),
+        files = ImageFiles(root)
+        super().__init__(str(root), transform=transform, is_valid_file=files,
                          allow_empty=True)  # an empty class: our one line in make_dataset
+        self.left_out = files.notes()  # what the listing passed over, one line each
         self.placeholder = torch.zeros(3, image_size, image_size)
         self.seed, self.epoch = seed, EpochValue()  # shared with persistent workers' copies of this dataset
 
@@ -214,30 +216,38 @@ def image_classes(root):
     return classes
 
 
-def is_image_file(path):
-    """An image of a type the decoders read, not macOS metadata (an AppleDouble `._NAME` file, or under __MACOSX/)."""
-    return (path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith("._")
-            and MACOS_METADATA not in path.parts and path.is_file())
+class ImageFiles:
+    """ImageFolder's is_valid_file over its one listing of the class folders: the images of a type the decoders read;
+    macOS archive metadata (AppleDouble `._NAME` files, anything under __MACOSX/) and files of other types are
+    counted for one note each."""
 
+    def __init__(self, root):
+        self.root = Path(root)
+        self.metadata = 0
+        self.others = Counter()
 
-def left_out_notes(root):
-    """One line each for what the class folders of an ImageFolder root hold that is not read: macOS archive metadata,
-    and files of types the decoders do not read, counted by type."""
-    metadata, others = 0, Counter()
-    for path in Path(root).rglob("*"):
-        if MACOS_METADATA in path.relative_to(root).parts or path.name.startswith("._"):
-            metadata += path.is_file()
-        elif path.is_file() and path.suffix.lower() not in IMAGE_EXTENSIONS and path.parent != Path(root):
-            others[path.suffix.lower() or "(no suffix)"] += 1
-    notes = []
-    if metadata:
-        notes.append(f"{root}: {metadata} macOS archive metadata files (__MACOSX/, AppleDouble ._*) skipped: not "
-                     "images")
-    if others:
-        counts = ", ".join(f"{count} {suffix}" for suffix, count in sorted(others.items()))
-        notes.append(f"{root}: files of types no decoder here reads left out ({counts}); read: "
-                     f"{' '.join(IMAGE_EXTENSIONS)}")
-    return notes
+    def __call__(self, path):
+        path = Path(path)
+        if path.name.startswith("._") or MACOS_METADATA in path.relative_to(self.root).parts:
+            self.metadata += 1
+            return False
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            self.others[path.suffix.lower() or "(no suffix)"] += 1
+            return False
+        return True
+
+    def notes(self):
+        """One line each for what was not read; the root's own __MACOSX/ (not a class) is counted here."""
+        metadata = self.metadata + sum(path.is_file() for path in (self.root / MACOS_METADATA).rglob("*"))
+        notes = []
+        if metadata:
+            notes.append(f"{self.root}: {metadata} macOS archive metadata files (__MACOSX/, AppleDouble ._*) skipped: "
+                         "not images")
+        if self.others:
+            counts = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.others.items()))
+            notes.append(f"{self.root}: files of types no decoder here reads left out ({counts}); read: "
+                         f"{' '.join(IMAGE_EXTENSIONS)}")
+        return notes
 
 
 def check_same_classes(train_classes, val_classes, train_root, val_root):
@@ -259,13 +269,13 @@ def build_datasets(data, seed, transforms, folder=RGBImageFolder, say=print):
 
     transforms: (train, val, train_crop, val_crop) from utils/image_augment.py.
     folder: the dataset class, RGBImageFolder or a subclass (utils/image_device_decode.py EncodedImageFolder).
-    say: prints what is left out (left_out_notes)."""
+    say: prints what the listing left out (ImageFiles)."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
-    for note in [*left_out_notes(train_root), *left_out_notes(val_root)]:
-        say(note)
     check_same_classes(image_classes(train_root), image_classes(val_root), train_root, val_root)
     train = folder(train_root, transforms[0], transforms[2], seed)
     val = folder(val_root, transforms[1], transforms[3], seed)
+    for note in train.left_out + val.left_out:
+        say(note)
     return train, val
 
 
@@ -383,10 +393,11 @@ def files_to_predict(paths):
     files = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(str(p) for p in path.rglob("*") if is_image_file(p))
+            images = ImageFiles(path)  # the types the decoders read, macOS archive metadata left out
+            found = sorted(str(p) for p in path.rglob("*") if p.is_file() and images(p))
             if not found:
-                raise UserError(f"--predict {path}: no image files ({', '.join(IMAGE_EXTENSIONS)}) "
-                                "in this folder or below it")
+                raise UserError(f"--predict {path}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in this folder "
+                                "or below it")
             files += found
         elif not path.is_file():
             raise UserError(f"--predict {path}: no such file or directory")
