@@ -364,11 +364,20 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True):
     return labels, examples
 
 
+def check_model_files(args):
+    """The local model's config.json read as transformers will read it (a BOM, a file cut short: one line naming it),
+    and custom code refused without --trust_remote_code, before transformers reports either as a tokenizer failure."""
+    source = args.tokenizer_name or args.model_name_or_path
+    for directory in dict.fromkeys((source, args.config_name or args.model_name_or_path)):
+        check_custom_code(directory, args.trust_remote_code)
+
+
 def tokenizer_and_length(args, say=print):
     """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with two
     placeholder labels, the fewest every task accepts: the positions do not depend on the labels): both decide the
     tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
+    check_model_files(args)
     with loading(source, "tokenizer"):
         tokenizer = load_tokenizer(source, args.trust_remote_code, hub_options(args))
     empty_model = on_meta_device(lambda: new_model(model_config(args, ["0", "1"]), args.trust_remote_code))
@@ -485,12 +494,8 @@ def build_model(args, labels, say=print, tokenizer=None):
         raise UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); "
                         "pass --from_scratch to train a randomly initialised model from its config.json")
     remote = args.trust_remote_code
-    tokenizer_source = args.tokenizer_name or path
-    for source in dict.fromkeys((tokenizer_source, args.config_name or path)):
-        check_custom_code(source, remote)
     if tokenizer is None:
-        with loading(tokenizer_source, "tokenizer"):
-            tokenizer = load_tokenizer(tokenizer_source, remote, hub_options(args))
+        tokenizer = tokenizer_and_length(args, say)
     config = model_config(args, labels)
     empty_model = on_meta_device(lambda: new_model(config, remote))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or path, say)
@@ -504,7 +509,7 @@ def build_model(args, labels, say=print, tokenizer=None):
         enable_gradient_checkpointing(model, args.model_name_or_path)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
     if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
-        raise UserError(f"{tokenizer_source}: tokenizer has {len(tokenizer)} tokens but the model expects "
+        raise UserError(f"{args.tokenizer_name or path}: tokenizer has {len(tokenizer)} tokens but the model expects "
                         f"{config.vocab_size}; is vocab.txt there and read?")
     return tokenizer, model
 

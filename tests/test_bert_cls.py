@@ -243,10 +243,10 @@ def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
     # a head for another number of classes, and a file that would unpickle arbitrary objects, are refused
     torch.save({"state_dict": {**legacy, "module.linear.weight": torch.zeros(3, 64),
                                "module.linear.bias": torch.zeros(3)}}, tmp_path / "three.pt")
-    import fractions
+    import pathlib
 
-    # (an argparse.Namespace, torchvision's recorded command line, is allowed: utils/export.py load_torch_checkpoint)
-    torch.save({"state_dict": legacy, "args": fractions.Fraction(1, 3)}, tmp_path / "pickled.pt")
+    # (an argparse.Namespace, torchvision's checkpoint args, is the one class allowed: any other is refused)
+    torch.save({"state_dict": legacy, "args": pathlib.PurePosixPath("x")}, tmp_path / "pickled.pt")
     for name, message in (("three.pt", "its head predicts 3 classes, this run has 10 labels"), ("pickled.pt", "weights_only")):
         proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", text_data / "model", "--init_from_legacy",
                                  tmp_path / name, "--labels_file", out / "labels.txt", "--data_dir", text_data,

@@ -85,13 +85,16 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, t
     job = start(launch_cmd(SCRIPT, resume_args(text_data, out), num_processes=2), tmp_path / "preempted.log")
     wait_for(complete(out, 20), job)
     # a second run on the directory, started while the job holds it: one line naming the holder, nothing written
-    # (the curve and the weights below are exactly the uninterrupted run's)
+    # (the curve and the weights below are exactly the uninterrupted run's); the job is paused meanwhile, so that it
+    # still holds the directory however fast it trains
+    kill_job(job, signal.SIGSTOP)
     second = run_here(SCRIPT, ["--cpu", *resume_args(text_data, out, "--resume_from_checkpoint", "latest")],
                       check=False)
     refusal = re.search(rf"error: {out}: another run is using this directory \(host \S+, PID (\d+)", second.stderr)
     assert second.returncode == 2 and refusal, second.stderr[-2000:]
     assert int(refusal.group(1)) in descendants(job.pid) and job.poll() is None  # the job's main process holds it
     kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
+    kill_job(job, signal.SIGCONT)  # the SIGTERM, pending while paused, arrives as the job goes on
     job.wait(timeout=60)
     log = (tmp_path / "preempted.log").read_text()
     assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]

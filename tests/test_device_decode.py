@@ -3,6 +3,7 @@ unreadable files marked as the CPU loader marks them, refusals in one line, and 
 CPU loader's weights bitwise on 1 process and the same training on 2."""
 import argparse
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +172,7 @@ def test_a_transform_that_cannot_be_replayed_is_refused_in_one_line(photos, tmp_
         assert f"--decode_on_device: the transform {name} draws inside its own forward" in errors[0], errors
         assert not out.exists()
         args = train_resnet.parse_args([*common])
-        assert type(train_resnet.build_dataloaders(None, args).train_set.transform.transforms[-1]) is type(step)
+        assert type(train_resnet.build_dataloaders(types.SimpleNamespace(print=print), args).train_set.transform.transforms[-1]) is type(step)
 
 
 def parameters(out):
