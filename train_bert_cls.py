@@ -415,15 +415,13 @@ def read_predict_records(args, labels, say=print):
 
 
 def cache_inputs(args, tokenizer, checkpoint_labels):
-    """What decides the tokenised data of a run on files: the files' bytes and paths and every flag that changes how
-    they are read, cut (--max_*_samples; long texts: --truncation, --head_tokens, --doc_stride), labelled and
-    tokenised (utils/text_cache.py)."""
+    """What decides the tokenised data of a run on files: the files (where they are, which the notes said while
+    reading them name, and their bytes) and every flag that changes how they are read, cut (--max_*_samples; long
+    texts: --truncation, --head_tokens, --doc_stride), labelled and tokenised (utils/text_cache.py)."""
     files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
                                         "test": args.test_file}, say=lambda line: None)
-    files = {split: path for split, path in files.items() if path is not None}
-    return {"files": {split: file_sha256(path) for split, path in files.items()},
-            # where they are: the notes kept with the entry and said at every start name them
-            "paths": {split: str(Path(path).resolve()) for split, path in files.items()},
+    return {"files": {split: [str(Path(path).resolve()), file_sha256(path)] for split, path in files.items()
+                      if path is not None},
             "labels_file": args.labels_file and file_sha256(args.labels_file), "format": vars(text_format(args)),
             "modes": [args.do_train, args.do_eval, args.do_test],
             "cuts": [args.max_train_samples, args.max_eval_samples, args.shuffle_train_dataset, args.shuffle_seed],

@@ -142,3 +142,14 @@ def test_nodes_with_their_own_disks_tokenise_once_each(data, tmp_path):
     assert codes == [0, 0], logs[1][-3000:]
     assert [log.count(BUILT) for log in logs] == [1, 1]
     assert entries(caches[0]) == entries(caches[1]) and len(entries(caches[0])) == 1
+
+
+def test_a_copy_of_the_data_elsewhere_is_read_from_its_own_files(data, tmp_path):
+    """The same bytes in another directory: the lines said while reading name the files this run reads (the cache
+    entry's notes are of the files it was built from), so such a copy is an entry of its own."""
+    cache = tmp_path / "cache"
+    copy = shutil.copytree(data, tmp_path / "copy")
+    run_here(SCRIPT, small_args(data, tmp_path / "a", cache))
+    second = run_here(SCRIPT, small_args(copy, tmp_path / "b", cache))
+    assert f"train {copy / 'train.txt'}" in second.stdout and str(data / "train.txt") not in second.stdout
+    assert len(entries(cache)) == 2
