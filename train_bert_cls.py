@@ -484,8 +484,8 @@ def from_config(args):
 
 def build_model(args, labels, say=print, tokenizer=None):
     """(tokenizer, model): the adaptation section's (the tokenizer: `tokenizer`, else load_tokenizer's), with our
-    label mapping in the model's config and its starting weights checked; --max_seq_len fitted to the model's
-    positions."""
+    label mapping in the model's config and its starting weights checked; --max_seq_len is fitted to the model's
+    positions with the tokenizer (tokenizer_and_length)."""
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     if path.is_dir() and not has_weights and not from_config(args):
@@ -495,8 +495,6 @@ def build_model(args, labels, say=print, tokenizer=None):
     if tokenizer is None:
         tokenizer = tokenizer_and_length(args, say)
     config = model_config(args, labels)
-    empty_model = on_meta_device(lambda: new_model(config, remote))
-    args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or path, say)
     with loading(path, "model"):
         model = new_model(config, remote) if from_config(args) else load_checked(args, config)
     if not from_config(args) and not args.do_regression:

@@ -49,6 +49,17 @@ def run(cmd, timeout=300, check=True, env=None):
     return proc
 
 
+def assert_one_line_error(proc, *fragments):
+    """Bad input as the user sees it: exit status 2, no traceback, one `error:` line holding each fragment."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
 def run_here(script, args, check=True):
     """`python SCRIPT args` as the script's `if __name__ == "__main__":` runs it (run_cli(main, parse_args())), but
     in this process: a 1-process run that stops at bad input (or trains a few steps) then costs no start-up, which

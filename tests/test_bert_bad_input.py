@@ -6,7 +6,7 @@ import re
 import shutil
 
 import pytest
-from conftest import ACCELERATE, free_port, launch, run, run_here
+from conftest import ACCELERATE, assert_one_line_error, free_port, launch, run, run_here
 
 import train_bert_cls
 from utils.export import on_meta_device
@@ -19,16 +19,6 @@ def small_args(data, out, *extra):
     return ["--model_name_or_path", data / "model", "--from_scratch", "--max_seq_len", "32",
             "--train_batch_size", "16", "--eval_batch_size", "16", "--max_train_steps", "2",
             "--output_dir", out, *extra]
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
 
 
 @pytest.fixture

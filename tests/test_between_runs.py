@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_weights, launch, read_json, read_jsonl, run_here
+from conftest import assert_one_line_error, assert_same_weights, launch, read_json, read_jsonl, run_here
 from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -203,16 +203,6 @@ def test_bert_resume_on_other_processes_and_precision_says_what_changes(text_dat
 
 
 # ---- files handed from one run (or one editor) to the next: one line each, pointing the right way ----
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
-
 
 @pytest.fixture(scope="module")
 def bert_model(text_data, tmp_path_factory):

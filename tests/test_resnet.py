@@ -11,9 +11,9 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, assert_same_curve, assert_same_weights,
-                      free_port, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run, run_here, start,
-                      wait_for, workers)
+from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, assert_one_line_error, assert_same_curve,
+                      assert_same_weights, free_port, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run,
+                      run_here, start, wait_for, workers)
 from PIL import Image
 
 import train_resnet
@@ -411,15 +411,6 @@ def test_class_weights_weigh_hard_and_mixed_targets():
 def small_digits(tmp_path):
     """120 train / 40 val images of all 10 digits: the private, corruptible copy a bad-input test needs."""
     return write_digits_imagefolder(tmp_path / "digits", size=16, limit=160)
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
 
 
 def small_args(data, out, *extra):
