@@ -145,16 +145,40 @@ def environment_as_found():
         os.environ.update(environ)
 
 
+def shared_dir(tmp_path_factory, name, build):
+    """A directory every test of the session reads, made once by `build(directory)` for the whole `pytest -n N` run
+    (its workers share the base temporary directory, and a file lock makes the others wait for the first): the
+    fixtures' data and the trained runs that several test files only read. A test that changes such a run works on
+    its own copy (shutil.copytree). A build that failed is tried again by the next test that asks."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # popen-gwN's parent: the same for every worker of this run
+    directory, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "shared" / f"{name}.lock")):
+        if not done.exists():
+            if directory.exists():
+                import shutil
+                shutil.rmtree(directory)  # what a failed build left
+            directory.mkdir()
+            build(directory)
+            done.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def text_data(tmp_path_factory):
     """800 train / 99 val / 99 test headlines (odd-sized eval sets) and a small BERT config + vocab."""
-    return write_text_classification_data(tmp_path_factory.mktemp("text"), n_train=800, n_val=99, n_test=99)
+    return shared_dir(tmp_path_factory, "text", lambda d: write_text_classification_data(d, n_train=800, n_val=99,
+                                                                                         n_test=99))
 
 
 @pytest.fixture(scope="session")
 def digits_data(tmp_path_factory):
     """All 1,797 digits: 1,348 train / 449 val, for the learning checks (`make test-long`)."""
-    return write_digits_imagefolder(tmp_path_factory.mktemp("digits"), size=16)
+    return shared_dir(tmp_path_factory, "digits", lambda d: write_digits_imagefolder(d, size=16))
 
 
 # 447 of the digits: 336 train (5 steps of 64 an epoch, 16 images left over, so drop_last drops some) and 111 val
@@ -166,7 +190,7 @@ FEW_DIGITS_TRAIN, FEW_DIGITS_VAL = 336, 111
 
 @pytest.fixture(scope="session")
 def few_digits(tmp_path_factory):
-    return write_digits_imagefolder(tmp_path_factory.mktemp("few_digits"), size=16, limit=FEW_DIGITS)
+    return shared_dir(tmp_path_factory, "few_digits", lambda d: write_digits_imagefolder(d, size=16, limit=FEW_DIGITS))
 
 
 def launch_cmd(script, args, num_processes=1):
