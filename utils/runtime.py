@@ -235,10 +235,11 @@ def stop_together(accelerator, problem):
 
 def write_failure(err, directory):
     """The one line for `err` if it is a failure to write into `directory` (a full disk, a quota, a read-only or
-    vanished mount), else None. torch.save reports a full disk as "unexpected pos" or "file write failed" (a
-    RuntimeError from its zip writer), safetensors as "os error 28", Python as OSError."""
+    vanished mount), else None; it names the file where the error does. torch.save reports a full disk as
+    "unexpected pos" or "file write failed" (a RuntimeError from its zip writer), safetensors as "os error 28",
+    Python as OSError."""
     if isinstance(err, OSError):
-        reason = f"{err.strerror or err}"
+        reason = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
     elif isinstance(err, SafetensorError) or (isinstance(err, RuntimeError) and any(
             mark in str(err) for mark in ("inline_container", "PytorchStreamWriter", "file write failed"))):
         reason = str(err).strip().splitlines()[0]
