@@ -373,14 +373,13 @@ def check_model_files(args):
 
 
 def tokenizer_and_length(args, say=print):
-    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with two
-    placeholder labels, the fewest every task accepts: the positions do not depend on the labels): both decide the
-    tokenised data."""
+    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with the
+    labels its config has: the positions do not depend on them): both decide the tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
     with loading(source, "tokenizer"):
         tokenizer = load_tokenizer(source, args.trust_remote_code, hub_options(args))
-    empty_model = on_meta_device(lambda: new_model(model_config(args, ["0", "1"]), args.trust_remote_code))
+    empty_model = on_meta_device(lambda: new_model(model_config(args), args.trust_remote_code))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
                                        say)
     return tokenizer
@@ -463,11 +462,12 @@ def long_text_stats(args, splits):
     return {"long_texts": cut.describe(), **windows}
 
 
-def model_config(args, labels):
-    """The model's config with our label mapping and task (and --config_overrides for a model built from it)."""
+def model_config(args, labels=None):
+    """The model's config with our label mapping and task (and --config_overrides for a model built from it); with
+    no `labels`, the labels its config.json has."""
     label_kwargs = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
                     "label2id": {label: i for i, label in enumerate(labels)},
-                    "problem_type": problem_type(args.multi_label, args.do_regression)}
+                    "problem_type": problem_type(args.multi_label, args.do_regression)} if labels else {}
     source = args.config_name or args.model_name_or_path
     with loading(source, "config"):
         config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code, **hub_options(args),
@@ -770,6 +770,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
         if cadence.finished(completed_steps):
             break
     bar.close()
+    guard.close(preempted)  # from here on, SIGTERM stops the run at once
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {},
                         remote=args.trust_remote_code)

@@ -735,6 +735,7 @@ def train(args, accelerator, model, data, log, task, attempt):
             if preempted or stopped_at is not None:
                 break
     bar.close()
+    guard.close(preempted)  # from here on, SIGTERM stops the run at once
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time

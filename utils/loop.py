@@ -34,6 +34,7 @@ utils/runtime.py (the Accelerator).
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -50,7 +51,7 @@ from accelerate.utils import DistributedType, find_batch_size, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
-from .runtime import Interrupted, UserError, hf_bool
+from .runtime import Interrupted, UserError, hf_bool, stop_at_once
 
 
 class Due(NamedTuple):
@@ -384,16 +385,24 @@ class PreemptionGuard:
     between its SIGTERM and its SIGKILL (30 s under torchrun and accelerate launch) is spent saving, not evaluating.
     DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C saves nothing: a save it
     interrupts leaves only a `.tmp-step_N` that is never `latest`, and the line names the last complete checkpoint
-    (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag).
+    (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag). Once the training steps are over,
+    `close` hands SIGTERM back to what stops the rest of the run at once (utils/runtime.py Stopped).
     """
 
-    def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest", signals=(signal.SIGTERM,)):
+    def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
         self.accelerator, self.last_checkpoint, self.resume = accelerator, last_checkpoint, resume
         self.received = None
         self.step = None  # the last optimizer step taken, as of the last should_stop
-        for sig in signals:
-            signal.signal(sig, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
+
+    def close(self, preempted):
+        """The training steps are over: SIGTERM stops the rest of the run at once again (utils/runtime.py
+        stop_at_once, as run_cli set it). A SIGTERM that came after the last should_stop and was not acted on
+        (`preempted` False) is delivered again now, so that it stops what follows instead of being lost."""
+        signal.signal(signal.SIGTERM, stop_at_once)
+        if self.received and not preempted:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _handler(self, signum, frame):
         self.received = signal.Signals(signum).name
