@@ -727,7 +727,9 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
         if preempted or stopped_at is not None:
             break
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        window = None  # where the accumulation window began, what a stop inside it goes back to
         for batch in speed.epoch(batches):
+            window = window or guard.start_window(batches_in_epoch, model)
             with accelerator.accumulate(model):
                 for offset, part in attempt.micro_batches(model, batch):  # the batch, or its micro-batches
                     inputs = {k: v for k, v in part.items() if k != "labels"}
@@ -744,7 +746,14 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
             samples_seen += loss_scale.real_in_batch(batches_in_epoch)
             batches_in_epoch += 1
             if not accelerator.sync_gradients:
+                if guard.stops_inside_window(completed_steps, window, model):
+                    preempted, batches_in_epoch = True, window.first_batch
+                    with speed.pause("save"):
+                        path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
+                    log.console(f"saved checkpoint {path}")
+                    break
                 continue
+            window = None
             completed_steps += 1
             speed.step(args.gradient_accumulation_steps * args.train_batch_size)
             bar.update(1)

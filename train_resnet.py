@@ -685,7 +685,9 @@ def train(args, accelerator, model, data, log, task, attempt):
             break
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        window = None  # where the accumulation window began, what a stop inside it goes back to
         for inputs, targets in speed.epoch(decode_on_device(batches, accelerator.device)):
+            window = window or guard.start_window(batches_in_epoch, model)
             if mixer:  # soft targets (B, classes); accuracy against each row's largest-weight label
                 inputs, soft_targets = mixer(accelerator, inputs, targets, epoch, batches_in_epoch)
                 targets = dominant_labels(soft_targets, targets)
@@ -707,7 +709,14 @@ def train(args, accelerator, model, data, log, task, attempt):
             batches_in_epoch += 1
             images_seen += args.batch_size
             if not accelerator.sync_gradients:
+                if guard.stops_inside_window(completed_steps, window, model):
+                    preempted, batches_in_epoch = True, window.first_batch
+                    with speed.pause("save"):
+                        path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
+                    accelerator.print(f"saved checkpoint {path}")
+                    break
                 continue
+            window = None
             completed_steps += 1
             update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * cadence.steps_per_epoch,
                        epoch, args, accelerator)

@@ -373,6 +373,14 @@ class EvaluationAbandoned(Exception):
     validation still due (the resumed run validates first)."""
 
 
+class AccumulationWindow(NamedTuple):
+    """The start of an accumulation window (PreemptionGuard.start_window)."""
+    first_batch: int  # its first batch's index in the epoch
+    micro_step: int  # accelerator.step before its first batch: accelerate's count of batches into the window, saved
+    rng: dict  # _rng_states() before its first batch
+    buffers: list  # copies of the model's buffers before its first batch
+
+
 class PreemptionGuard:
     """SIGTERM (what Slurm and cloud preemption send, and what a rank gets when its launcher dies:
     utils/runtime.py stop_with_launcher) becomes "checkpoint at the next step boundary, then exit"; Ctrl-C (SIGINT)
@@ -428,6 +436,33 @@ class PreemptionGuard:
         if self.received:
             self.accelerator.set_trigger()
         return self.accelerator.check_trigger()
+
+    def start_window(self, batches_in_epoch, model):
+        """Where an accumulation window begins (--gradient_accumulation_steps): its first batch's index in the epoch,
+        the random generators and the model's buffers (BatchNorm's running statistics): what a stop inside the
+        window goes back to. None when every batch is an optimizer step."""
+        if self.accelerator.gradient_accumulation_steps == 1:
+            return None
+        return AccumulationWindow(batches_in_epoch, self.accelerator.step, _rng_states(),
+                                  [b.detach().clone() for b in model.buffers()])
+
+    def stops_inside_window(self, completed_steps, window, model):
+        """After a batch that took no optimizer step: whether the ranks agreed to stop (a collective, as should_stop).
+        If so, the window's batches are undone for the checkpoint, which then holds the position of the window's
+        first batch: the random generators, accelerate's count of batches into the window and the model's buffers go
+        back to the window's start, and the resumed run trains the whole window again, exactly as the uninterrupted
+        run did. A long window does not hold a stop past the launcher's grace."""
+        if window is None or not self.should_stop(completed_steps):
+            return False
+        _set_rng_states(window.rng)
+        self.accelerator.step = window.micro_step  # save_state keeps it: the resumed window syncs after all its batches
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), window.buffers):
+                buffer.copy_(saved)
+        self.accelerator.print(f"stopped inside the accumulation window after step {completed_steps}: the checkpoint "
+                               f"holds the window's start (batch {window.first_batch} of the epoch), and the resumed "
+                               "run trains the window again")
+        return True
 
     def batches(self, loader):
         """An evaluation's batches of `loader`, abandoned (EvaluationAbandoned) before the next one once every rank
