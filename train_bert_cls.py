@@ -663,7 +663,8 @@ def validate_and_stop(accelerator, training, task, args, log, keeping, guard, co
         keeping.best.keep(model)
         with keeping.speed.pause("save"):
             save_best_model(accelerator, model, keeping.tokenizer, args.output_dir / "best_model", trained_with(args),
-                            log, {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps,
+                            log, {**selection.results(state), **flat_metrics(metrics, "eval"),
+                                  "launches": training.checkpoints.launches}, completed_steps,
                             args.trust_remote_code)
     stopped_at = completed_steps if selection.should_stop(state) else None
     return (completed_steps, metrics), stopped_at, guard.should_stop(completed_steps) and stopped_at is None

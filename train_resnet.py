@@ -508,8 +508,9 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
                    {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
                    ema.module.state_dict() if ema else None)
     if is_best:  # model_card.md describes model_best.pth
-        log.write_model_card(args.output_dir / "model_card.md", {**selection.results(state), **{
-            f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}})
+        card_metrics = {f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}
+        log.write_model_card(args.output_dir / "model_card.md", {
+            **selection.results(state), **card_metrics, "launches": training.checkpoints.launches})
     if ema:
         export_weights(accelerator, ema.module, args,
                        {**fields, "acc1": metrics["ema_acc1"], best_key: state.get(f"best_ema_{selection.metric}")},
