@@ -409,3 +409,55 @@ def test_timm_augmentation_flags_build_timms_ops():
     rectangle = erased[:, (erased != 7.0).all(0).any(1)][:, :, (erased != 7.0).all(0).any(0)]  # (3, h, w)
     assert rectangle.numel() > 3 and all(channel.unique().numel() == 1 for channel in rectangle), rectangle
     assert rectangle[:, 0, 0].unique().numel() == 3  # a value of its own per channel
+
+
+# transformers examples/pytorch/text-classification/README.md, the multi-label example (reuters21578's ModApte
+# configuration: train, test and `unused` splits, a list of topics per article); the local dataset has no
+# configurations, so --dataset_config_name ModApte goes with the hub id
+REUTERS_COMMAND = ("--model_name_or_path MODEL --dataset_name DATA --shuffle_train_dataset --remove_splits unused "
+                   "--metric_name f1 --text_column_name text --label_column_name topics --do_train --do_eval "
+                   "--max_seq_length 16 --per_device_train_batch_size 16 --learning_rate 2e-3 --num_train_epochs 1 "
+                   "--output_dir OUT")
+
+
+def write_reuters_like(root):
+    """train / test / unused splits with reuters21578's columns: `text` and `topics`, a list of strings (some
+    empty, as many ModApte articles are), written by save_to_disk."""
+    import random
+
+    from datasets import Dataset, DatasetDict
+
+    from utils.demo_data import TOPICS, make_headline
+
+    rng = random.Random(0)
+    names = list(TOPICS)[:4]
+
+    def split(n):
+        topics = [sorted(set(rng.sample(names, rng.choice([0, 1, 1, 2])))) for _ in range(n)]
+        return Dataset.from_dict({"text": [make_headline(rng, (t or names)[0], 0.0) for t in topics], "topics": topics})
+
+    DatasetDict(train=split(64), test=split(16), unused=split(8)).save_to_disk(str(root))
+    return root
+
+
+def test_run_classification_reuters_multi_label_example(text_data, tmp_path):
+    """The pasted command stops in one line naming --do_test (no validation split: run_classification.py would
+    evaluate on the test split); with --do_test, in one line naming --multi_label (list labels); with both it trains,
+    the `unused` split dropped, --metric_name f1 read as the built-in micro-F1 (said once)."""
+    data = write_reuters_like(tmp_path / "reuters")
+    command = REUTERS_COMMAND.replace("MODEL", str(text_data / "model")).replace("DATA", str(data))
+    argv = [*shlex.split(command.replace("OUT", str(tmp_path / "out"))), "--from_scratch"]
+    proc = run_here("train_bert_cls.py", argv, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--do_eval needs a validation split" in proc.stderr and "here that is --do_test" in proc.stderr
+    argv[argv.index("--do_eval")] = "--do_test"
+    proc = run_here("train_bert_cls.py", argv, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "column 'topics' holds lists of labels: pass --multi_label" in proc.stderr, proc.stderr
+    proc = run_here("train_bert_cls.py", [*argv, "--multi_label", "--remove_splits", "nonesuch"], check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "has no split nonesuch" in proc.stderr
+    proc = run_here("train_bert_cls.py", [*argv, "--multi_label"])
+    assert proc.stdout.count("read as: --metric f1 with --multi_label = the built-in micro_f1") == 1, proc.stdout
+    assert "train <- split 'train' (64 rows), test <- split 'test' (16 rows)" in proc.stdout, proc.stdout
+    results = read_json(tmp_path / "out" / "all_results.json")
+    assert 0.0 <= results["test_micro_f1"] <= 1.0, results
