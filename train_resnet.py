@@ -735,6 +735,8 @@ def train(args, accelerator, model, data, log, task, attempt):
             if preempted or stopped_at is not None:
                 break
     bar.close()
+    if not preempted:  # trained to its end: the abandoned branches are rotated
+        training.checkpoints.finish()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
