@@ -748,6 +748,8 @@ def train(args, accelerator, model, data, log, task, attempt):
                 break
     bar.close()
     guard.close(preempted)  # from here on, SIGTERM stops the run at once
+    if not preempted:  # trained to its end: the abandoned branches are rotated
+        training.checkpoints.finish()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
