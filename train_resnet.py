@@ -514,8 +514,9 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
                    {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
                    ema.module.state_dict() if ema else None)
     if is_best:  # model_card.md describes model_best.pth
-        log.write_model_card(args.output_dir / "model_card.md", {**selection.results(state), **{
-            f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}})
+        card_metrics = {f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}
+        log.write_model_card(args.output_dir / "model_card.md", {
+            **selection.results(state), **card_metrics, "launches": training.checkpoints.launches})
     if ema:
         export_weights(accelerator, ema.module, args,
                        {**fields, "acc1": metrics["ema_acc1"], best_key: state.get(f"best_ema_{selection.metric}")},
@@ -691,7 +692,9 @@ def train(args, accelerator, model, data, log, task, attempt):
             break
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        window = None  # where the accumulation window began, what a stop inside it goes back to
         for inputs, targets in speed.epoch(decode_on_device(batches, accelerator.device)):
+            window = window or guard.start_window(batches_in_epoch, model)
             if mixer:  # soft targets (B, classes); accuracy against each row's largest-weight label
                 inputs, soft_targets = mixer(accelerator, inputs, targets, epoch, batches_in_epoch)
                 targets = dominant_labels(soft_targets, targets)
@@ -713,7 +716,14 @@ def train(args, accelerator, model, data, log, task, attempt):
             batches_in_epoch += 1
             images_seen += args.batch_size
             if not accelerator.sync_gradients:
+                if guard.stops_inside_window(completed_steps, window, model):
+                    preempted, batches_in_epoch = True, window.first_batch
+                    with speed.pause("save"):
+                        path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
+                    accelerator.print(f"saved checkpoint {path}")
+                    break
                 continue
+            window = None
             completed_steps += 1
             update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * cadence.steps_per_epoch,
                        epoch, args, accelerator)
@@ -741,6 +751,7 @@ def train(args, accelerator, model, data, log, task, attempt):
             if preempted or stopped_at is not None:
                 break
     bar.close()
+    guard.close(preempted)  # from here on, SIGTERM stops the run at once
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
