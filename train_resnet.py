@@ -58,10 +58,10 @@ from utils.runtime import (UserError, add_runtime_args, build_accelerator, check
                             hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
                             writing)
-from utils.image_augment import (AUGMENT_ROLES, MIXING_ROLES, RepeatedAugmentationSampler, add_augment_args,
-                                 add_mixing_args, build_mixer, dominant_labels, eval_image_settings, image_settings,
-                                 recorded_image_settings, resolve_augment_args, resolve_image_sizes, resolve_mixup_mode,
-                                 soft_cross_entropy)
+from utils.image_augment import (AUGMENT_ROLES, AUTO_AUGMENT, MIXING_ROLES, RepeatedAugmentationSampler,
+                                 add_augment_args, add_mixing_args, build_mixer, dominant_labels, eval_image_settings,
+                                 image_settings, random_erasing, recorded_image_settings, resolve_augment_args,
+                                 resolve_image_sizes, resolve_mixup_mode, soft_cross_entropy, timm_auto_augment)
 from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, PredictImages,
                               RGBImageFolder, bad_image_error, build_datasets, build_dummy_datasets, files_to_predict,
                               fingerprint_images, prediction_rows, topk_hits)
@@ -140,11 +140,13 @@ def train_transform(args):
         steps.append(v2.RandAugment(magnitude=args.ra_magnitude, interpolation=mode))
     elif args.auto_augment == "augmix":
         steps.append(v2.AugMix(severity=args.augmix_severity, interpolation=mode))
-    elif args.auto_augment:
+    elif args.auto_augment in AUTO_AUGMENT:
         steps.append(v2.AutoAugment(v2.AutoAugmentPolicy(args.auto_augment), interpolation=mode))
+    elif args.auto_augment:  # timm's --aa strings, with timm's own transforms
+        steps.append(timm_auto_augment(args.auto_augment, args.train_crop_size, args.interpolation))
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     if args.random_erase > 0:
-        steps.append(v2.RandomErasing(p=args.random_erase))
+        steps.append(random_erasing(args.random_erase, args.random_erase_mode))
     return v2.Compose(steps)
 
 
@@ -752,6 +754,8 @@ def train(args, accelerator, model, data, log, task, attempt):
                 break
     bar.close()
     guard.close(preempted)  # from here on, SIGTERM stops the run at once
+    if not preempted:  # trained to its end: the abandoned branches are rotated
+        training.checkpoints.finish()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time
