@@ -31,6 +31,7 @@ import importlib.util
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -407,17 +408,22 @@ def place_model(model, args):
 
 
 @torch.no_grad()
-def predict(accelerator, model, loader, topk):
-    """Every image's `topk` highest probabilities and their classes, gathered on every rank: (items (N,), the
-    dataset's index or -1 - index for an unreadable file; probabilities (N, k); classes (N, k))."""
+def predicted_rows(accelerator, model, loader, dataset, labels, topk, tally):
+    """predictions.jsonl's rows in input order, a batch at a time: every rank runs its part of each batch, the batch's
+    top-k is gathered, and the main process makes its rows (only one batch's are held). `tally` counts the images and
+    the unreadable files among them, on every rank."""
     model.eval()
-    found = []
     for inputs, items in progress(accelerator, loader, desc="predict", leave=False):
         probabilities = model(inputs).float().softmax(dim=-1)  # (B, C)
         top = probabilities.topk(topk, dim=-1)  # (B, k) each
         # every rank gets the whole batch, minus the duplicates padded onto the last one
-        found.append(accelerator.gather_for_metrics((items, top.values, top.indices)))
-    return [torch.cat(parts).tolist() for parts in zip(*found)]
+        items, scores, classes = (t.tolist() for t in accelerator.gather_for_metrics((items, top.values, top.indices)))
+        if accelerator.is_main_process:
+            yield from prediction_rows(dataset, tally["images"], items, scores, classes, labels)
+        tally["images"] += len(items)
+        tally["skipped"] += sum(item < 0 for item in items)
+    if tally["images"] != len(dataset):
+        raise RuntimeError(f"{tally['images']} predictions gathered for {len(dataset)} files")
 
 
 def predict_images(accelerator, args):
@@ -439,13 +445,13 @@ def predict_images(accelerator, args):
     model = build_model(args, len(class_to_idx), accelerator.print)
     load_weights(model, export["state_dict"], args.resume)
     model, loader = accelerator.prepare(model, loader)
-    items, probabilities, classes = predict(accelerator, model, loader, min(args.topk, len(class_to_idx)))
     labels = sorted(class_to_idx, key=class_to_idx.get)
     log = RunLog(accelerator, args.output_dir)
-    # write_jsonl consumes its rows on every rank: the main process's, none on the others
-    rows = prediction_rows(dataset, items, probabilities, classes, labels) if accelerator.is_main_process else []
-    log.write_jsonl("predictions.jsonl", rows)
-    skipped = sum(item < 0 for item in items)
+    tally = Counter()
+    # write_jsonl consumes the rows on every rank as they come: the main process's, none on the others
+    log.write_jsonl("predictions.jsonl", predicted_rows(accelerator, model, loader, dataset, labels,
+                                                        min(args.topk, len(class_to_idx)), tally))
+    skipped = tally["skipped"]
     accelerator.print(f"wrote {len(dataset) - skipped} predictions and {skipped} rows for unreadable files to "
                       f"{args.output_dir / 'predictions.jsonl'}, one row per input image in input order")
     results = {**run_info(accelerator, args.batch_size), "predict_images": len(dataset), "predict_skipped": skipped}

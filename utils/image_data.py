@@ -20,8 +20,9 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
 - Prediction (`--predict`): `files_to_predict` lists the images to label in input order, `PredictImages` decodes them
-  as the validation images are (an unreadable one marked as above, never raised), `prediction_rows` turns the gathered
-  top-k classes into predictions.jsonl's rows, one per input, in input order.
+  as the validation images are (an unreadable one marked as above, never raised), `prediction_rows` turns one gathered
+  batch's top-k classes into predictions.jsonl's rows, one per input, in input order (a batch at a time: memory
+  bounded for any number of inputs).
 - `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (utils/checkpoint.py
   data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count. Hashing every
   image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed, renamed or moved between
@@ -464,23 +465,23 @@ class PredictImages(torch.utils.data.Dataset):
         return self.files[-1 - target]
 
 
-def prediction_rows(dataset, items, probabilities, classes, labels):
-    """predictions.jsonl's rows, one per file of `dataset` (PredictImages) in its order: the file, its most probable
-    label and `score`, and `topk` [{label, score}] (the shape of transformers' image-classification pipeline); an
-    unreadable file's row has `skipped` with the reason. items (N,): the gathered dataset items (index, or -1 - index
-    if unreadable); probabilities, classes (N, k): each image's k highest probabilities and their class ids."""
-    order = sorted(range(len(items)), key=lambda row: _position(items[row]))
-    positions = [_position(items[row]) for row in order]
-    if positions != list(range(len(dataset))):
-        raise RuntimeError(f"{len(items)} predictions gathered for {len(dataset)} files")
+def prediction_rows(dataset, first, items, probabilities, classes, labels):
+    """predictions.jsonl's rows of one gathered batch, files `first`, `first + 1`, ... of `dataset` (PredictImages):
+    the file, its most probable label and `score`, and `topk` [{label, score}] (the shape of transformers'
+    image-classification pipeline); an unreadable file's row has `skipped` with the reason. items (B,): the gathered
+    dataset items (index, or -1 - index if unreadable); probabilities, classes (B, k): each image's k highest
+    probabilities and their class ids. Items out of input order are an error, not rows in another order."""
+    positions = [_position(item) for item in items]
+    if positions != list(range(first, first + len(items))):
+        raise RuntimeError(f"predictions gathered for files {positions}, expected files {first} to "
+                           f"{first + len(items) - 1} in input order")
     rows = []
-    for row in order:
-        item = items[row]
+    for item, scores, ids in zip(items, probabilities, classes):
         path = dataset.files[_position(item)]
         if item < 0:
             rows.append({"file": path, "skipped": f"unreadable image ({describe_bad_image(path)})"})
             continue
-        topk = [{"label": labels[c], "score": p} for c, p in zip(classes[row], probabilities[row])]
+        topk = [{"label": labels[c], "score": p} for c, p in zip(ids, scores)]
         rows.append({"file": path, "label": topk[0]["label"], "score": topk[0]["score"], "topk": topk})
     return rows
 
