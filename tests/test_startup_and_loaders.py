@@ -253,3 +253,40 @@ def test_sigterm_after_the_training_steps_stops_the_run_at_once_and_none_is_lost
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
+
+
+@pytest.mark.parametrize("started_with", [signal.SIG_DFL, signal.SIG_IGN])
+def test_a_process_started_with_sigterm_ignored_keeps_it_ignored_outside_the_training_steps(started_with, monkeypatch):
+    """slurm/node_launch.sh starts the ranks with SIGTERM ignored and forwards a stop to each one once it handles
+    SIGTERM, i.e. once its training steps can save: such a process must not stop at once on SIGTERM outside them
+    (start-up, after the training steps). A process started the usual way stops at once there (exit 143)."""
+    from utils import runtime
+    from utils.runtime import run_cli
+
+    monkeypatch.setattr(runtime, "_outside_training", runtime._outside_training)  # run_cli's choice, undone after
+
+    class OneProcess:
+        num_processes = 1
+
+    def main(args):
+        os.kill(os.getpid(), signal.SIGTERM)  # during start-up
+        guard = PreemptionGuard(OneProcess())
+        os.kill(os.getpid(), signal.SIGTERM)  # during the training steps: the guard takes it
+        assert guard.should_stop() is True
+        guard.close(preempted=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # while the results are written
+        return "finished"
+
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGTERM, started_with)
+        if started_with == signal.SIG_IGN:
+            assert run_cli(main, None) == "finished"
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        else:
+            with pytest.raises(SystemExit) as stopped:
+                run_cli(main, None)
+            assert stopped.value.code == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])

@@ -51,7 +51,7 @@ from accelerate.utils import DistributedType, find_batch_size, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
-from .runtime import Interrupted, UserError, hf_bool, stop_at_once
+from .runtime import Interrupted, UserError, hf_bool, stop_outside_training
 
 
 class Due(NamedTuple):
@@ -406,9 +406,9 @@ class PreemptionGuard:
 
     def close(self, preempted):
         """The training steps are over: SIGTERM stops the rest of the run at once again (utils/runtime.py
-        stop_at_once, as run_cli set it). A SIGTERM that came after the last should_stop and was not acted on
+        stop_outside_training, as run_cli chose). A SIGTERM that came after the last should_stop and was not acted on
         (`preempted` False) is delivered again now, so that it stops what follows instead of being lost."""
-        signal.signal(signal.SIGTERM, stop_at_once)
+        stop_outside_training()
         if self.received and not preempted:
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -101,13 +101,27 @@ def stop_at_once(signum, frame):
     raise Stopped(STOPPED_LINE)
 
 
+_outside_training = stop_at_once  # SIGTERM's handler outside the training steps: run_cli chooses it
+
+
+def stop_outside_training():
+    """Give SIGTERM the handler it has outside the training steps (utils/loop.py PreemptionGuard.close): stop at
+    once, or stay ignored where the process started with SIGTERM ignored (run_cli)."""
+    signal.signal(signal.SIGTERM, _outside_training)
+
+
 def run_cli(main, args):
     """Call `main(args)`; turn a UserError into one line on stderr and exit status 2, Ctrl-C into one line per
     process and exit status 130 (a shell's code for SIGINT), and SIGTERM outside the training steps (Stopped) into
-    one line per process and exit status 143 (128 + SIGTERM). The output directory's lock is released however the
-    run ends. A process of a multi-process launch then leaves through leave_process."""
+    one line per process and exit status 143 (128 + SIGTERM). A process started with SIGTERM ignored keeps it
+    ignored outside its training steps, as programs started under nohup do: slurm/node_launch.sh starts the ranks so
+    and forwards a stop to each one once it handles SIGTERM, which is where its training steps can save it. The
+    output directory's lock is released however the run ends. A process of a multi-process launch then leaves
+    through leave_process."""
+    global _outside_training
     code, result = 0, None
-    signal.signal(signal.SIGTERM, stop_at_once)
+    _outside_training = signal.SIG_IGN if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN else stop_at_once
+    stop_outside_training()
     try:
         result = main(args)
     except UserError as err:
