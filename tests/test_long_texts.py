@@ -6,6 +6,7 @@ import torch
 from conftest import launch, one_thread, read_json, read_jsonl, run_here
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from utils.runtime import UserError
 from utils.text_data import LongText, tokenize
 from utils.text_metrics import StreamedWindows, pool_windows
 
@@ -55,6 +56,28 @@ def test_windows_cover_the_text_with_its_label(tokenizer):
     assert windows[-1][-1] == tokens[-1]
     assert dataset["labels"] == [7] * len(windows) + [2] and dataset["doc"] == [0] * len(windows) + [1]
     assert "doc" not in tokenize(tokenizer, [TEXT], [7], LEN, cut=LongText(doc_stride=4)).column_names
+
+
+class TwoWindowsAtMost:
+    """A tokenizer whose overflowing windows stop after two, as tokenizers 0.23.2's do."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        encoded = self.tokenizer(*args, **kwargs)
+        if kwargs.get("return_overflowing_tokens"):
+            encoded["input_ids"] = encoded["input_ids"][:2]
+        return encoded
+
+
+def test_windows_that_drop_tokens_are_refused_before_any_text_is_cut(tokenizer):
+    with pytest.raises(UserError, match=r"^--doc_stride: this tokenizer's windows hold 24 of a 48-token text \(2 "
+                                        r"windows, tokenizers .*pip install 'tokenizers>=0.23.3'$"):
+        tokenize(TwoWindowsAtMost(tokenizer), [TEXT], [7], LEN, cut=LongText(doc_stride=4))
 
 
 def test_pool_windows_by_mean_and_max():

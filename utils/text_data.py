@@ -68,6 +68,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow.compute as pc
+import tokenizers
 import torch
 from accelerate.utils import DynamoBackend
 from datasets import ClassLabel, Dataset, DatasetDict
@@ -1072,6 +1073,7 @@ def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cut=LongTe
 def tokenize_windows(tokenizer, texts, targets, max_seq_len, doc_stride, keep_doc, cache_file=None):
     """Each text as windows of max_seq_len tokens overlapping by doc_stride ([CLS] and [SEP] in each), with the
     text's label (and its index as `doc` if keep_doc)."""
+    check_windows_cover(tokenizer, max_seq_len, doc_stride)
     columns = {"text": list(texts), **({"doc": list(range(len(texts)))} if keep_doc else {}),
                **({"labels": targets} if targets is not None else {})}
 
@@ -1085,6 +1087,21 @@ def tokenize_windows(tokenizer, texts, targets, max_seq_len, doc_stride, keep_do
     dataset = Dataset.from_dict(columns)
     return dataset.map(encode, batched=True, batch_size=1000, remove_columns=list(columns),
                        cache_file_name=cache_file and str(cache_file))
+
+
+def check_windows_cover(tokenizer, max_seq_len, doc_stride):
+    """The tokenizer's windows must hold every token of a long text. tokenizers 0.23.2 returns two windows, whatever
+    the length (a 1,536-token text at 512/128: 512 + 132 tokens, the rest dropped), so a probe text of three windows'
+    length is cut here once and its windows' new tokens counted against the whole."""
+    probe = " ".join(["a"] * 3 * max_seq_len)
+    whole = len(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    windows = tokenizer(probe, truncation=True, max_length=max_seq_len, stride=doc_stride,
+                        return_overflowing_tokens=True)["input_ids"]
+    covered = sum(len(w) - tokenizer.num_special_tokens_to_add() for w in windows) - doc_stride * (len(windows) - 1)
+    if covered != whole:
+        raise UserError(f"--doc_stride: this tokenizer's windows hold {covered} of a {whole}-token text "
+                        f"({len(windows)} windows, tokenizers {tokenizers.__version__}; 0.23.2 stops after two): "
+                        "pip install 'tokenizers>=0.23.3'")
 
 
 def tokenize_cut(tokenizer, texts, targets, max_seq_len, cut, cache_file=None):

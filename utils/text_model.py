@@ -438,6 +438,7 @@ def long_text_usage(args):
         return ["", f"Trained on windows of {args.max_seq_len} tokens overlapping by {args.doc_stride}, a text's "
                 "prediction pooling its windows' logits: pipeline() sees the first window only. To reproduce:", "",
                 "```python", "import torch", "",
+                "# tokenizers >= 0.23.3: 0.23.2 returns two windows at most, whatever the text's length",
                 f"inputs = classifier.tokenizer(text, truncation=True, max_length={args.max_seq_len}, "
                 f"stride={args.doc_stride}, return_overflowing_tokens=True, padding=True, return_tensors=\"pt\")",
                 "inputs.pop(\"overflow_to_sample_mapping\")",
