@@ -51,3 +51,12 @@ def test_dry_mode_runs_every_check_on_cpu(tmp_path):
     # the input arms (CPU loader vs --decode_on_device): on the CPU the two paths' images are the same, bitwise
     assert "| bench_gpu.py (quiet GPU first) | resnet50 step fed by device decode |" in text
     assert "| device decode vs CPU loader, mean abs difference | 0 | levels |" in text
+
+
+def test_only_runs_the_named_checks(tmp_path):
+    report = tmp_path / "report.md"
+    proc = run(["python", "tools/gpu_check.py", "--device", "cpu", "--only", "sync_bn", "--report", report],
+               env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert "0 passed, 0 failed, 1 skipped" in proc.stdout
+    rows = [line for line in report.read_text().splitlines() if line.startswith("| ") and "| skipped |" in line]
+    assert rows == ["| --sync_bn + 2-process NCCL | skipped | 0 | needs at least 2 GPUs (0 visible) |"]

@@ -12,6 +12,7 @@ It writes benchmarks/results/gpu_check_<time>.md and prints a one-screen summary
 
     make gpu-check                                     # on the GPU machine (see docs/gpu.md)
     python tools/gpu_check.py --device cpu        # dry mode: the same harness on CPU, smallest matrix
+    python tools/gpu_check.py --only resume       # only the checks whose names contain "resume"
 Without a visible GPU (and without --device cpu) it says so and exits 0.
 """
 import argparse
@@ -364,6 +365,9 @@ def main(argv=None):
     parser.add_argument("--parallel", type=int, default=6,
                         help="training-matrix jobs at a time on the GPU (tiny models: they share it and 16 cores)")
     parser.add_argument("--report", type=Path, default=None, help="Markdown report (default benchmarks/results/)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only the checks whose names contain one of these (e.g. --only resume 'compile on'), "
+                             "to finish a run that ran out of its budget")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu check: no GPU visible here, nothing to check (run it on a GPU machine, or --device cpu for the "
@@ -373,7 +377,9 @@ def main(argv=None):
     path = args.report or ROOT / "benchmarks" / "results" / f"gpu_check_{started:%Y%m%d_%H%M%S}.md"
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         harness = Harness(args, Path(tmp))
-        first, matrix, single = harness.plan()
+        first, matrix, single = (
+            [(name, fn) for name, fn in part if args.only is None or any(text in name for text in args.only)]
+            for part in harness.plan())
         checks = [run_check(name, fn, harness) for name, fn in first]
         workers = 1 if harness.cpu else args.parallel
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
