@@ -373,14 +373,13 @@ def check_model_files(args):
 
 
 def tokenizer_and_length(args, say=print):
-    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with two
-    placeholder labels, the fewest every task accepts: the positions do not depend on the labels): both decide the
-    tokenised data."""
+    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with the
+    labels its config has: the positions do not depend on them): both decide the tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
     with loading(source, "tokenizer"):
         tokenizer = load_tokenizer(source, args.trust_remote_code, hub_options(args))
-    empty_model = on_meta_device(lambda: new_model(model_config(args, ["0", "1"]), args.trust_remote_code))
+    empty_model = on_meta_device(lambda: new_model(model_config(args), args.trust_remote_code))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
                                        say)
     return tokenizer
@@ -463,11 +462,12 @@ def long_text_stats(args, splits):
     return {"long_texts": cut.describe(), **windows}
 
 
-def model_config(args, labels):
-    """The model's config with our label mapping and task (and --config_overrides for a model built from it)."""
+def model_config(args, labels=None):
+    """The model's config with our label mapping and task (and --config_overrides for a model built from it); with
+    no `labels`, the labels its config.json has."""
     label_kwargs = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
                     "label2id": {label: i for i, label in enumerate(labels)},
-                    "problem_type": problem_type(args.multi_label, args.do_regression)}
+                    "problem_type": problem_type(args.multi_label, args.do_regression)} if labels else {}
     source = args.config_name or args.model_name_or_path
     with loading(source, "config"):
         config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code, **hub_options(args),
@@ -663,7 +663,8 @@ def validate_and_stop(accelerator, training, task, args, log, keeping, guard, co
         keeping.best.keep(model)
         with keeping.speed.pause("save"):
             save_best_model(accelerator, model, keeping.tokenizer, args.output_dir / "best_model", trained_with(args),
-                            log, {**selection.results(state), **flat_metrics(metrics, "eval")}, completed_steps,
+                            log, {**selection.results(state), **flat_metrics(metrics, "eval"),
+                                  "launches": training.checkpoints.launches}, completed_steps,
                             args.trust_remote_code)
     stopped_at = completed_steps if selection.should_stop(state) else None
     return (completed_steps, metrics), stopped_at, guard.should_stop(completed_steps) and stopped_at is None
@@ -727,7 +728,9 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
         if preempted or stopped_at is not None:
             break
         batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        window = None  # where the accumulation window began, what a stop inside it goes back to
         for batch in speed.epoch(batches):
+            window = window or guard.start_window(batches_in_epoch, model)
             with accelerator.accumulate(model):
                 for offset, part in attempt.micro_batches(model, batch):  # the batch, or its micro-batches
                     inputs = {k: v for k, v in part.items() if k != "labels"}
@@ -744,7 +747,14 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
             samples_seen += loss_scale.real_in_batch(batches_in_epoch)
             batches_in_epoch += 1
             if not accelerator.sync_gradients:
+                if guard.stops_inside_window(completed_steps, window, model):
+                    preempted, batches_in_epoch = True, window.first_batch
+                    with speed.pause("save"):
+                        path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
+                    log.console(f"saved checkpoint {path}")
+                    break
                 continue
+            window = None
             completed_steps += 1
             speed.step(args.gradient_accumulation_steps * args.train_batch_size)
             bar.update(1)
@@ -770,6 +780,9 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
         if cadence.finished(completed_steps):
             break
     bar.close()
+    guard.close(preempted)  # from here on, SIGTERM stops the run at once
+    if not preempted:  # trained to its end: the abandoned branches are rotated
+        training.checkpoints.finish()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {},
                         remote=args.trust_remote_code)

@@ -71,7 +71,7 @@ def run_here(script, args, check=True):
     import io
     import signal
 
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     from utils.runtime import run_cli
 
@@ -92,6 +92,7 @@ def run_here(script, args, check=True):
         signal.signal(signal.SIGTERM, sigterm)
         signal.signal(signal.SIGINT, sigint)
         AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()  # the accumulation count and the active loaders: a new process starts without them
         os.environ.clear()
         os.environ.update(environ)
     proc = subprocess.CompletedProcess([script, *argv], returncode, stdout.getvalue(), stderr.getvalue())

@@ -18,7 +18,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
-from conftest import FAKE_GPU
+from conftest import FAKE_GPU, kill_job
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -101,8 +101,8 @@ def run_launchers(commands, tmp_path, env):
         return [(p.wait(timeout=LAUNCH_TIMEOUT_S), log.read_text()) for p, log in zip(procs, logs)]
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            if p.poll() is None:  # a test that failed: end the whole job (its ranks run in sessions of their own)
+                kill_job(p, signal.SIGKILL)
                 p.wait()
 
 

@@ -201,6 +201,13 @@ def assert_launches_named(proc, out, per_process):
         {"processes": 1, "mixed_precision": "bf16", "resume_step": 20 if "dropout" in per_process else 3}]
 
 
+def assert_card_names_launches(card, resume_step):
+    """The model card of a run resumed on 1 process in bf16 from 2 in fp32 names both launches, not only the last."""
+    text = card.read_text()
+    assert "| launch | from step | processes | mixed_precision |" in text, text
+    assert "| 1 | 0 | 2 | no |" in text and f"| 2 | {resume_step} | 1 | bf16 |" in text, text
+
+
 def test_resnet_resume_on_other_processes_and_precision_says_what_changes(resnet_two_processes, digits, tmp_path):
     """2 processes in fp32, resumed on 1 in bf16: one line names what a process computes on its own (BatchNorm
     statistics), one the precision; all_results.json records both launches."""
@@ -219,6 +226,7 @@ def test_bert_resume_on_other_processes_and_precision_says_what_changes(bert_two
     shutil.rmtree(out / "checkpoints" / "step_30")
     proc = run_here(BERT, bert_args(text_data, out, "--resume_from_checkpoint", "latest", "--mixed_precision", "bf16"))
     assert_launches_named(proc, out, "dropout masks are drawn from each process's own random stream")
+    assert_card_names_launches(out / "best_model" / "README.md", 20)
 
 
 # ---- files handed from one run (or one editor) to the next: one line each, pointing the right way ----

@@ -2,13 +2,15 @@
 resume, short accumulation windows, FSDP/DeepSpeed configs that cannot apply, finished runs."""
 import json
 import shutil
+import signal
 import subprocess
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, launch, read_json, read_jsonl, run, run_here
+from conftest import (ACCELERATE, ENV, ROOT, TORCHRUN, free_port, kill_job, launch, read_json, read_jsonl, run,
+                      run_here)
 from safetensors.torch import load_file
 from test_resnet import main_here
 
@@ -46,8 +48,9 @@ def two_machines(node_args, timeout=120):
     try:
         outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     finally:
-        for proc in procs:
-            proc.kill()
+        for proc in procs:  # a test that failed: end the whole job (its ranks run in sessions of their own)
+            if proc.poll() is None:
+                kill_job(proc, signal.SIGKILL)
     return [proc.returncode for proc in procs], outputs
 
 

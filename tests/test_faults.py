@@ -90,7 +90,7 @@ def test_ctrl_c_is_one_line_per_process_and_the_last_checkpoint_resumes(text_dat
     args = bert_args(text_data, out, "--max_train_steps", "5000", "--checkpointing_steps", "10")
     job = start(launch_cmd(SCRIPT, args, num_processes=2), tmp_path / "job.log")
     wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
-    os.killpg(job.pid, signal.SIGINT)
+    os.killpg(job.pid, signal.SIGINT)  # the launcher's process group only, as a terminal does: not kill_job
     job.wait(timeout=60)
     log = (tmp_path / "job.log").read_text()
     last = latest_checkpoint(out / "checkpoints")

@@ -10,12 +10,13 @@ Neither training set divides into global batches: BERT's 88 samples end each epo
 batch with repeated samples on 2 processes, which weigh nothing in the loss), ResNet's 336 images drop the last 16
 (drop_last, the same ones on any number of processes).
 """
+import signal
 import subprocess
 
 import pytest
 import torch
-from conftest import (ACCELERATE, ENV, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, ROOT, TORCHRUN, free_port, launch, read_json,
-                      run)
+from conftest import (ACCELERATE, ENV, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, ROOT, TORCHRUN, free_port, kill_job, launch,
+                      read_json, run)
 from launch_options import default_config, launch_with_config
 from safetensors.torch import load_file
 
@@ -47,8 +48,9 @@ def launch_two_machines(args):
     try:
         run([*ACCELERATE, *common, "--machine_rank", "0", *args])
         output, _ = node1.communicate(timeout=120)
-    finally:
-        node1.kill()
+    finally:  # a test that failed: end the whole job (its ranks run in sessions of their own)
+        if node1.poll() is None:
+            kill_job(node1, signal.SIGKILL)
     assert node1.returncode == 0, output[-4000:]
 
 

@@ -225,3 +225,31 @@ def test_one_process_checks_for_preemption_without_a_device_sync():
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
+
+
+def test_sigterm_after_the_training_steps_stops_the_run_at_once_and_none_is_lost():
+    """PreemptionGuard.close hands SIGTERM back to run_cli's handler (Stopped: one line, exit 143) when the training
+    steps end: a SIGTERM received after the last check is delivered again then, not dropped; a run the signal
+    already stopped (preempted) writes its results, and only a later SIGTERM stops it."""
+    from utils.runtime import Stopped, stop_at_once
+
+    class OneProcess:
+        num_processes = 1
+
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGTERM, stop_at_once)
+        guard = PreemptionGuard(OneProcess())
+        os.kill(os.getpid(), signal.SIGTERM)  # after the last should_stop: the loop never saw it
+        with pytest.raises(Stopped):
+            guard.close(preempted=False)
+        guard = PreemptionGuard(OneProcess())
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop() is True
+        guard.close(preempted=True)  # acted on: the preempted run goes on to write its results
+        assert signal.getsignal(signal.SIGTERM) is stop_at_once
+        with pytest.raises(Stopped):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])

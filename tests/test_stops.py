@@ -13,8 +13,8 @@ import psutil
 import pytest
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from conftest import (descendants, kill_job, launch, launch_cmd, read_json, read_jsonl, run_here, start, wait_for,
-                      workers)
+from conftest import (descendants, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run_here, start,
+                      wait_for, workers)
 
 from utils.runtime import loader_settings
 
@@ -244,3 +244,41 @@ def test_a_frozen_rank_is_named_by_the_survivor_and_the_job_ends_within_the_time
     assert not rank_tracebacks(log, "train_bert_cls.py"), log[-3000:]
     assert job.returncode != 0 and seconds < timeout + 20, f"{seconds:.1f} s"  # the launcher's grace: 30 s more
     print(f"frozen rank: launcher exit {job.returncode}, {seconds:.1f} s")
+
+
+def test_sigterm_to_every_process_of_a_prediction_run_stops_it_at_once_with_one_line(text_data, tmp_path):
+    """An evaluation-only or prediction run has no training position to save: SIGTERM to every process of the job
+    stops it at once, one line per rank, exit status 143 from each (the launcher reports it), nothing half-written
+    and the directory free. The job is paused from its start while the signal is sent, so the signal lands inside
+    the run however fast it is."""
+    model = tmp_path / "trained"
+    with one_thread():
+        run_here("train_bert_cls.py", ["--cpu", *bert_args(text_data, model, "--num_workers", "0",
+                                                           "--max_train_steps", "2")])
+    texts = tmp_path / "many.txt"
+    texts.write_text((text_data / "test.txt").read_text(encoding="utf-8") * 200, encoding="utf-8")  # 19,800 texts
+    out = tmp_path / "predicted"
+    job = start(launch_cmd("train_bert_cls.py", ["--model_name_or_path", model / "best_model", "--do_predict",
+                                                 "--predict_file", texts, "--eval_batch_size", "64", "--max_seq_len",
+                                                 "32", "--num_workers", "2", "--output_dir", out], num_processes=2),
+                tmp_path / "job.log")
+    processes = []
+    try:
+        wait_for(lambda: (out / ".lock").exists(), job, timeout=240)  # the run's main() holds its directory
+        kill_job(job, signal.SIGSTOP)
+        processes = [job.pid, *descendants(job.pid)]
+        kill_job(job, signal.SIGTERM)
+        signaled = time.time()
+        kill_job(job, signal.SIGCONT)
+        job.wait(timeout=GRACE + 30)
+        seconds = time.time() - signaled
+        ended = gone_within(processes, 10)
+    finally:
+        end_all([job.pid, *processes])
+    log = (tmp_path / "job.log").read_text()
+    for rank in (0, 1):
+        assert f"rank {rank}: stopped on SIGTERM outside the training steps" in log, log[-3000:]
+    assert not rank_tracebacks(log, "train_bert_cls.py"), log[-3000:]
+    assert job.returncode != 0 and seconds < GRACE and ended, (job.returncode, f"{seconds:.1f} s")
+    assert not (out / "predictions.jsonl").exists() and not (out / ".lock").exists()
+    print(f"prediction run, SIGTERM to every process: launcher exit {job.returncode}, {seconds:.1f} s")

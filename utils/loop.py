@@ -34,6 +34,7 @@ utils/runtime.py (the Accelerator).
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -50,7 +51,7 @@ from accelerate.utils import DistributedType, find_batch_size, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
-from .runtime import Interrupted, UserError, hf_bool
+from .runtime import Interrupted, UserError, hf_bool, stop_at_once
 
 
 class Due(NamedTuple):
@@ -372,6 +373,14 @@ class EvaluationAbandoned(Exception):
     validation still due (the resumed run validates first)."""
 
 
+class AccumulationWindow(NamedTuple):
+    """The start of an accumulation window (PreemptionGuard.start_window)."""
+    first_batch: int  # its first batch's index in the epoch
+    micro_step: int  # accelerator.step before its first batch: accelerate's count of batches into the window, saved
+    rng: dict  # _rng_states() before its first batch
+    buffers: list  # copies of the model's buffers before its first batch
+
+
 class PreemptionGuard:
     """SIGTERM (what Slurm and cloud preemption send, and what a rank gets when its launcher dies:
     utils/runtime.py stop_with_launcher) becomes "checkpoint at the next step boundary, then exit"; Ctrl-C (SIGINT)
@@ -384,16 +393,24 @@ class PreemptionGuard:
     between its SIGTERM and its SIGKILL (30 s under torchrun and accelerate launch) is spent saving, not evaluating.
     DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C saves nothing: a save it
     interrupts leaves only a `.tmp-step_N` that is never `latest`, and the line names the last complete checkpoint
-    (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag).
+    (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag). Once the training steps are over,
+    `close` hands SIGTERM back to what stops the rest of the run at once (utils/runtime.py Stopped).
     """
 
-    def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest", signals=(signal.SIGTERM,)):
+    def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
         self.accelerator, self.last_checkpoint, self.resume = accelerator, last_checkpoint, resume
         self.received = None
         self.step = None  # the last optimizer step taken, as of the last should_stop
-        for sig in signals:
-            signal.signal(sig, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
+
+    def close(self, preempted):
+        """The training steps are over: SIGTERM stops the rest of the run at once again (utils/runtime.py
+        stop_at_once, as run_cli set it). A SIGTERM that came after the last should_stop and was not acted on
+        (`preempted` False) is delivered again now, so that it stops what follows instead of being lost."""
+        signal.signal(signal.SIGTERM, stop_at_once)
+        if self.received and not preempted:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _handler(self, signum, frame):
         self.received = signal.Signals(signum).name
@@ -419,6 +436,33 @@ class PreemptionGuard:
         if self.received:
             self.accelerator.set_trigger()
         return self.accelerator.check_trigger()
+
+    def start_window(self, batches_in_epoch, model):
+        """Where an accumulation window begins (--gradient_accumulation_steps): its first batch's index in the epoch,
+        the random generators and the model's buffers (BatchNorm's running statistics): what a stop inside the
+        window goes back to. None when every batch is an optimizer step."""
+        if self.accelerator.gradient_accumulation_steps == 1:
+            return None
+        return AccumulationWindow(batches_in_epoch, self.accelerator.step, _rng_states(),
+                                  [b.detach().clone() for b in model.buffers()])
+
+    def stops_inside_window(self, completed_steps, window, model):
+        """After a batch that took no optimizer step: whether the ranks agreed to stop (a collective, as should_stop).
+        If so, the window's batches are undone for the checkpoint, which then holds the position of the window's
+        first batch: the random generators, accelerate's count of batches into the window and the model's buffers go
+        back to the window's start, and the resumed run trains the whole window again, exactly as the uninterrupted
+        run did. A long window does not hold a stop past the launcher's grace."""
+        if window is None or not self.should_stop(completed_steps):
+            return False
+        _set_rng_states(window.rng)
+        self.accelerator.step = window.micro_step  # save_state keeps it: the resumed window syncs after all its batches
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), window.buffers):
+                buffer.copy_(saved)
+        self.accelerator.print(f"stopped inside the accumulation window after step {completed_steps}: the checkpoint "
+                               f"holds the window's start (batch {window.first_batch} of the epoch), and the resumed "
+                               "run trains the window again")
+        return True
 
     def batches(self, loader):
         """An evaluation's batches of `loader`, abandoned (EvaluationAbandoned) before the next one once every rank

@@ -283,6 +283,16 @@ class ModelCard:
                      f"{results['stopped_early_reason']}.")
         return line
 
+    def launch_lines(self, launches):
+        """A run resumed on other hardware: each launch's processes and precision (all_results.json's `launches`),
+        so that the settings table's, the last launch's, are not read as the whole run's. Nothing for one launch."""
+        if len(launches) < 2:
+            return []
+        return ["Trained over several launches, each resumed from the checkpoint of the step named:", "",
+                "| launch | from step | processes | mixed_precision |", "|---|---|---|---|",
+                *(f"| {i} | {launch.get('resume_step') or 0} | {launch.get('processes')} | "
+                  f"{launch.get('mixed_precision')} |" for i, launch in enumerate(launches, 1)), ""]
+
     def render(self, results):
         splits = [(split, self.metrics(results, prefix)) for split, prefix in (("validation", "eval_"),
                                                                                 ("test", "test_"))]
@@ -298,7 +308,8 @@ class ModelCard:
         else:
             lines.append("Not evaluated.")
         lines += ["", "## Training", "", "```bash", self.command, "```", "", "| setting | value |", "|---|---|",
-                  *(f"| {key} | {value} |" for key, value in self.settings.items()), "", "## Data", "",
+                  *(f"| {key} | {value} |" for key, value in self.settings.items()), "",
+                  *self.launch_lines(results.get("launches") or []), "## Data", "",
                   "| split | file | examples |", "|---|---|---|",
                   *(f"| {split} | `{path}` | {count} |" for split, (path, count) in self.data_files.items()), "",
                   "## How to use", "", self.usage, ""]

@@ -85,11 +85,29 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C, with where the run stood (utils/loop.py PreemptionGuard)."""
 
 
+class Stopped(BaseException):
+    """SIGTERM outside the training steps (start-up, an evaluation-only or prediction run, the test evaluation and
+    the exports after training): the run stops at once. Every file a run writes is swapped into place complete, so
+    what it was writing is simply not there. The training steps themselves turn SIGTERM into a checkpoint instead
+    (utils/loop.py PreemptionGuard, which hands SIGTERM back here when the loop ends)."""
+
+
+STOPPED_LINE = ("stopped on SIGTERM outside the training steps: the files this run had not finished are not written "
+                "(those it finished are complete); run it again to finish them")
+
+
+def stop_at_once(signum, frame):
+    """The SIGTERM handler of a run outside its training steps (run_cli installs it)."""
+    raise Stopped(STOPPED_LINE)
+
+
 def run_cli(main, args):
-    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2, and Ctrl-C into one line per
-    process and exit status 130 (a shell's code for SIGINT). The output directory's lock is released however the run
-    ends. A process of a multi-process launch then leaves through leave_process."""
+    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2, Ctrl-C into one line per
+    process and exit status 130 (a shell's code for SIGINT), and SIGTERM outside the training steps (Stopped) into
+    one line per process and exit status 143 (128 + SIGTERM). The output directory's lock is released however the
+    run ends. A process of a multi-process launch then leaves through leave_process."""
     code, result = 0, None
+    signal.signal(signal.SIGTERM, stop_at_once)
     try:
         result = main(args)
     except UserError as err:
@@ -113,6 +131,14 @@ def run_cli(main, args):
         tqdm.write(line, file=sys.stderr)
         record_for_launcher(line)
         code = 130
+    except Stopped as err:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the launcher passes its own on) changes nothing
+        line = str(err)
+        if launched_world_size() > 1:
+            line = f"rank {os.environ.get('RANK', '?')}: {line}"
+        tqdm.write(line, file=sys.stderr)
+        record_for_launcher(line)
+        code = 143
     finally:
         release_output_dirs()
     if launched_world_size() > 1:
@@ -235,10 +261,11 @@ def stop_together(accelerator, problem):
 
 def write_failure(err, directory):
     """The one line for `err` if it is a failure to write into `directory` (a full disk, a quota, a read-only or
-    vanished mount), else None. torch.save reports a full disk as "unexpected pos" or "file write failed" (a
-    RuntimeError from its zip writer), safetensors as "os error 28", Python as OSError."""
+    vanished mount), else None; it names the file where the error does. torch.save reports a full disk as
+    "unexpected pos" or "file write failed" (a RuntimeError from its zip writer), safetensors as "os error 28",
+    Python as OSError."""
     if isinstance(err, OSError):
-        reason = f"{err.strerror or err}"
+        reason = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
     elif isinstance(err, SafetensorError) or (isinstance(err, RuntimeError) and any(
             mark in str(err) for mark in ("inline_container", "PytorchStreamWriter", "file write failed"))):
         reason = str(err).strip().splitlines()[0]
