@@ -42,8 +42,8 @@ def test_line_without_tab(data, previous_run):
     lines = (data / "train.txt").read_text(encoding="utf-8").splitlines()
     lines[6] = lines[6].replace("\t", " ")
     (data / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    proc = run(["python", SCRIPT, "--cpu", "--data_dir", data, "--do_train",
-                *small_args(data, previous_run, "--overwrite_output_dir")], check=False)
+    proc = run_here(SCRIPT, ["--cpu", "--data_dir", data, "--do_train",
+                             *small_args(data, previous_run, "--overwrite_output_dir")], check=False)
     assert_one_line_error(proc, f"{data / 'train.txt'}:7:", "no TAB")
     assert (previous_run / "all_results.json").read_text() == '{"test_accuracy": 0.97}'
 

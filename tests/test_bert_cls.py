@@ -7,11 +7,18 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ENV, ROOT, launch, read_json, read_jsonl, run, run_here
+from conftest import ENV, ROOT, launch, one_thread, read_json, read_jsonl, run, run_here
 
 SCRIPT = "train_bert_cls.py"
 
 HEAD_CUT = {"truncation": "head", "head_tokens": 128, "doc_stride": None}  # long texts: the first tokens (the default)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def in_one_thread():
+    """The runs in this process use one torch thread, as each launched process does (conftest's one_thread)."""
+    with one_thread():
+        yield
 
 
 def bert_args(data, out, *extra, epochs=5):
@@ -235,9 +242,9 @@ def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
     legacy = {"module." + k.replace("classifier.", "linear."): v for k, v in weights.items()}
     torch.save({"state_dict": legacy, "epoch": 3, "best_acc": 0.9}, tmp_path / "best.pt")
     test_out = tmp_path / "legacy_test"
-    launch(SCRIPT, ["--model_name_or_path", text_data / "model", "--init_from_legacy", tmp_path / "best.pt",
-                    "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test", "--max_seq_len", "16",
-                    "--eval_batch_size", "16", "--output_dir", test_out])
+    run_here(SCRIPT, ["--cpu", "--model_name_or_path", text_data / "model", "--init_from_legacy", tmp_path / "best.pt",
+                      "--labels_file", out / "labels.txt", "--data_dir", text_data, "--do_test", "--max_seq_len", "16",
+                      "--eval_batch_size", "16", "--output_dir", test_out])
     assert read_json(test_out / "all_results.json")["test_accuracy"] == pytest.approx(
         read_json(out / "all_results.json")["test_accuracy"])
     # a head for another number of classes, and a file that would unpickle arbitrary objects, are refused
@@ -257,7 +264,8 @@ def test_reference_repo_best_pt_imports(trained, text_data, tmp_path):
 def test_label_smoothing_reaches_the_training_loss(trained, text_data, tmp_path):
     """Cross-entropy against the smoothed targets can never fall below their entropy; the plain run falls below it."""
     epsilon = 0.5
-    launch(SCRIPT, bert_args(text_data, tmp_path / "ls", "--do_train", "--label_smoothing", str(epsilon)))
+    run_here(SCRIPT, ["--cpu", *bert_args(text_data, tmp_path / "ls", "--do_train", "--label_smoothing",
+                                          str(epsilon))])
     k = len((tmp_path / "ls" / "labels.txt").read_text().split())
     on, off = epsilon / k, 1 - epsilon + epsilon / k
     floor = -(off * math.log(off) + (k - 1) * on * math.log(on))

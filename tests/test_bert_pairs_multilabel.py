@@ -1,5 +1,6 @@
-"""Sentence pairs + multi-label + a GBK-family encoding + --group_by_length, through the real launcher, in one set
-of runs: 1 process = 2 processes, exact resume, and an export that `pipeline(..., top_k=None)` scores like we do."""
+"""Sentence pairs + multi-label + a GBK-family encoding + --group_by_length, in one set of runs (2 processes through
+the real launcher, 1 process in this process): 1 process = 2 processes, exact resume, and an export that
+`pipeline(..., top_k=None)` scores like we do."""
 import csv
 import io
 import json
@@ -7,7 +8,7 @@ import random
 import shutil
 
 import pytest
-from conftest import assert_same_curve, assert_same_weights, launch, read_json, read_jsonl
+from conftest import assert_same_curve, assert_same_weights, launch, one_thread, read_json, read_jsonl, run_here
 from safetensors.torch import load_file
 
 from utils.demo_data import make_headline, TOPICS, write_small_bert
@@ -59,17 +60,22 @@ def final_weights(out):
 
 @pytest.fixture(scope="module")
 def runs(pair_data, tmp_path_factory):
-    outs = {}
-    for n in (1, 2):
-        outs[n] = tmp_path_factory.mktemp(f"multilabel_{n}")
-        launch(SCRIPT, pair_args(pair_data, outs[n]), num_processes=n)
+    outs = {n: tmp_path_factory.mktemp(f"multilabel_{n}") for n in (1, 2)}
+    train_here(pair_args(pair_data, outs[1]))
+    launch(SCRIPT, pair_args(pair_data, outs[2]), num_processes=2)
     # The 1-process run as if killed after its step-10 checkpoint, then resumed from `latest`.
     outs["resumed"] = tmp_path_factory.mktemp("multilabel_resumed") / "out"
     shutil.copytree(outs[1], outs["resumed"])
     for step in (20, STEPS):
         shutil.rmtree(outs["resumed"] / "checkpoints" / f"step_{step}")
-    launch(SCRIPT, pair_args(pair_data, outs["resumed"], "--resume_from_checkpoint", "latest"))
+    train_here(pair_args(pair_data, outs["resumed"], "--resume_from_checkpoint", "latest"))
     return outs
+
+
+def train_here(args):
+    """A 1-process run in this process (run_here), with one thread as a launched process has."""
+    with one_thread():
+        run_here(SCRIPT, ["--cpu", *args])
 
 
 def test_one_process_equals_two_processes(runs):

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from conftest import (ELASTIC, TORCHRUN, assert_same_curve, assert_same_weights, descendants, free_port, kill_job,
-                      launch, launch_cmd, read_json, run_here, start, wait_for, workers)
+                      launch, launch_cmd, one_thread, read_json, run_here, start, wait_for, workers)
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
@@ -40,6 +40,12 @@ def uninterrupted(text_data, tmp_path_factory):
         launch(SCRIPT, resume_args(text_data, out), num_processes=n)
         runs[n] = out
     return runs
+
+
+def train_here(args, check=True):
+    """A 1-process run in this process (run_here), with one thread as a launched process has."""
+    with one_thread():
+        return run_here(SCRIPT, ["--cpu", *args], check=check)
 
 
 def complete(out, step):
@@ -110,7 +116,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, t
 def twenty_steps(text_data, tmp_path_factory):
     """A finished 20-step run on 1 process (checkpoints step_10 and step_20); each test below resumes its own copy."""
     out = tmp_path_factory.mktemp("twenty_steps") / "out"
-    launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "20"))
+    train_here(resume_args(text_data, out, "--max_train_steps", "20"))
     return out
 
 
@@ -123,8 +129,7 @@ def test_kill_during_save_leaves_latest_complete(twenty_steps, text_data, tmp_pa
     (debris / "model.safetensors").write_bytes(b"truncated")
     half = out / "checkpoints" / "step_40"  # renamed but state missing: cannot happen, must still be ignored
     half.mkdir()
-    proc = launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "30", "--resume_from_checkpoint",
-                                      "latest"))
+    proc = train_here(resume_args(text_data, out, "--max_train_steps", "30", "--resume_from_checkpoint", "latest"))
     assert f"Resumed from {out / 'checkpoints' / 'step_20'} at step 20" in proc.stdout
     assert checkpoint_steps(out)[-1] == 40 and (out / "checkpoints" / "step_30" / "training_state.json").exists()
 
@@ -134,8 +139,8 @@ def test_resume_refuses_another_label_set(twenty_steps, text_data, tmp_path):
     shutil.copytree(twenty_steps, out)
     labels = tmp_path / "labels.txt"
     labels.write_text("\n".join(sorted((out / "labels.txt").read_text().split()) + ["汽车"]) + "\n")
-    proc = launch(SCRIPT, resume_args(text_data, out, "--max_train_steps", "30", "--labels_file", labels,
-                                      "--resume_from_checkpoint", "latest"), check=False)
+    proc = train_here(resume_args(text_data, out, "--max_train_steps", "30", "--labels_file", labels,
+                                  "--resume_from_checkpoint", "latest"), check=False)
     assert proc.returncode != 0
     assert "error: " in proc.stderr and "training_state.json: checkpoint has labels=" in proc.stderr
 
@@ -147,14 +152,14 @@ def test_resume_on_changed_training_data_is_refused_unless_allowed(twenty_steps,
     shorter = tmp_path / "train.txt"
     shorter.write_text("".join((text_data / "train.txt").read_text(encoding="utf-8").splitlines(keepends=True)[:300]),
                        encoding="utf-8")
-    args = ["--cpu", *resume_args(text_data, out, "--train_file", shorter, "--max_train_steps", "30",
-                                  "--resume_from_checkpoint", "latest")]
-    proc = run_here(SCRIPT, args, check=False)
+    args = resume_args(text_data, out, "--train_file", shorter, "--max_train_steps", "30", "--resume_from_checkpoint",
+                       "latest")
+    proc = train_here(args, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert f"{shorter}: the training data differ from those of {out / 'checkpoints' / 'step_20'} (800 -> 300 " \
            "examples)" in errors[0] and "--allow_data_change" in errors[0]
     assert checkpoint_steps(out) == [10, 20]
-    proc = run_here(SCRIPT, [*args, "--allow_data_change"])
+    proc = train_here([*args, "--allow_data_change"])
     assert "(800 -> 300 examples); resuming as --allow_data_change asks" in proc.stdout
     assert checkpoint_steps(out)[-1] == 30

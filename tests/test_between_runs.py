@@ -108,18 +108,29 @@ def test_start_epoch_starts_inside_the_schedule(digits, tmp_path):
 
 # ---- a kill between a best-model export and the next checkpoint, then a resume with another learning rate ----
 
-def test_resnet_best_model_from_after_the_checkpoint_goes_aside(digits, tmp_path):
+CHECKPOINTED = ["--checkpointing_steps", "3", "--save_total_limit", "0"]  # step_3 and step_6 kept
+
+
+@pytest.fixture(scope="module")
+def resnet_two_processes(digits, tmp_path_factory):
+    """A finished 2-epoch run on 2 processes with a checkpoint each epoch, copied by each test that resumes it."""
+    out = tmp_path_factory.mktemp("resnet_two_processes") / "run"
+    launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED), num_processes=2)
+    return out
+
+
+def test_resnet_best_model_from_after_the_checkpoint_goes_aside(resnet_two_processes, digits, tmp_path):
     """2 processes. A run killed after exporting epoch 2 as model_best.pth, before checkpointing step 6, resumed from
     step 3 with another --lr: the dead run's model_best.pth and card go aside, and model_best.pth, its card and
     all_results.json then name the resumed run's one selected epoch."""
     out = tmp_path / "run"
-    args = ["--checkpointing_steps", "3", "--save_total_limit", "0"]
-    launch(RESNET, resnet_args(digits, out, 2, *args), num_processes=2)
+    shutil.copytree(resnet_two_processes, out)
     dead = torch.load(out / "checkpoint.pth", weights_only=True)  # epoch 2, as the dead run exported it as the best
     torch.save({**dead, "best_acc1": dead["acc1"], "best_epoch": 2}, out / "model_best.pth")
     shutil.rmtree(out / "checkpoints" / "step_6")
     (out / "all_results.json").unlink()
-    proc = launch(RESNET, resnet_args(digits, out, 2, *args, "--resume", "latest", "--lr", "0.01"), num_processes=2)
+    proc = launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED, "--resume", "latest", "--lr", "0.01"),
+                  num_processes=2)
     assert ("the best model was exported at step 6, after this checkpoint (step 3): model_best.pth, model_card.md "
             "moved aside (*.abandoned_on_resume_from_step_3)") in proc.stdout
     aside = torch.load(out / "model_best.pth.abandoned_on_resume_from_step_3", weights_only=True)
@@ -143,12 +154,21 @@ def bert_args(data, out, *extra):
             "--logging_steps", "10", "--save_total_limit", "0", "--output_dir", out, *extra]
 
 
-def test_bert_best_model_from_after_the_checkpoint_goes_aside(text_data, tmp_path):
+@pytest.fixture(scope="module")
+def bert_two_processes(text_data, tmp_path_factory):
+    """A finished 30-step run on 2 processes (checkpoints step_10 to step_30), copied by each test that resumes it."""
+    out = tmp_path_factory.mktemp("bert_two_processes") / "run"
+    launch(BERT, bert_args(text_data, out)[1:], num_processes=2)
+    return out
+
+
+def test_bert_best_model_from_after_the_checkpoint_goes_aside(bert_two_processes, text_data, tmp_path):
     """A run killed after exporting step 30's weights as best_model/, before checkpointing step 30, resumed from step
-    20 with another --learning_rate: the dead run's best_model/ goes aside, and the resumed run ends (instead of
-    stopping on a best_model/ of the wrong step) with best_model/, its card and all_results.json naming one step."""
+    20 (on 1 process) with another --learning_rate: the dead run's best_model/ goes aside, and the resumed run ends
+    (instead of stopping on a best_model/ of the wrong step) with best_model/, its card and all_results.json naming
+    one step."""
     out = tmp_path / "run"
-    run_here(BERT, bert_args(text_data, out))
+    shutil.copytree(bert_two_processes, out)
     best = out / "best_model"
     shutil.copy(out / "checkpoints" / "step_30" / "model.safetensors", best / "model.safetensors")
     (best / "best_step.json").write_text('{"step": 30}\n')  # as the dead run exported it
@@ -188,22 +208,21 @@ def assert_card_names_launches(card, resume_step):
     assert "| 1 | 0 | 2 | no |" in text and f"| 2 | {resume_step} | 1 | bf16 |" in text, text
 
 
-def test_resnet_resume_on_other_processes_and_precision_says_what_changes(digits, tmp_path):
+def test_resnet_resume_on_other_processes_and_precision_says_what_changes(resnet_two_processes, digits, tmp_path):
     """2 processes in fp32, resumed on 1 in bf16: one line names what a process computes on its own (BatchNorm
     statistics), one the precision; all_results.json records both launches."""
     out = tmp_path / "run"
-    args = ["--checkpointing_steps", "3", "--save_total_limit", "0"]
-    launch(RESNET, resnet_args(digits, out, 2, *args), num_processes=2)
+    shutil.copytree(resnet_two_processes, out)
     shutil.rmtree(out / "checkpoints" / "step_6")
-    proc = run_here(RESNET, ["--cpu", *resnet_args(digits, out, 2, *args, "--resume", "latest",
+    proc = run_here(RESNET, ["--cpu", *resnet_args(digits, out, 2, *CHECKPOINTED, "--resume", "latest",
                                                    "--mixed_precision", "bf16")])
     assert_launches_named(proc, out, "BatchNorm statistics are computed per process, over its share of each batch")
 
 
-def test_bert_resume_on_other_processes_and_precision_says_what_changes(text_data, tmp_path):
+def test_bert_resume_on_other_processes_and_precision_says_what_changes(bert_two_processes, text_data, tmp_path):
     """The same for BERT, whose dropout masks come from each process's own random stream."""
     out = tmp_path / "run"
-    launch(BERT, bert_args(text_data, out)[1:], num_processes=2)
+    shutil.copytree(bert_two_processes, out)
     shutil.rmtree(out / "checkpoints" / "step_30")
     proc = run_here(BERT, bert_args(text_data, out, "--resume_from_checkpoint", "latest", "--mixed_precision", "bf16"))
     assert_launches_named(proc, out, "dropout masks are drawn from each process's own random stream")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, finetune_args,
                                 sharded_bert_layout, vocab_size)
-from conftest import assert_same_weights, launch, read_json, read_jsonl, run_here
+from conftest import assert_same_weights, launch, one_thread, read_json, read_jsonl, run_here
 from launch_options import default_config, launch_with_config, launch_with_precision
 from safetensors.torch import load_file
 
@@ -22,6 +22,13 @@ from utils.runtime import UserError
 from utils.text_model import check_hub_ids_or_paths
 
 SCRIPT = "train_bert_cls.py"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def in_one_thread():
+    """The runs in this process use one torch thread, as each launched process does (conftest's one_thread)."""
+    with one_thread():
+        yield
 LAYOUTS = {"bin_gamma_beta": bert_base_chinese_layout, "sharded_tokenizer_json": sharded_bert_layout,
            "electra": electra_layout}
 TEXTS = ["球队比赛冠军进球今天", "股市银行利率上涨", "电影明星导演票房"]
@@ -77,15 +84,16 @@ def test_checkpoint_of_another_architecture_is_refused(layouts, text_data, tmp_p
 
 @pytest.fixture(scope="module")
 def finetuned(layouts, text_data, tmp_path_factory):
-    """Each layout fine-tuned once, predicting three texts, each launched another way users launch: the gamma/beta
-    one on 2 processes with fp16 requested (CPU trains it in fp32), ELECTRA with `accelerate config default`'s file."""
+    """Each layout fine-tuned once, predicting three texts, each run another way users launch: the gamma/beta one on 2
+    processes with fp16 requested (CPU trains it in fp32), ELECTRA with `accelerate config default`'s file, the
+    sharded one as `python train_bert_cls.py` (in this process)."""
     root = tmp_path_factory.mktemp("finetuned")
     predict_file = root / "texts.txt"
     predict_file.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     outs = {name: root / name for name in LAYOUTS}
     args = {name: finetune_args(text_data, layouts[name], outs[name], predict_file) for name in LAYOUTS}
     launch_with_precision("fp16", SCRIPT, args["bin_gamma_beta"], num_processes=2)
-    launch(SCRIPT, args["sharded_tokenizer_json"])
+    run_here(SCRIPT, ["--cpu", *args["sharded_tokenizer_json"]])
     launch_with_config(default_config(root / "default_config.json"), SCRIPT, args["electra"])
     return outs, predict_file
 
