@@ -781,6 +781,8 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
             break
     bar.close()
     guard.close(preempted)  # from here on, SIGTERM stops the run at once
+    if not preempted:  # trained to its end: the abandoned branches are rotated
+        training.checkpoints.finish()
     if training.eval_loader is None and not preempted:  # nothing to select with: the final model is the best one
         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {},
                         remote=args.trust_remote_code)

@@ -31,6 +31,7 @@ import importlib.util
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +58,10 @@ from utils.runtime import (UserError, add_runtime_args, build_accelerator, check
                             hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
                             writing)
-from utils.image_augment import (AUGMENT_ROLES, MIXING_ROLES, RepeatedAugmentationSampler, add_augment_args,
-                                 add_mixing_args, build_mixer, dominant_labels, eval_image_settings, image_settings,
-                                 recorded_image_settings, resolve_augment_args, resolve_image_sizes, resolve_mixup_mode,
-                                 soft_cross_entropy)
+from utils.image_augment import (AUGMENT_ROLES, AUTO_AUGMENT, MIXING_ROLES, RepeatedAugmentationSampler,
+                                 add_augment_args, add_mixing_args, build_mixer, dominant_labels, eval_image_settings,
+                                 image_settings, random_erasing, recorded_image_settings, resolve_augment_args,
+                                 resolve_image_sizes, resolve_mixup_mode, soft_cross_entropy, timm_auto_augment)
 from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, PredictImages,
                               RGBImageFolder, bad_image_error, build_datasets, build_dummy_datasets, files_to_predict,
                               fingerprint_images, prediction_rows, topk_hits)
@@ -139,11 +140,13 @@ def train_transform(args):
         steps.append(v2.RandAugment(magnitude=args.ra_magnitude, interpolation=mode))
     elif args.auto_augment == "augmix":
         steps.append(v2.AugMix(severity=args.augmix_severity, interpolation=mode))
-    elif args.auto_augment:
+    elif args.auto_augment in AUTO_AUGMENT:
         steps.append(v2.AutoAugment(v2.AutoAugmentPolicy(args.auto_augment), interpolation=mode))
+    elif args.auto_augment:  # timm's --aa strings, with timm's own transforms
+        steps.append(timm_auto_augment(args.auto_augment, args.train_crop_size, args.interpolation))
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     if args.random_erase > 0:
-        steps.append(v2.RandomErasing(p=args.random_erase))
+        steps.append(random_erasing(args.random_erase, args.random_erase_mode))
     return v2.Compose(steps)
 
 
@@ -405,17 +408,22 @@ def place_model(model, args):
 
 
 @torch.no_grad()
-def predict(accelerator, model, loader, topk):
-    """Every image's `topk` highest probabilities and their classes, gathered on every rank: (items (N,), the
-    dataset's index or -1 - index for an unreadable file; probabilities (N, k); classes (N, k))."""
+def predicted_rows(accelerator, model, loader, dataset, labels, topk, tally):
+    """predictions.jsonl's rows in input order, a batch at a time: every rank runs its part of each batch, the batch's
+    top-k is gathered, and the main process makes its rows (only one batch's are held). `tally` counts the images and
+    the unreadable files among them, on every rank."""
     model.eval()
-    found = []
     for inputs, items in progress(accelerator, loader, desc="predict", leave=False):
         probabilities = model(inputs).float().softmax(dim=-1)  # (B, C)
         top = probabilities.topk(topk, dim=-1)  # (B, k) each
         # every rank gets the whole batch, minus the duplicates padded onto the last one
-        found.append(accelerator.gather_for_metrics((items, top.values, top.indices)))
-    return [torch.cat(parts).tolist() for parts in zip(*found)]
+        items, scores, classes = (t.tolist() for t in accelerator.gather_for_metrics((items, top.values, top.indices)))
+        if accelerator.is_main_process:
+            yield from prediction_rows(dataset, tally["images"], items, scores, classes, labels)
+        tally["images"] += len(items)
+        tally["skipped"] += sum(item < 0 for item in items)
+    if tally["images"] != len(dataset):
+        raise RuntimeError(f"{tally['images']} predictions gathered for {len(dataset)} files")
 
 
 def predict_images(accelerator, args):
@@ -437,13 +445,13 @@ def predict_images(accelerator, args):
     model = build_model(args, len(class_to_idx), accelerator.print)
     load_weights(model, export["state_dict"], args.resume)
     model, loader = accelerator.prepare(model, loader)
-    items, probabilities, classes = predict(accelerator, model, loader, min(args.topk, len(class_to_idx)))
     labels = sorted(class_to_idx, key=class_to_idx.get)
     log = RunLog(accelerator, args.output_dir)
-    # write_jsonl consumes its rows on every rank: the main process's, none on the others
-    rows = prediction_rows(dataset, items, probabilities, classes, labels) if accelerator.is_main_process else []
-    log.write_jsonl("predictions.jsonl", rows)
-    skipped = sum(item < 0 for item in items)
+    tally = Counter()
+    # write_jsonl consumes the rows on every rank as they come: the main process's, none on the others
+    log.write_jsonl("predictions.jsonl", predicted_rows(accelerator, model, loader, dataset, labels,
+                                                        min(args.topk, len(class_to_idx)), tally))
+    skipped = tally["skipped"]
     accelerator.print(f"wrote {len(dataset) - skipped} predictions and {skipped} rows for unreadable files to "
                       f"{args.output_dir / 'predictions.jsonl'}, one row per input image in input order")
     results = {**run_info(accelerator, args.batch_size), "predict_images": len(dataset), "predict_skipped": skipped}
@@ -746,6 +754,8 @@ def train(args, accelerator, model, data, log, task, attempt):
                 break
     bar.close()
     guard.close(preempted)  # from here on, SIGTERM stops the run at once
+    if not preempted:  # trained to its end: the abandoned branches are rotated
+        training.checkpoints.finish()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
     runtime = time.perf_counter() - start_time

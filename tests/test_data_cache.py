@@ -1,7 +1,7 @@
 """The BERT data are tokenised once (utils/text_cache.py): a second start reads the cache without tokenising, any
 input of the cache key (file content, tokenizer, --max_seq_len, --labels_file, the long-text cut) makes a new entry,
 2 processes tokenise once in all, nodes with their own disks once per node, and a bad line stops every rank with one
-line."""
+line. What else a run keeps on disk stays bounded: a finished run rotates the checkpoints a rollback set aside."""
 import os
 import shutil
 
@@ -153,3 +153,20 @@ def test_a_copy_of_the_data_elsewhere_is_read_from_its_own_files(data, tmp_path)
     second = run_here(SCRIPT, small_args(copy, tmp_path / "b", cache))
     assert f"train {copy / 'train.txt'}" in second.stdout and str(data / "train.txt") not in second.stdout
     assert len(entries(cache)) == 2
+
+
+def test_a_finished_run_rotates_the_abandoned_checkpoints(text_data, tmp_path):
+    """The later checkpoints a resume from an older one set aside are kept under --save_total_limit, the newest
+    (by step) once the resumed run has finished: the disk they take stays bounded over any number of rollbacks."""
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    every_step = ["--max_train_steps", "3", "--checkpointing_steps", "1"]
+    args = [a for a in small_args(text_data, out, cache) if a != "--overwrite_output_dir"]
+    run_here(SCRIPT, [*args, *every_step, "--save_total_limit", "0"])
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1", "step_2", "step_3"]
+    proc = run_here(SCRIPT, [*args, *every_step, "--save_total_limit", "1", "--resume_from_checkpoint",
+                             checkpoints / "step_1"])
+    assert "starts a new branch: the later step_2, step_3, best_model moved aside" in proc.stdout
+    assert ("abandoned checkpoints, rotated by --save_total_limit 1 now that the run has finished: removed "
+            "step_2.abandoned_on_resume_from_step_1; kept step_3.abandoned_on_resume_from_step_1") in proc.stdout
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3", "step_3.abandoned_on_resume_from_step_1"]

@@ -94,7 +94,8 @@ RESNET_RESUMABLE = {"--lr": "lr", "--momentum": "momentum", "--wd": "weight_deca
                     "--early_stopping_threshold": "early_stopping_threshold"}
 RESNET_RESUMABLE_ADDED = [  # each applies from the resumed step on, and was taken without a word before
     "--label_smoothing", "--lr_gamma", "--clip_grad_norm", "--drop_path", "--drop", "--sync_bn", "--crop_scale",
-    "--crop_ratio", "--hflip", "--auto_augment", "--ra_magnitude", "--augmix_severity", "--random_erase",
+    "--crop_ratio", "--hflip", "--auto_augment", "--ra_magnitude", "--augmix_severity", "--random_erase", "--reprob",
+    "--random_erase_mode",
     "--mixup_alpha", "--cutmix_alpha", "--mixup", "--cutmix", "--mixup_mode", "--model_ema_steps",
     "--model_ema_decay"]
 RESNET_KEPT = ["arch", "global_batch_size", "--gradient_accumulation_steps", "--train_crop_size", "--opt", "model_ema"]

@@ -61,7 +61,7 @@ def reference_predictions(model_best, files, topk):
 def test_predict_rows_in_input_order_match_the_models_forward(model_best, inputs, tmp_path, n):
     args, files, unreadable = inputs
     out = tmp_path / "out"
-    # -b 64 over 453 files: the last batch is short, and on 2 processes padded with duplicates
+    # -b 64 over 454 files: the last batch is short, and on 2 processes padded with duplicates
     proc = launch(SCRIPT, ["--predict", *args, "--resume", model_best, "--topk", "3", "-b", "64", "-j", "0",
                            "--output_dir", out], num_processes=n)
     rows = read_jsonl(out / "predictions.jsonl")
@@ -81,6 +81,25 @@ def test_predict_rows_in_input_order_match_the_models_forward(model_best, inputs
     assert f"wrote {len(readable)} predictions and 3 rows for unreadable files" in proc.stdout
     # the export records 16-pixel sizes: predicted at them, not at torchvision's 224/256 defaults
     assert "was trained with --image_size 16, --val_resize 16" in proc.stdout
+
+
+def test_predictions_stream_a_batch_at_a_time(model_best, inputs, tmp_path, monkeypatch):
+    """Memory bounded for any number of images: the rows are made from one gathered batch at a time (never from
+    every image's top-k at once), in input order."""
+    import train_resnet
+
+    args, files, _ = inputs
+    sizes, real = [], train_resnet.prediction_rows
+
+    def counted(dataset, first, items, *rest):
+        sizes.append(len(items))
+        return real(dataset, first, items, *rest)
+    monkeypatch.setattr(train_resnet, "prediction_rows", counted)
+    with one_thread():
+        run_here(SCRIPT, ["--predict", *args, "--resume", model_best, "--topk", "1", "-b", "64", "-j", "0",
+                          "--output_dir", tmp_path / "out"])
+    assert sizes == [64] * 7 + [6]  # 454 files in batches of 64
+    assert [row["file"] for row in read_jsonl(tmp_path / "out" / "predictions.jsonl")] == files
 
 
 def test_topk_is_capped_at_the_class_count(model_best, inputs, tmp_path):

@@ -96,6 +96,18 @@ def pooled_accuracy(model_dir, texts, labels, stride, pool):
     return hits / len(texts)
 
 
+def card_windows_probabilities(model_dir, card, text):
+    """Run the model card's windows code block, as a pipeline() user would, on `text`: its pooled probabilities, in
+    the model's label order."""
+    from transformers import pipeline
+
+    [code] = [block.split("\n", 1)[1] for block in card.split("```python")[1:] if "return_overflowing_tokens" in block]
+    scope = {"classifier": pipeline("text-classification", model=str(model_dir)), "text": text}
+    with one_thread():
+        exec(code.split("```")[0], scope)
+    return scope["probabilities"].tolist()
+
+
 @pytest.mark.parametrize("n, pool", [(1, "max"), (2, "mean")])
 def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n, pool):
     out = tmp_path / "out"
@@ -116,6 +128,9 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
         "pool": pool}
     card = (out / "best_model" / "README.md").read_text(encoding="utf-8")
     assert "stride=4, return_overflowing_tokens=True" in card
+    # the card's code for pipeline() users gives predictions.jsonl's probabilities
+    assert card_windows_probabilities(out / "best_model", card, predictions[0]["text"]) == pytest.approx(
+        list(predictions[0]["probabilities"].values()), abs=1e-5)
     if n == 2:  # evaluating the export later: the model's windows, the training's numbers
         with one_thread():
             later = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--model_name_or_path", out / "best_model",

@@ -80,8 +80,13 @@ RESNET_COMMANDS = [
      "--channels-last --log-interval 50 --grad-accum-steps 2 --sched cosine --decay-rate 0.5",
      {"image_size": 160, "label_smoothing": 0.1, "clip_grad_norm": 1.0, "lr_min": 1e-5, "channels_last": True,
       "print_freq": 50, "gradient_accumulation_steps": 2, "lr_gamma": 0.5}),
-    ("DATA --model resnet50 --reprob 0.5 --remode pixel", "error: --reprob is a flag of timm's train.py; here: "
-     "--random_erase P"),
+    ("DATA --model resnet50 --aa rand-m9-mstd0.5-inc1 --reprob 0.5 --remode pixel",
+     {"auto_augment": "rand-m9-mstd0.5-inc1", "random_erase": 0.5, "random_erase_mode": "pixel"}),
+    ("DATA --model resnet50 --aa v0 --reprob 0.25", {"auto_augment": "v0", "random_erase_mode": "pixel"}),
+    ("DATA --model resnet50 --aa ra --random-erase 0.25", {"auto_augment": "ra", "random_erase_mode": "const"}),
+    ("DATA --model resnet50 --aa rand-q9", "error: --aa rand-q9: timm does not read it"),
+    ("DATA --model resnet50 --aa randaugment", "error: argument --auto_augment/--auto-augment/--aa: 'randaugment' "
+     "is neither a torchvision policy"),
     ("DATA --opt rmsproptf --momentum 0.9", {"opt": "rmsproptf"}),
     ("DATA --opt lamb", "error: argument --opt: invalid choice 'lamb': (choose from sgd, sgd_nesterov, adamw, "),
 ]
@@ -212,15 +217,20 @@ def test_timm_command_trains_with_timm_meanings(digits_data, tmp_path):
         "--data-dir", digits_data, "--model", "resnet18", "--sched", "cosine", "--min-lr", "1e-4", "--img-size", "16",
         "--val_resize", "16", "--smoothing", "0.1", "--clip-grad", "1.0", "--log-interval", "1",
         "--grad-accum-steps", "1", "--per_device_batch_size", "32", "--epochs", "1", "-j", "0", "--no-accel",
-        "--output-dir", out])
+        "--aa", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--output-dir", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("batch: -b 32 = 32 per process x 1 process"), lines[:3]
     for note in ("--sched cosine = --lr_scheduler cosine", "--img-size 16 = --image_size 16",
-                 "--smoothing 0.1 = --label_smoothing 0.1", "--no-accel = --cpu"):
+                 "--smoothing 0.1 = --label_smoothing 0.1", "--no-accel = --cpu",
+                 "--aa rand-m9-mstd0.5-inc1 = --auto_augment rand-m9-mstd0.5-inc1",
+                 "--reprob: timm's per-pixel noise = --random_erase_mode pixel"):
         assert proc.stdout.count(f"read as: {note}") == 1, note
     results = read_json(out / "all_results.json")
     assert results["global_batch_size"] == 32 and results["device"] == "cpu"
+    settings = read_json(out / "run_config.json")["args"]
+    assert (settings["auto_augment"], settings["random_erase"], settings["random_erase_mode"]) == \
+        ("rand-m9-mstd0.5-inc1", 0.25, "pixel"), settings
 
 
 class NotANamespace:
@@ -360,3 +370,94 @@ def test_do_eval_without_validation_says_what_run_classification_would_do(text_d
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "needs a validation file" in proc.stderr and "run_classification.py would evaluate on the test split " \
         "instead: here that is --do_test" in proc.stderr, proc.stderr
+
+
+def test_timm_augmentation_flags_build_timms_ops():
+    """--aa: timm's own RandAugment with the string's magnitude and its deviation, on this pipeline's uint8 tensors,
+    the same for the same image seed; --reprob / --remode: RandomErasing filling as timm's modes do (pixel: a normal
+    value per pixel, rand: one per channel, const: zeros, torchvision's --random-erase default)."""
+    import torch
+    from timm.data.auto_augment import RandAugment
+    from torchvision.transforms import v2
+
+    from utils.image_augment import ChannelNoiseErasing, TimmAugment
+
+    args = train_resnet.parse_args(["--dummy", "--img-size", "32", "--aa", "rand-m9-mstd0.5-inc1", "--reprob", "0.5"])
+    steps = train_resnet.train_transform(args).transforms
+    timm_ops = [step for step in steps if isinstance(step, TimmAugment)]
+    assert len(timm_ops) == 1 and isinstance(timm_ops[0].op, RandAugment), steps
+    assert {(op.magnitude, op.magnitude_std) for op in timm_ops[0].op.ops} == {(9, 0.5)}
+    assert {op.name for op in timm_ops[0].op.ops} >= {"PosterizeIncreasing", "SolarizeIncreasing"}  # inc1's ops
+    erasing = steps[-1]
+    assert type(erasing) is v2.RandomErasing and erasing.p == 0.5 and erasing.value is None  # None: per-pixel normal
+    image = torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8)
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outputs.append(timm_ops[0](image))
+    assert outputs[0].dtype == torch.uint8 and outputs[0].shape == image.shape and torch.equal(*outputs)
+    for seed in range(100):  # timm's strongest posterize keeps 0 bits, which Pillow >= 12 refuses on its own
+        torch.manual_seed(seed)
+        timm_ops[0](image)
+    const = train_resnet.train_transform(train_resnet.parse_args(["--dummy", "--random-erase", "0.5"])).transforms[-1]
+    assert type(const) is v2.RandomErasing and const.value == [0.0]
+    args = train_resnet.parse_args(["--dummy", "--reprob", "1", "--remode", "rand"])
+    per_channel = train_resnet.train_transform(args).transforms[-1]
+    assert isinstance(per_channel, ChannelNoiseErasing)
+    torch.manual_seed(0)
+    erased = per_channel(torch.full((3, 64, 64), 7.0))
+    rectangle = erased[:, (erased != 7.0).all(0).any(1)][:, :, (erased != 7.0).all(0).any(0)]  # (3, h, w)
+    assert rectangle.numel() > 3 and all(channel.unique().numel() == 1 for channel in rectangle), rectangle
+    assert rectangle[:, 0, 0].unique().numel() == 3  # a value of its own per channel
+
+
+# transformers examples/pytorch/text-classification/README.md, the multi-label example (reuters21578's ModApte
+# configuration: train, test and `unused` splits, a list of topics per article); the local dataset has no
+# configurations, so --dataset_config_name ModApte goes with the hub id
+REUTERS_COMMAND = ("--model_name_or_path MODEL --dataset_name DATA --shuffle_train_dataset --remove_splits unused "
+                   "--metric_name f1 --text_column_name text --label_column_name topics --do_train --do_eval "
+                   "--max_seq_length 16 --per_device_train_batch_size 16 --learning_rate 2e-3 --num_train_epochs 1 "
+                   "--output_dir OUT")
+
+
+def write_reuters_like(root):
+    """train / test / unused splits with reuters21578's columns: `text` and `topics`, a list of strings (some
+    empty, as many ModApte articles are), written by save_to_disk."""
+    import random
+
+    from datasets import Dataset, DatasetDict
+
+    from utils.demo_data import TOPICS, make_headline
+
+    rng = random.Random(0)
+    names = list(TOPICS)[:4]
+
+    def split(n):
+        topics = [sorted(set(rng.sample(names, rng.choice([0, 1, 1, 2])))) for _ in range(n)]
+        return Dataset.from_dict({"text": [make_headline(rng, (t or names)[0], 0.0) for t in topics], "topics": topics})
+
+    DatasetDict(train=split(64), test=split(16), unused=split(8)).save_to_disk(str(root))
+    return root
+
+
+def test_run_classification_reuters_multi_label_example(text_data, tmp_path):
+    """The pasted command stops in one line naming --do_test (no validation split: run_classification.py would
+    evaluate on the test split); with --do_test, in one line naming --multi_label (list labels); with both it trains,
+    the `unused` split dropped, --metric_name f1 read as the built-in micro-F1 (said once)."""
+    data = write_reuters_like(tmp_path / "reuters")
+    command = REUTERS_COMMAND.replace("MODEL", str(text_data / "model")).replace("DATA", str(data))
+    argv = [*shlex.split(command.replace("OUT", str(tmp_path / "out"))), "--from_scratch"]
+    proc = run_here("train_bert_cls.py", argv, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--do_eval needs a validation split" in proc.stderr and "here that is --do_test" in proc.stderr
+    argv[argv.index("--do_eval")] = "--do_test"
+    proc = run_here("train_bert_cls.py", argv, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "column 'topics' holds lists of labels: pass --multi_label" in proc.stderr, proc.stderr
+    proc = run_here("train_bert_cls.py", [*argv, "--multi_label", "--remove_splits", "nonesuch"], check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "has no split nonesuch" in proc.stderr
+    proc = run_here("train_bert_cls.py", [*argv, "--multi_label"])
+    assert proc.stdout.count("read as: --metric f1 with --multi_label = the built-in micro_f1") == 1, proc.stdout
+    assert "train <- split 'train' (64 rows), test <- split 'test' (16 rows)" in proc.stdout, proc.stdout
+    results = read_json(tmp_path / "out" / "all_results.json")
+    assert 0.0 <= results["test_micro_f1"] <= 1.0, results

@@ -1,7 +1,9 @@
 """The best model and early stopping (Trainer's metric_for_best_model, greater_is_better, EarlyStoppingCallback),
 experiment trackers (--report_to) and the model cards, in both scripts."""
 import importlib.util
+import json
 import shutil
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +21,7 @@ from utils.loop import Selection
 from utils.runtime import UserError, resolve_trackers
 
 BERT, RESNET = "train_bert_cls.py", "train_resnet.py"
-TRACKING = {"MLFLOW_DISABLE_TELEMETRY": "true"}  # offline: no usage report attempts from mlflow
+TRACKING = {"MLFLOW_DISABLE_TELEMETRY": "true", "WANDB_MODE": "offline"}  # offline: no report attempts, no uploads
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -193,22 +195,65 @@ def tensorboard_steps(run_dir, tag):
     return [s.step for s in tensorboard.Scalars(tag)]
 
 
+def wandb_offline_runs(wandb_dir):
+    """[(run id, [(step, history row)])] of every offline run under `wandb_dir`, in the order they started (a
+    resumed W&B run offline is one directory per launch, offline-run-<time>-<id>, under the same id; `wandb sync`
+    uploads them as one run). wandb ships no Python reader of its .wandb files (its reader is in the wandb-core
+    binary): they are read here as wandb writes them, a LevelDB log of wandb's own protobuf Records, parsed with
+    wandb's classes; a run record, where the file has one, names the directory's id."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    runs = []
+    for run_file in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
+        run_id = run_file.parent.name.rsplit("-", 1)[1]
+        records = [Record.FromString(data) for data in leveldb_log_records(run_file.read_bytes())]
+        assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} <= {run_id}
+        history = [(r.history.step.num, {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                         for item in r.history.item})
+                   for r in records if r.WhichOneof("record_type") == "history"]
+        runs.append((run_id, history))
+    return runs
+
+
+def leveldb_log_records(data, block=32768, header=7):
+    """The records of a LevelDB log (wandb's .wandb layout: a 7-byte ':W&B' file header, then 32 KiB blocks of chunks,
+    each with a 7-byte header: crc32c, length, kind; kind 1 a whole record, 2/3/4 its first/middle/last part); a
+    block's tail shorter than a chunk header is padding."""
+    assert data[:4] == b":W&B", "not a .wandb file"
+    records, parts, pos = [], b"", header
+    while pos + header <= len(data):
+        if block - pos % block < header:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + header])
+        if kind == 0:  # zero padding: the end of what was written
+            break
+        parts += data[pos + header:pos + header + length]
+        pos += header + length
+        if kind in (1, 4):
+            records.append(parts)
+            parts = b""
+    return records
+
+
 @pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # mlflow's SQLAlchemy models
 def test_sigterm_and_resume_continue_one_tracker_run(text_data, tmp_path):
-    """2 processes stopped by SIGTERM and resumed from `latest`: TensorBoard and MLflow hold ONE run each, the one the
-    checkpoints record, with every logged step once, in order, as metrics.jsonl has them."""
+    """2 processes stopped by SIGTERM and resumed from `latest`: TensorBoard, MLflow and W&B (offline) hold ONE run
+    each, the one the checkpoints record, with every logged step once, in order, as metrics.jsonl has them."""
     out = tmp_path / "out"
-    args = bert_args(text_data, out, "--report_to", "tensorboard", "mlflow", "--early_stopping_patience", "100")
+    args = bert_args(text_data, out, "--report_to", "tensorboard", "mlflow", "wandb", "--early_stopping_patience",
+                     "100")
     import signal
 
-    job = start(launch_cmd(BERT, args, num_processes=2), tmp_path / "preempted.log", env=TRACKING)
+    env = {**TRACKING, **{f"WANDB_{d}_DIR": str(tmp_path / f"wandb_{d.lower()}") for d in ("CONFIG", "CACHE", "DATA")}}
+    job = start(launch_cmd(BERT, args, num_processes=2), tmp_path / "preempted.log", env=env)
     wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job, timeout=300)
     kill_job(job, signal.SIGTERM)
     job.wait(timeout=120)
     assert read_json(out / "all_results.json")["preempted"] is True, (tmp_path / "preempted.log").read_text()[-3000:]
     stopped_at = read_json(out / "all_results.json")["train_steps"]
     first_runs = read_training_state(out / "checkpoints" / f"step_{stopped_at}")["tracker_runs"]
-    proc = launch(BERT, [*args, "--resume_from_checkpoint", "latest"], num_processes=2, env=TRACKING)
+    proc = launch(BERT, [*args, "--resume_from_checkpoint", "latest"], num_processes=2, env=env)
     assert f"continuing the runs that checkpoint step {stopped_at} records" in proc.stdout
     last = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
     assert read_training_state(out / "checkpoints" / f"step_{last}")["tracker_runs"] == first_runs
@@ -229,6 +274,42 @@ def test_sigterm_and_resume_continue_one_tracker_run(text_data, tmp_path):
     history = sorted(client.get_metric_history(mlflow_run.info.run_id, "train/loss"), key=lambda m: m.timestamp)
     assert [m.step for m in history] == train_steps
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")] == eval_steps
+
+    # W&B: one run id, the checkpoint's, in both launches, whose rows continue where the stop left them. wandb-core
+    # gets the SIGTERM too (Slurm signals every process of a step) and ends the launch's stream at once, so the stopped
+    # launch's offline file may hold none of its rows (wandb's own limitation, reported to wandb).
+    launches = wandb_offline_runs(out / "wandb")
+    assert [run_id for run_id, _ in launches] == [first_runs["wandb"]] * 2
+    history = [(step, row) for _, rows in launches for step, row in rows]
+    steps = [step for step, _ in history]
+    assert steps == sorted(set(steps))  # strictly increasing across the two launches
+    resumed = launches[1][1]
+    assert [step for step, row in resumed if "train/loss" in row] == [s for s in train_steps if s > stopped_at]
+    assert [step for step, row in resumed if "eval/accuracy" in row] == [s for s in eval_steps if s > stopped_at]
+
+
+def test_requeued_run_continues_one_wandb_run(text_data, tmp_path, monkeypatch):
+    """A run resumed from `latest` (a requeue) continues the W&B run its checkpoint records (offline): one id, every
+    logged step once, strictly increasing, as metrics.jsonl has them."""
+    for name, value in {**TRACKING, **{f"WANDB_{d}_DIR": str(tmp_path / f"wandb_{d.lower()}")
+                                       for d in ("CONFIG", "CACHE", "DATA")}}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    args = ["--cpu", *bert_args(text_data, out, "--report_to", "wandb", "--early_stopping_patience", "100")]
+    run_here(BERT, [*args, "--max_train_steps", "20"])
+    resumed = run_here(BERT, [*args, "--max_train_steps", "40", "--resume_from_checkpoint", "latest"])
+    assert "continuing the runs that checkpoint step 20 records" in resumed.stdout
+    run_id = read_training_state(out / "checkpoints" / "step_20")["tracker_runs"]["wandb"]
+    assert read_training_state(out / "checkpoints" / "step_40")["tracker_runs"]["wandb"] == run_id
+    launches = wandb_offline_runs(out / "wandb")
+    assert [launch_id for launch_id, _ in launches] == [run_id] * 2
+    history = [(step, row) for _, rows in launches for step, row in rows]
+    steps = [step for step, _ in history]
+    assert steps == sorted(set(steps)) and steps[-1] == 40  # strictly increasing across the two launches
+    events = read_jsonl(out / "metrics.jsonl")
+    assert [step for step, row in history if "train/loss" in row] == [e["step"] for e in events if e["event"] == "train"]
+    assert {step: row["eval/accuracy"] for step, row in history if "eval/accuracy" in row} == pytest.approx(
+        {e["step"]: e["accuracy"] for e in events if e["event"] == "eval"})
 
 
 def test_metric_names_follow_trainer_and_timm(digits_data):

@@ -64,6 +64,7 @@ VALIDATION_DUE = "validation_due"
 DATA_KEY = "training_data"  # must_match's entry for data_fingerprint
 
 _NAME = re.compile(r"^step_(\d+)$")
+_ABANDONED = re.compile(r"^step_(\d+)\.abandoned_on_resume_from_step_(\d+)$")
 _PICKLED_OBJECT = re.compile(r"^custom_checkpoint_\d+\.pkl$")  # accelerate unpickles these with weights_only=False
 _RNG_STATE = re.compile(r"^random_states_(\d+)\.pkl$")
 
@@ -138,6 +139,20 @@ def agree_on_resume(accelerator, resume, checkpoint_dir, modules=()):
                         f"{name}; copy that checkpoint to every node's --output_dir, or use a shared --output_dir")
     check_checkpoint_files(accelerator, path, modules)
     return path
+
+
+def abandoned_checkpoints(checkpoint_dir):
+    """start_new_branch's abandoned checkpoint directories, oldest step first."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), int(m.group(2)), path) for path in checkpoint_dir.iterdir()
+             if (m := _ABANDONED.match(path.name)) and path.is_dir()]
+    return [path for _, _, path in sorted(found)]
+
+
+def _names(paths):
+    return ", ".join(p.name for p in paths) or "none"
 
 
 def start_new_branch(accelerator, path, output_dir, writer, exports=()):
@@ -333,6 +348,21 @@ class Checkpoints:
             raise UserError(f"{err}: checkpoint step_{step} not saved; the latest complete checkpoint is still "
                             f"{latest if latest else 'none'}") from None
         return final
+
+    def finish(self):
+        """After a run that trained to its end: the abandoned checkpoints (start_new_branch's
+        `step_M.abandoned_on_resume_from_step_N`) are rotated as the live ones are, the newest `total_limit` kept
+        (by step M; 0 keeps all), and one line says which went and which stay. Runs on every rank."""
+        abandoned = abandoned_checkpoints(self.dir)
+        removed = abandoned[:-self.total_limit] if self.total_limit else []
+        if self.writer:
+            for old in removed:
+                shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        if abandoned:
+            kept = abandoned[len(removed):]
+            self.accelerator.print(f"abandoned checkpoints, rotated by --save_total_limit {self.total_limit} now that "
+                                   f"the run has finished: removed {_names(removed)}; kept {_names(kept)}")
 
     def restore(self, path, fresh_state, batches_per_epoch, optimizer=None, scheduler=None):
         """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects.

@@ -22,17 +22,43 @@ defaults (224 and 256 pixels, bilinear).
 Neighbours: utils/image_data.py, utils/image_optim.py.
 """
 import argparse
+import importlib.util
+import random
 
+import numpy as np
 import torch
+from PIL import ImageOps
 import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
 from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by
 from utils.export import settings_from_model
+from utils.image_data import IMAGENET_MEAN
 from utils.runtime import UserError, nonnegative_float, positive_int
 
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the last three: AutoAugment policies
+# the first word of timm's --aa strings (timm.data.auto_augment): rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, v0, original
+TIMM_AUTO_AUGMENT = ("rand", "augmix", "original", "originalr", "v0", "v0r", "3a")
+ERASE_MODES = ("const", "pixel", "rand")  # timm's --remode: zeros, per-pixel normal values, per-channel normal values
+
+
+def augment_policy(text):
+    """argparse type of --auto_augment / timm's --aa: torchvision's policy names, or timm's policy strings."""
+    if text in AUTO_AUGMENT or text.split("-")[0] in TIMM_AUTO_AUGMENT:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a torchvision policy ({', '.join(AUTO_AUGMENT)}) nor "
+                                     f"timm's (a string starting {', '.join(TIMM_AUTO_AUGMENT)}, e.g. "
+                                     "rand-m9-mstd0.5-inc1)")
+
+
+class TimmErasing(argparse.Action):
+    """timm's --reprob: the probability, and timm's --remode pixel unless --random_erase_mode says otherwise."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.timm_erasing = option_string
+
 
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
@@ -51,13 +77,19 @@ def add_augment_args(parser):
     group.add_argument("--crop_ratio", type=float, nargs=2, default=(3 / 4, 4 / 3), metavar=("MIN", "MAX"),
                        help="aspect-ratio range of a training crop (timm's --ratio)")
     group.add_argument("--hflip", type=float, default=0.5, help="probability of a horizontal flip; 0 for digits/text")
-    group.add_argument("--auto_augment", "--auto-augment", choices=AUTO_AUGMENT, default=None,
+    group.add_argument("--auto_augment", "--auto-augment", "--aa", type=augment_policy, default=None,
                        help="ta_wide: TrivialAugmentWide, ra: RandAugment, augmix: AugMix, imagenet/cifar10/svhn: "
-                            "AutoAugment with that policy")
+                            "AutoAugment with that policy (torchvision's); timm's strings (rand-m9-mstd0.5-inc1, "
+                            "augmix-m5, v0, original) with timm's own transforms, if timm is installed")
     group.add_argument("--ra_magnitude", "--ra-magnitude", type=int, default=9, help="RandAugment magnitude")
     group.add_argument("--augmix_severity", "--augmix-severity", type=int, default=3, help="AugMix severity")
     group.add_argument("--random_erase", "--random-erase", type=float, default=0.0,
                        help="probability of RandomErasing (after normalisation)")
+    group.add_argument("--reprob", type=float, dest="random_erase", action=TimmErasing,
+                       help="timm's: --random_erase with timm's --remode pixel (unless --random_erase_mode is given)")
+    group.add_argument("--random_erase_mode", "--remode", choices=ERASE_MODES, default=None,
+                       help="what erased pixels become: const zeros (torchvision's), pixel: a normal value per "
+                            "pixel, rand: one per channel (timm's); default const, pixel with timm's --reprob")
     group.add_argument("--interpolation", choices=["bilinear", "bicubic", "nearest"], default=None,
                        help="resampling of crops and resizes (auto-augment's rotations and shears: bilinear "
                             "for bicubic); default: bilinear; -e: the model's")
@@ -78,6 +110,7 @@ AUGMENT_ROLES = {"--image_size": kept_by("--train_crop_size"),
                  "--interpolation": MAY_CHANGE.recorded("bilinear"), "--crop_scale": MAY_CHANGE,
                  "--crop_ratio": MAY_CHANGE, "--hflip": MAY_CHANGE, "--auto_augment": MAY_CHANGE,
                  "--ra_magnitude": MAY_CHANGE, "--augmix_severity": MAY_CHANGE, "--random_erase": MAY_CHANGE,
+                 "--reprob": MAY_CHANGE, "--random_erase_mode": MAY_CHANGE,
                  "--ra_sampler": MUST_KEEP, "--ra_reps": MUST_KEEP}
 IMAGE_ROLES = FlagRoles.of(add_augment_args, AUGMENT_ROLES)
 IMAGE_DEFAULTS = IMAGE_ROLES.exported()  # {args attribute: default} of the image settings a model's exports record
@@ -94,9 +127,98 @@ def resolve_augment_args(args, sizes_from_model=False):
     for name in ("hflip", "random_erase"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UserError(f"--{name} {getattr(args, name)}: a probability, between 0 and 1")
+    resolve_erase_mode(args)
+    if args.auto_augment and args.auto_augment not in AUTO_AUGMENT:
+        timm_auto_augment(args.auto_augment, 224, "bilinear")  # a policy timm cannot read stops here, in one line
     if not 0.0 < args.crop_scale <= 1.0 or not 0.0 < args.crop_ratio[0] <= args.crop_ratio[1]:
         raise UserError(f"--crop_scale {args.crop_scale} / --crop_ratio {args.crop_ratio}: need 0 < scale <= 1 "
                         "and 0 < MIN <= MAX")
+
+
+def resolve_erase_mode(args):
+    """--random_erase_mode as given; else timm's pixel for a command with timm's --reprob (said), else const."""
+    if args.random_erase_mode is None:
+        timm_flag = getattr(args, "timm_erasing", None)
+        args.random_erase_mode = "pixel" if timm_flag else "const"
+        if timm_flag:
+            args.command_notes = (*args.command_notes, f"{timm_flag}: timm's per-pixel noise = --random_erase_mode pixel")
+
+
+def random_erasing(probability, mode):
+    """torchvision's RandomErasing filling with timm's --remode: const zeros, pixel normal values per pixel, rand
+    normal values per channel. Erased area and aspect ratio: timm's and torchvision's defaults, which agree."""
+    if mode == "rand":
+        return ChannelNoiseErasing(p=probability, value="random")
+    return v2.RandomErasing(p=probability, value="random" if mode == "pixel" else 0)
+
+
+class ChannelNoiseErasing(v2.RandomErasing):
+    """RandomErasing whose rectangle is one normal value per channel (timm's --remode rand)."""
+
+    def make_params(self, flat_inputs):
+        params = super().make_params(flat_inputs)
+        if params["v"] is not None:
+            params["v"] = torch.empty((params["v"].shape[0], 1, 1), dtype=torch.float32).normal_()  # (C, 1, 1)
+        return params
+
+
+def timm_auto_augment(policy, image_size, interpolation):
+    """timm's --aa `policy` as timm's transforms_imagenet_train builds it (timm.data.auto_augment), on the uint8
+    tensors of this pipeline; a one-line UserError without timm or for a string timm does not read."""
+    if importlib.util.find_spec("timm") is None:
+        raise UserError(f"--aa {policy}: timm's policy strings need timm (pip install timm); without it, "
+                        f"--auto_augment {'|'.join(AUTO_AUGMENT)}")
+    from timm.data import auto_augment
+    from timm.data.transforms import str_to_pil_interp
+    hparams = {"translate_const": int(image_size * 0.45), "interpolation": str_to_pil_interp(interpolation),
+               "img_mean": tuple(min(255, round(255 * x)) for x in IMAGENET_MEAN)}
+    try:
+        if policy.startswith("rand"):
+            op = auto_augment.rand_augment_transform(policy, hparams)
+        elif policy.startswith("augmix"):
+            op = auto_augment.augment_and_mix_transform(policy, {**hparams, "translate_pct": 0.3})
+        else:
+            op = auto_augment.auto_augment_transform(policy, hparams)
+    except (AssertionError, KeyError, ValueError) as err:
+        raise UserError(f"--aa {policy}: timm does not read it ({err or type(err).__name__})") from None
+    for step in getattr(op, "ops", []) + [step for sub_policy in getattr(op, "policy", []) for step in sub_policy]:
+        if step.aug_fn is auto_augment.posterize:
+            step.aug_fn = posterize_any_bits
+    return TimmAugment(op)
+
+
+def posterize_any_bits(image, bits_to_keep, **_):
+    """timm's posterize, keeping 0 bits too: timm's strongest posterize levels keep 0 bits, a black image in the
+    Pillow timm was written for, which Pillow >= 12 refuses (ValueError)."""
+    if bits_to_keep >= 8:
+        return image
+    if bits_to_keep <= 0:
+        return ImageOps.posterize(image, 1).point(lambda _: 0)
+    return ImageOps.posterize(image, bits_to_keep)
+
+
+class TimmAugment(torch.nn.Module):
+    """A timm auto-augment op (it works on PIL images and draws from Python's and numpy's generators) on a (3, H, W)
+    uint8 tensor, its draws seeded from torch's generator, which the dataset seeds per image: the same for any number
+    of processes, workers or resumes."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, image):
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            return v2.functional.pil_to_tensor(self.op(v2.functional.to_pil_image(image)))
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+    def extra_repr(self):
+        return repr(self.op)
 
 
 def image_settings(args):

@@ -14,12 +14,15 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
   `EpochValue`).
 - The images are listed once, by ImageFolder's own walk of each class folder, which also finds a class folder
   without an image (`RGBImageFolder.make_dataset`); the class scan reads only the root's top level.
+- The sample list is held in numpy arrays (`SampleArrays`), not as ImageFolder's list of tuples, so that DataLoader
+  workers do not grow over an epoch by copying on read the pages of the Python objects they touch.
 - `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
 - Prediction (`--predict`): `files_to_predict` lists the images to label in input order, `PredictImages` decodes them
-  as the validation images are (an unreadable one marked as above, never raised), `prediction_rows` turns the gathered
-  top-k classes into predictions.jsonl's rows, one per input, in input order.
+  as the validation images are (an unreadable one marked as above, never raised), `prediction_rows` turns one gathered
+  batch's top-k classes into predictions.jsonl's rows, one per input, in input order (a batch at a time: memory
+  bounded for any number of inputs).
 - `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (utils/checkpoint.py
   data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count. Hashing every
   image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed, renamed or moved between
@@ -32,6 +35,7 @@ import io
 import os
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +160,8 @@ class RGBImageFolder(datasets.ImageFolder):
         super().__init__(str(root), transform=transform, is_valid_file=files,
                          allow_empty=True)  # an empty class: our one line in make_dataset
         self.left_out = files.notes()  # what the listing passed over, one line each
+        self.samples = self.imgs = SampleArrays(self.samples)
+        self.targets = self.samples.targets
         self.placeholder = torch.zeros(3, image_size, image_size)
         self.seed, self.epoch = seed, EpochValue()  # shared with persistent workers' copies of this dataset
 
@@ -194,6 +200,35 @@ class RGBImageFolder(datasets.ImageFolder):
     def bad_image_path(self, target):
         """The file a negative target points at."""
         return self.samples[-1 - target][0]
+
+
+class SampleArrays(Sequence):
+    """ImageFolder's (path, class) list, read as that list is, held in numpy arrays: the paths' bytes in one array
+    with each path's end offset, the classes in an int64 array. Nothing per sample is a Python object, so a DataLoader
+    worker reading it touches no reference counts and its copy-on-write pages stay shared with the main process
+    (a list of tuples grows every worker by ~160 B per image per epoch)."""
+
+    def __init__(self, samples):
+        encoded = [os.fsencode(path) for path, _ in samples]
+        self.ends = np.cumsum([len(path) for path in encoded], dtype=np.int64)
+        self.paths = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        self.targets = np.fromiter((target for _, target in samples), dtype=np.int64, count=len(samples))
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # an IndexError past either end, as a list's
+        start = self.ends[index - 1] if index else 0
+        return os.fsdecode(self.paths[start:self.ends[index]].tobytes()), int(self.targets[index])
+
+    def __iter__(self):  # in one pass (the fingerprint reads every sample)
+        data, start = self.paths.tobytes(), 0
+        for end, target in zip(self.ends.tolist(), self.targets.tolist()):
+            yield os.fsdecode(data[start:end]), target
+            start = end
 
 
 def sample_key(seed, epoch, item):
@@ -430,23 +465,23 @@ class PredictImages(torch.utils.data.Dataset):
         return self.files[-1 - target]
 
 
-def prediction_rows(dataset, items, probabilities, classes, labels):
-    """predictions.jsonl's rows, one per file of `dataset` (PredictImages) in its order: the file, its most probable
-    label and `score`, and `topk` [{label, score}] (the shape of transformers' image-classification pipeline); an
-    unreadable file's row has `skipped` with the reason. items (N,): the gathered dataset items (index, or -1 - index
-    if unreadable); probabilities, classes (N, k): each image's k highest probabilities and their class ids."""
-    order = sorted(range(len(items)), key=lambda row: _position(items[row]))
-    positions = [_position(items[row]) for row in order]
-    if positions != list(range(len(dataset))):
-        raise RuntimeError(f"{len(items)} predictions gathered for {len(dataset)} files")
+def prediction_rows(dataset, first, items, probabilities, classes, labels):
+    """predictions.jsonl's rows of one gathered batch, files `first`, `first + 1`, ... of `dataset` (PredictImages):
+    the file, its most probable label and `score`, and `topk` [{label, score}] (the shape of transformers'
+    image-classification pipeline); an unreadable file's row has `skipped` with the reason. items (B,): the gathered
+    dataset items (index, or -1 - index if unreadable); probabilities, classes (B, k): each image's k highest
+    probabilities and their class ids. Items out of input order are an error, not rows in another order."""
+    positions = [_position(item) for item in items]
+    if positions != list(range(first, first + len(items))):
+        raise RuntimeError(f"predictions gathered for files {positions}, expected files {first} to "
+                           f"{first + len(items) - 1} in input order")
     rows = []
-    for row in order:
-        item = items[row]
+    for item, scores, ids in zip(items, probabilities, classes):
         path = dataset.files[_position(item)]
         if item < 0:
             rows.append({"file": path, "skipped": f"unreadable image ({describe_bad_image(path)})"})
             continue
-        topk = [{"label": labels[c], "score": p} for c, p in zip(classes[row], probabilities[row])]
+        topk = [{"label": labels[c], "score": p} for c, p in zip(ids, scores)]
         rows.append({"file": path, "label": topk[0]["label"], "score": topk[0]["score"], "topk": topk})
     return rows
 

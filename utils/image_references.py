@@ -59,11 +59,6 @@ TIMM_FLAGS = {
     "--num-classes": "the classes are the folders of train/; drop --num-classes",
     "--output": "--output_dir DIR (the files go straight into DIR; timm's --output adds a folder per run)",
     "--torchcompile": "accelerate launch --dynamo_backend inductor ... (or --dynamo_backend in the accelerate config)",
-    "--reprob": "--random_erase P (torchvision's RandomErasing fills with zeros, timm's --remode const; timm's "
-                "default --remode pixel fills with noise, which is not built here)",
-    "--remode": "--random_erase P erases with zeros (timm's --remode const); drop --remode",
-    "--aa": "--auto_augment NAME with torchvision's policies (ra, ta_wide, augmix, imagenet); timm's "
-            "rand-m9-mstd0.5 strings are not parsed here",
     "--warmup-lr": "--lr_warmup_decay F (the warmup starts at F x --lr)",
     "--sched-on-updates": "nothing: the schedule is stepped every optimizer step here; drop it",
     "--amp-dtype": "--mixed_precision bf16|fp16",

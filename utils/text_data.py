@@ -650,6 +650,21 @@ def load_dataset_dict(name, config_name, cache_dir=None, token=None):
     return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
 
 
+def comma_list(text):
+    """argparse type of a comma-separated list of names (--remove_splits unused,extra)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def removed_splits(dataset_dict, names, dataset_name):
+    """`dataset_dict` without the splits of --remove_splits, each of which it must have (as run_classification.py's
+    `pop` requires)."""
+    missing = [name for name in names if name not in dataset_dict]
+    if missing:
+        raise UserError(f"--remove_splits {','.join(names)}: {dataset_name} has no split {missing[0]} (it has "
+                        f"{', '.join(dataset_dict)})")
+    return DatasetDict({key: split for key, split in dataset_dict.items() if key not in names})
+
+
 def dataset_split(dataset_dict, role, chosen, name):
     """The DatasetDict key used as `role` ('train', 'validation', 'test'): --{role}_split_name, else the first of
     DATASET_SPLITS[role] the dataset has; None if it has none."""
@@ -723,6 +738,7 @@ def _label_names(ids, class_label, where):
 def read_dataset_splits(args, fmt):
     """--dataset_name's splits this run needs, as Examples, and its test split to predict without --predict_file."""
     dataset_dict = load_dataset_dict(args.dataset_name, args.dataset_config_name, args.cache_dir, args.token)
+    dataset_dict = removed_splits(dataset_dict, args.remove_splits, args.dataset_name)
     roles = {role: dataset_split(dataset_dict, role, getattr(args, f"{role}_split_name"), args.dataset_name)
              for role in DATASET_SPLITS}
     needed = {"train": args.do_train,  # model selection uses the validation split, never the test split
@@ -774,7 +790,8 @@ def select_examples(examples, args):
 # add_dataset_args' flags (utils/checkpoint.py Role): the training split is in the training data's fingerprint, and
 # the cuts and the shuffle decide which examples there are; the validation set may change (named: the best model so
 # far was measured on the old one); the test and predict cuts concern this launch only
-DATASET_ROLES = {**dict.fromkeys(("--dataset_name", "--dataset_config_name", "--train_split_name"), kept_by(DATA_KEY)),
+DATASET_ROLES = {**dict.fromkeys(("--dataset_name", "--dataset_config_name", "--train_split_name", "--remove_splits"),
+                                 kept_by(DATA_KEY)),
                  "--validation_split_name": MAY_CHANGE, "--test_split_name": THIS_LAUNCH,
                  "--max_train_samples": MUST_KEEP, "--max_eval_samples": MUST_KEEP,
                  "--max_predict_samples": THIS_LAUNCH,
@@ -790,6 +807,9 @@ def add_dataset_args(group):
     for role, default in (("train", "train"), ("validation", "validation, dev, val or valid"), ("test", "test")):
         group.add_argument(f"--{role}_split_name", default=None,
                            help=f"the dataset's split used as {role} set; default: {default}")
+    group.add_argument("--remove_splits", type=comma_list, default=(),
+                       help="splits of the dataset to drop before the train/validation/test splits are chosen "
+                            "(comma-separated; run_classification.py's), e.g. unused")
     group.add_argument("--max_train_samples", type=int, default=None,
                        help="train on the first N examples (labels still come from all of them)")
     group.add_argument("--max_eval_samples", type=int, default=None,
@@ -808,7 +828,7 @@ def check_dataset_args(args):
     if args.dataset_name and files:
         raise UserError(f"--dataset_name and {files[0]} are two sources of data: pass one")
     without_dataset = [f"--{name}" for name in ("dataset_config_name", "train_split_name", "validation_split_name",
-                                                "test_split_name") if getattr(args, name) is not None]
+                                                "test_split_name", "remove_splits") if getattr(args, name)]
     if without_dataset and not args.dataset_name:
         raise UserError(f"{without_dataset[0]} needs --dataset_name")
     for name, mode in (("max_train_samples", args.do_train), ("max_predict_samples", args.do_predict),

@@ -87,10 +87,26 @@ def check_task_args(args):
     if args.multi_label and args.label_smoothing:
         raise UserError("--label_smoothing applies to single-label cross-entropy, not to --multi_label")
     if args.metric and args.multi_label:
-        raise UserError("--metric passes one class id per sample to the evaluate module; with --multi_label use the "
-                        "built-in exact-match accuracy and micro/macro F1")
+        take_multi_label_builtins(args)
     if args.threshold is not None and not 0.0 < args.threshold < 1.0:  # None: the trained model's, or 0.5
         raise UserError(f"--threshold {args.threshold}: must be in (0, 1)")
+
+
+# run_classification.py's --metric_name with --multi_label: evaluate's module on the multi-hot rows, average="micro"
+MULTI_LABEL_BUILTINS = {"f1": "micro_f1"}
+
+
+def take_multi_label_builtins(args):
+    """--metric with --multi_label: run_classification.py's `f1` is the built-in micro_f1 (said once); any other
+    module is refused, since an evaluate module is passed one class id per sample here."""
+    others = [name for name in args.metric if name not in MULTI_LABEL_BUILTINS]
+    if others:
+        raise UserError(f"--metric {others[0]} passes one class id per sample to the evaluate module; with "
+                        "--multi_label use the built-in exact-match accuracy and micro/macro F1")
+    args.command_notes = (*getattr(args, "command_notes", ()),
+                          *(f"--metric {name} with --multi_label = the built-in {MULTI_LABEL_BUILTINS[name]} "
+                            "(run_classification.py's average='micro')" for name in args.metric))
+    args.metric = []
 
 
 def regression_metrics(predictions, targets):
