@@ -129,6 +129,9 @@ def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+pytest_plugins = ["shared_image_runs"]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "long: a learning check that needs many steps (an accuracy reached, a curve "
                                        "matched against a peer); `make test` leaves it out, `make test-long` runs it")

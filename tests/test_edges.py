@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import (ACCELERATE, ENV, ROOT, TORCHRUN, free_port, kill_job, launch, read_json, read_jsonl, run,
-                      run_here)
+from conftest import (ACCELERATE, ENV, ROOT, TORCHRUN, free_port, kill_job, launch, one_thread, read_json, read_jsonl,
+                      run, run_here)
 from safetensors.torch import load_file
 from test_resnet import main_here
 
@@ -85,27 +85,33 @@ def test_nodes_with_their_own_disks_train_resume_and_refuse_a_missing_checkpoint
 
 @pytest.fixture(scope="module")
 def first_branch(uneven_text, tmp_path_factory):
-    """8 steps on 1 process, checkpoints at 3 and 6 (none at the finished end: not asked for)."""
+    """8 steps on 1 process (in this process: what is under test is what a resume does with it), checkpoints at 3
+    and 6 (none at the finished end: not asked for)."""
     out = tmp_path_factory.mktemp("branch")
-    launch(SCRIPT, bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train", "--max_train_steps", "8",
-                             "--checkpointing_steps", "3", "--save_total_limit", "5", "--warmup_ratio", "0"))
+    with one_thread():
+        run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train",
+                                              "--max_train_steps", "8", "--checkpointing_steps", "3",
+                                              "--save_total_limit", "5", "--warmup_ratio", "0")])
     return out
 
 
 def test_a_resume_names_a_changed_label_smoothing_and_applies_it(first_branch, uneven_text, tmp_path):
     """--label_smoothing may change on resume (FLAG_ROLES: the training loss only): named in one line, and the loss
-    of the next step is the smoothed one."""
+    of the next step is the smoothed one. (1 process, in this process: the flag's effect does not depend on the
+    number of processes; the resume on more processes is the next test's.)"""
     out = tmp_path / "out"
     shutil.copytree(first_branch, out)
-    proc = launch(SCRIPT, bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train", "--max_train_steps",
-                                    "8", "--checkpointing_steps", "3", "--save_total_limit", "5", "--warmup_ratio",
-                                    "0", "--label_smoothing", "0.2", "--resume_from_checkpoint", "latest"),
-                  num_processes=2)
+    with one_thread():
+        proc = run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train",
+                                                     "--max_train_steps", "8", "--checkpointing_steps", "3",
+                                                     "--save_total_limit", "5", "--warmup_ratio", "0",
+                                                     "--label_smoothing", "0.2", "--resume_from_checkpoint",
+                                                     "latest")])
     assert "resumed with changed settings (applied from here on): --label_smoothing 0.0 -> 0.2" in proc.stdout
     plain = {e["step"]: e["loss"] for e in read_jsonl(first_branch / "metrics.jsonl") if e["event"] == "train"}
     smoothed = {e["step"]: e["loss"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"}
-    # this model still predicts nearly uniformly, where smoothing moves the loss little; 1 and 2 processes agree
-    # within 1.2e-7 (docs/faults_and_resume.md), so a difference above 1e-5 is the smoothing's
+    # this model still predicts nearly uniformly, where smoothing moves the loss little; a resume on the same process
+    # count repeats the losses (docs/faults_and_resume.md), so a difference above 1e-5 is the smoothing's
     assert smoothed[6] == plain[6] and abs(smoothed[7] - plain[7]) > 1e-5
 
 
@@ -153,17 +159,20 @@ def test_resume_refuses_another_batch_layout_and_a_scale_less_fp16(first_branch,
 @pytest.fixture(scope="module")
 def accumulated(uneven_text, tmp_path_factory):
     """The same 4 optimizer steps two ways: 2 processes x 4 micro-batches of 16, and 1 process x batches of 64.
-    88 samples: each epoch ends with a window of 2 micro-batches (16 + 8 real samples) against a batch of 24."""
-    runs = {}
-    for name, n, extra in (("micro", 2, ["--gradient_accumulation_steps", "4"]),
-                           ("whole", 1, ["--train_batch_size", "64", "--validation_file", uneven_text / "val.txt",
-                                         "--do_eval", "--eval_steps", "100"])):
-        runs[name] = tmp_path_factory.mktemp(name)
+    88 samples: each epoch ends with a window of 2 micro-batches (16 + 8 real samples) against a batch of 24. The
+    1-process reference runs in this process (no launcher to test there)."""
+    def args(name, *extra):
         # the final model is the exported one (no validation, or one only after the last step); no checkpoint is
         # asked for in 4 steps
-        runs[name, "log"] = launch(SCRIPT, bert_args(uneven_text, runs[name], "--train_file", uneven_text / "train.txt",
-                                                     "--do_train", "--max_train_steps", "4", "--checkpointing_steps",
-                                                     "100", *extra), num_processes=n).stdout
+        return bert_args(uneven_text, runs[name], "--train_file", uneven_text / "train.txt", "--do_train",
+                         "--max_train_steps", "4", "--checkpointing_steps", "100", *extra)
+
+    runs = {"micro": tmp_path_factory.mktemp("micro"), "whole": tmp_path_factory.mktemp("whole")}
+    runs["micro", "log"] = launch(SCRIPT, args("micro", "--gradient_accumulation_steps", "4"), num_processes=2).stdout
+    with one_thread():
+        runs["whole", "log"] = run_here(SCRIPT, ["--cpu", *args("whole", "--train_batch_size", "64",
+                                                                "--validation_file", uneven_text / "val.txt",
+                                                                "--do_eval", "--eval_steps", "100")]).stdout
     return runs
 
 
@@ -188,8 +197,9 @@ def test_finished_run_is_not_restarted_by_latest_and_test_only_results_merge(acc
     assert proc.returncode == 2 and "holds a finished run (all_results.json)" in proc.stderr, proc.stderr[-2000:]
     assert "no checkpoint to resume from" in proc.stderr and "--overwrite_output_dir" in proc.stderr
     before = read_json(out / "all_results.json")
-    launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--test_file", uneven_text / "test.txt", "--do_test",
-                    "--max_seq_len", "32", "--eval_batch_size", "16", "--output_dir", out])
+    with one_thread():
+        run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--test_file", uneven_text / "test.txt",
+                          "--do_test", "--max_seq_len", "32", "--eval_batch_size", "16", "--output_dir", out])
     after = read_json(out / "all_results.json")
     assert {k: after[k] for k in before} == before  # nothing dropped or replaced
     assert after["test_samples"] == 40 and read_json(out / "test_results.json")["test_samples"] == 40

@@ -16,13 +16,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWa
 
 
 @pytest.fixture(scope="module")
-def model_best(digits_data, tmp_path_factory):
-    """model_best.pth of a 1-epoch run on the 16x16 digits (its sizes: 16 pixels, not torchvision's 224)."""
-    out = tmp_path_factory.mktemp("resnet_predict_model")
-    with one_thread():
-        run_here(SCRIPT, [digits_data, "--image_size", "16", "--val_resize", "16", "--hflip", "0", "--crop_scale",
-                          "0.5", "-b", "64", "--lr", "0.05", "--epochs", "1", "-j", "0", "--output_dir", out])
-    return out / "model_best.pth"
+def model_best(digits_model):
+    """model_best.pth of a 2-epoch run on the 16x16 digits (its sizes: 16 pixels, not torchvision's 224), shared with
+    tests/test_onnx_export.py (tests/shared_image_runs.py)."""
+    return digits_model / "model_best.pth"
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torchvision
 from conftest import launch, one_thread, read_json, run, run_here
+from shared_image_runs import ONNX
 
 from utils.export import load_torch_checkpoint
 from train_resnet import val_transform
 from utils.image_data import decode_rgb
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-ONNX = ["--export_onnx", "--onnx_int8", "--onnx_check_samples", "100"]
 
 
 def onnxruntime_or_skip():
@@ -32,14 +32,10 @@ def assert_reported_check(results, check, samples=100):
 
 
 @pytest.fixture(scope="module")
-def resnet_run(digits_data, tmp_path_factory):
+def resnet_run(digits_model):
+    """model_best.pth of a 2-epoch run on the digits and its ONNX export (tests/shared_image_runs.py)."""
     onnxruntime_or_skip()
-    out = tmp_path_factory.mktemp("resnet_onnx")
-    with one_thread():
-        run_here("train_resnet.py", [digits_data, "--image_size", "16", "--val_resize", "16", "--hflip", "0",
-                                     "--crop_scale", "0.5", "-b", "64", "--lr", "0.05", "--epochs", "2", "-j", "0",
-                                     "--output_dir", out, *ONNX])
-    return out
+    return digits_model
 
 
 def test_resnet_training_exports_the_best_model(resnet_run, digits_data):
