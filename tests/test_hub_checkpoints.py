@@ -12,7 +12,7 @@ import pytest
 import torch
 from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, finetune_args,
                                 sharded_bert_layout, vocab_size)
-from conftest import assert_same_weights, launch, one_thread, read_json, read_jsonl, run_here
+from conftest import assert_same_weights, one_thread, read_json, read_jsonl, run_here
 from launch_options import default_config, launch_with_config, launch_with_precision
 from safetensors.torch import load_file
 
