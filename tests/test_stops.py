@@ -92,10 +92,11 @@ def test_loader_workers_leave_on_their_parents_sigterm_alone():
         settings = loader_settings(2)  # what every loader of both scripts is built with
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # loader_settings asked PartialState for the device
+    earlier = {child.pid for child in psutil.Process().children()}  # what earlier tests in this process left running
     batches = iter(DataLoader(list(range(64)), batch_size=4, **settings))
     next(batches)
     next(batches)  # from the second worker: both have started (a signal before the start is torch's to handle)
-    started = psutil.Process().children()
+    started = [child for child in psutil.Process().children() if child.pid not in earlier]
     pids = [str(child.pid) for child in started]
     assert len(pids) == 2
     for sig in ("-TERM", "-INT"):
