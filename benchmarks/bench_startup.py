@@ -9,7 +9,8 @@ initialised model (the cost measured is the data's, not the model's):
                 cache_dir, a DataLoader and one step; "repeated": the same with datasets' cache filled
 ResNet, on imagenette_112/train hard-linked --image_copies times (real JPEGs, more files):
   ours          train_resnet.py -a resnet18 until its first logged step
-  torchvision   ImageFolder + DataLoader + resnet18, one step
+  torchvision   ImageFolder of train and val (as torchvision's references list both before training) + DataLoader
+                + resnet18, one step
 Growth per example: the peak memory's slope between the smallest and the largest size. Usage:
     python benchmarks/bench_startup.py                                   # 45k and 450k headlines, 1x and 10x images
     python benchmarks/bench_startup.py --sizes 45000,450000,2000000 --image_copies 1,10,100
@@ -67,7 +68,9 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 root, marker, batch = sys.argv[1:4]
 transform = transforms.Compose([transforms.RandomResizedCrop(112), transforms.ToTensor()])
-train = datasets.ImageFolder(root, transform)
+train = datasets.ImageFolder(root + "/train", transform)
+val = datasets.ImageFolder(root + "/val", transforms.Compose([transforms.Resize(128), transforms.CenterCrop(112),
+                                                              transforms.ToTensor()]))
 model = torchvision.models.resnet18(num_classes=len(train.classes))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 images, targets = next(iter(DataLoader(train, batch_size=int(batch), shuffle=True)))
@@ -166,8 +169,8 @@ def image_arms(image_root, work, threads):
         "ours": measure([sys.executable, "train_resnet.py", "--cpu", image_root, "-a", "resnet18", "--image_size",
                          112, "-b", BATCH, "-j", 0, "-p", 1, "--epochs", 1, "--output_dir", out],
                         out / "metrics.jsonl", threads),
-        "torchvision ImageFolder": measure([sys.executable, "-c", IMAGEFOLDER_WAY, image_root / "train", marker,
-                                            BATCH], marker, threads)}
+        "torchvision ImageFolder": measure([sys.executable, "-c", IMAGEFOLDER_WAY, image_root, marker, BATCH], marker,
+                                           threads)}
 
 
 def growth_per_example(by_size, arm):
@@ -189,11 +192,11 @@ def table(by_size, what):
 
 def main(argv=None):
     parser = harness.base_parser(__doc__)
-    parser.add_argument("--sizes", default="45000,450000", help="headline counts, comma-separated")
+    parser.add_argument("--sizes", default="45000,450000", help="headline counts, comma-separated ('': no BERT arms)")
     parser.add_argument("--image_copies", default="1,10", help="hard links per imagenette_112/train image")
     args = parser.parse_args(argv)
     harness.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese/vocab.txt")
-    sizes = [2000] if args.quick else [int(size) for size in args.sizes.split(",")]
+    sizes = [2000] if args.quick else [int(size) for size in args.sizes.split(",") if size]
     copies = [1] if args.quick else [int(copy) for copy in args.image_copies.split(",")]
     rounds = args.rounds or 1  # each a fresh start and a repeated one; the median of each arm is reported
     work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
@@ -213,7 +216,8 @@ def main(argv=None):
             count = sum(1 for _ in (root / "train").rglob("*.*"))
             images[count] = median_of_rounds(rounds, lambda index: image_arms(
                 root, work / f"resnet_x{copy}_round{index}", args.threads))
-    print(table(headlines, "headlines"))
+    if headlines:
+        print(table(headlines, "headlines"))
     if images:
         print(table(images, "images"))
     harness.write_results("bench_startup", {
@@ -222,8 +226,9 @@ def main(argv=None):
                       for size, arms in headlines.items()},
         "images": {count: {arm: {"seconds_to_first_step": s, "peak_rss_mib": m} for arm, (s, m) in arms.items()}
                    for count, arms in images.items()},
-        "growth_kib_per_example": {"headlines": {arm: growth_per_example(headlines, arm) for arm in
-                                                 next(iter(headlines.values()))}}}, args.output)
+        "growth_kib_per_example": {what: {arm: growth_per_example(by_size, arm) for arm in next(iter(by_size.values()))}
+                                   for what, by_size in (("headlines", headlines), ("images", images)) if by_size}},
+        args.output)
 
 
 if __name__ == "__main__":

@@ -258,16 +258,20 @@ class ImageFiles:
 
     def __init__(self, root):
         self.root = Path(root)
+        self.prefix = os.path.expanduser(str(root)) + os.sep  # how ImageFolder's listing begins each path
         self.metadata = 0
         self.others = Counter()
 
     def __call__(self, path):
-        path = Path(path)
-        if path.name.startswith("._") or MACOS_METADATA in path.relative_to(self.root).parts:
+        # string operations, not pathlib: this runs once per file, 1.8M times for ImageNet's train and val
+        name = os.path.basename(path)
+        inside = path[len(self.prefix):] if path.startswith(self.prefix) else os.path.relpath(path, self.root)
+        if name.startswith("._") or MACOS_METADATA in inside.split(os.sep):
             self.metadata += 1
             return False
-        if path.suffix.lower() not in IMAGE_EXTENSIONS:
-            self.others[path.suffix.lower() or "(no suffix)"] += 1
+        suffix = os.path.splitext(name)[1].lower()
+        if suffix not in IMAGE_EXTENSIONS:
+            self.others[suffix or "(no suffix)"] += 1
             return False
         return True
 
