@@ -1095,8 +1095,8 @@ def check_windows_cover(tokenizer, max_seq_len, doc_stride):
     length is cut here once and its windows' new tokens counted against the whole."""
     probe = " ".join(["a"] * 3 * max_seq_len)
     whole = len(tokenizer(probe, add_special_tokens=False)["input_ids"])
-    windows = tokenizer(probe, truncation=True, max_length=max_seq_len, stride=doc_stride,
-                        return_overflowing_tokens=True)["input_ids"]
+    windows = tokenizer([probe], truncation=True, max_length=max_seq_len, stride=doc_stride,
+                        return_overflowing_tokens=True)["input_ids"]  # a batch, as tokenize_windows calls it
     covered = sum(len(w) - tokenizer.num_special_tokens_to_add() for w in windows) - doc_stride * (len(windows) - 1)
     if covered != whole:
         raise UserError(f"--doc_stride: this tokenizer's windows hold {covered} of a {whole}-token text "
