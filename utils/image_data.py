@@ -264,6 +264,7 @@ class ImageFiles:
 
     def __call__(self, path):
         # string operations, not pathlib: this runs once per file, 1.8M times for ImageNet's train and val
+        path = os.fspath(path)  # ImageFolder's listing gives strings, --predict's a Path
         name = os.path.basename(path)
         inside = path[len(self.prefix):] if path.startswith(self.prefix) else os.path.relpath(path, self.root)
         if name.startswith("._") or MACOS_METADATA in inside.split(os.sep):
