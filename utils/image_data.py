@@ -266,8 +266,7 @@ class ImageFiles:
         # string operations, not pathlib: this runs once per file, 1.8M times for ImageNet's train and val
         path = os.fspath(path)  # ImageFolder's listing gives strings, --predict's a Path
         name = os.path.basename(path)
-        inside = path[len(self.prefix):] if path.startswith(self.prefix) else os.path.relpath(path, self.root)
-        if name.startswith("._") or MACOS_METADATA in inside.split(os.sep):
+        if name.startswith("._") or (MACOS_METADATA in path and MACOS_METADATA in self.inside(path).split(os.sep)):
             self.metadata += 1
             return False
         suffix = os.path.splitext(name)[1].lower()
@@ -275,6 +274,10 @@ class ImageFiles:
             self.others[suffix or "(no suffix)"] += 1
             return False
         return True
+
+    def inside(self, path):
+        """`path` relative to the root, as a string."""
+        return path[len(self.prefix):] if path.startswith(self.prefix) else os.path.relpath(path, self.root)
 
     def notes(self):
         """One line each for what was not read; the root's own __MACOSX/ (not a class) is counted here."""
