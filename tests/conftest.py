@@ -60,13 +60,26 @@ def assert_one_line_error(proc, *fragments):
     return errors[0]
 
 
+@contextlib.contextmanager
+def one_thread():
+    """One torch thread, as the launched runs have (ENV: OMP_NUM_THREADS=1), for work in this process (run_here
+    takes it itself): on a busy 2-core machine a second thread mostly spins (measured: 10 s of CPU instead of 0.8 s
+    for a 20-step BERT run of tests/test_run_classification_flags.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_here(script, args, check=True):
     """`python SCRIPT args` as the script's `if __name__ == "__main__":` runs it (run_cli(main, parse_args())), but
     in this process: a 1-process run that stops at bad input (or trains a few steps) then costs no start-up, which
     (importing torch and transformers in a fresh interpreter) is most of such a run. Returns what `run` returns: the
     exit status and what went to stdout and stderr. Puts back what the run changes in this process: the SIGTERM
-    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the directory."""
-    import contextlib
+    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the directory.
+    The run has one torch thread (one_thread), as a launched process has."""
     import importlib
     import io
     import signal
@@ -83,7 +96,8 @@ def run_here(script, args, check=True):
     returncode = 0
     try:
         sys.argv = [script, *argv]  # argparse's usage and error lines name the script, as on the command line
-        with contextlib.chdir(ROOT), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        with (one_thread(), contextlib.chdir(ROOT), contextlib.redirect_stdout(stdout),
+              contextlib.redirect_stderr(stderr)):
             run_cli(module.main, module.parse_args(argv))
     except SystemExit as exit_:
         returncode = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
@@ -100,19 +114,6 @@ def run_here(script, args, check=True):
         raise AssertionError(f"exit {returncode}: {script} {' '.join(argv)}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
                              f"--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Runs in this process (run_here) with one torch thread, as the launched runs have (ENV: OMP_NUM_THREADS=1): on
-    a busy 2-core machine a second thread mostly spins (measured: 10 s of CPU instead of 0.8 s for a 20-step BERT
-    run of tests/test_run_classification_flags.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def launch(script, args, num_processes=1, env=None, **kwargs):

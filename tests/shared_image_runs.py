@@ -3,7 +3,7 @@ a file lock, both xdist workers). A test that changes such a run copies it first
 import importlib.util
 
 import pytest
-from conftest import one_thread, run_here, shared_dir
+from conftest import run_here, shared_dir
 
 # --export_onnx --onnx_int8 and the check's sample count, as tests/test_onnx_export.py asserts them
 ONNX = ["--export_onnx", "--onnx_int8", "--onnx_check_samples", "100"]
@@ -16,10 +16,9 @@ def onnx_available():
 def train_digits_model(data, out):
     """2 epochs on the 1,348 training digits in this process (1 process: nothing here is about launching), with the
     ONNX export and its check where onnxruntime is installed (tests/test_onnx_export.py skips without it)."""
-    with one_thread():
-        run_here("train_resnet.py", [data, "--image_size", "16", "--val_resize", "16", "--hflip", "0", "--crop_scale",
-                                     "0.5", "-b", "64", "--lr", "0.05", "--epochs", "2", "-j", "0", "--output_dir",
-                                     out, *(ONNX if onnx_available() else [])])
+    run_here("train_resnet.py", [data, "--image_size", "16", "--val_resize", "16", "--hflip", "0", "--crop_scale",
+                                 "0.5", "-b", "64", "--lr", "0.05", "--epochs", "2", "-j", "0", "--output_dir",
+                                 out, *(ONNX if onnx_available() else [])])
 
 
 @pytest.fixture(scope="session")

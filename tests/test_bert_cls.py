@@ -7,18 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ENV, ROOT, launch, one_thread, read_json, read_jsonl, run, run_here
+from conftest import ENV, ROOT, launch, read_json, read_jsonl, run, run_here
 
 SCRIPT = "train_bert_cls.py"
 
 HEAD_CUT = {"truncation": "head", "head_tokens": 128, "doc_stride": None}  # long texts: the first tokens (the default)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def in_one_thread():
-    """The runs in this process use one torch thread, as each launched process does (conftest's one_thread)."""
-    with one_thread():
-        yield
 
 
 def bert_args(data, out, *extra, epochs=5):

@@ -8,7 +8,7 @@ import random
 import shutil
 
 import pytest
-from conftest import assert_same_curve, assert_same_weights, launch, one_thread, read_json, read_jsonl, run_here
+from conftest import assert_same_curve, assert_same_weights, launch, read_json, read_jsonl, run_here
 from safetensors.torch import load_file
 
 from utils.demo_data import make_headline, TOPICS, write_small_bert
@@ -73,9 +73,8 @@ def runs(pair_data, tmp_path_factory):
 
 
 def train_here(args):
-    """A 1-process run in this process (run_here), with one thread as a launched process has."""
-    with one_thread():
-        run_here(SCRIPT, ["--cpu", *args])
+    """A 1-process run in this process (run_here)."""
+    run_here(SCRIPT, ["--cpu", *args])
 
 
 def test_one_process_equals_two_processes(runs):

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from conftest import (ELASTIC, TORCHRUN, assert_same_curve, assert_same_weights, descendants, free_port, kill_job,
-                      launch, launch_cmd, one_thread, read_json, run_here, start, wait_for, workers)
+                      launch, launch_cmd, read_json, run_here, start, wait_for, workers)
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
@@ -43,9 +43,8 @@ def uninterrupted(text_data, tmp_path_factory):
 
 
 def train_here(args, check=True):
-    """A 1-process run in this process (run_here), with one thread as a launched process has."""
-    with one_thread():
-        return run_here(SCRIPT, ["--cpu", *args], check=check)
+    """A 1-process run in this process (run_here)."""
+    return run_here(SCRIPT, ["--cpu", *args], check=check)
 
 
 def complete(out, step):

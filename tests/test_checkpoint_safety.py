@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from conftest import one_thread, read_json, read_jsonl, run_here
+from conftest import read_json, read_jsonl, run_here
 
 from utils.checkpoint import check_checkpoint_files, latest_checkpoint
 from utils.demo_data import write_digits_imagefolder
@@ -23,13 +23,6 @@ from utils.outputs import RunLog
 from utils.runtime import UserError, write_failure
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def in_one_thread():
-    """The runs in this process use one torch thread, as each launched process does (conftest's one_thread)."""
-    with one_thread():
-        yield
 
 
 class Payload:

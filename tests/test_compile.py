@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from checkpoint_layouts import bert_base_chinese_layout, finetune_args
-from conftest import ACCELERATE, one_thread, read_json, read_jsonl, run, run_here
+from conftest import ACCELERATE, read_json, read_jsonl, run, run_here
 from safetensors.torch import load_file
 
 from utils.export import export_state_dict, on_meta_device
@@ -99,9 +99,8 @@ def test_compiled_resnet_exports_what_plain_torchvision_loads(few_digits, tmp_pa
     # the uncompiled model from the export scores the validation set as the compiled one did (in this process: no
     # dynamo backend set, nothing compiles)
     again = tmp_path / "evaluated"
-    with one_thread():
-        run_here("train_resnet.py", ["--cpu", *resnet_args(few_digits, again, "--evaluate", "--resume",
-                                                           out / "model_best.pth")])
+    run_here("train_resnet.py", ["--cpu", *resnet_args(few_digits, again, "--evaluate", "--resume",
+                                                       out / "model_best.pth")])
     trained, evaluated = read_json(out / "all_results.json"), read_json(again / "eval_results.json")
     assert evaluated["eval_acc1"] == trained["eval_acc1"]
     assert evaluated["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-4)

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import (ACCELERATE, ENV, ROOT, TORCHRUN, free_port, kill_job, launch, one_thread, read_json, read_jsonl,
-                      run, run_here)
+from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, kill_job, launch, read_json, read_jsonl, run, run_here
 from safetensors.torch import load_file
 from test_resnet import main_here
 
@@ -88,10 +87,9 @@ def first_branch(uneven_text, tmp_path_factory):
     """8 steps on 1 process (in this process: what is under test is what a resume does with it), checkpoints at 3
     and 6 (none at the finished end: not asked for)."""
     out = tmp_path_factory.mktemp("branch")
-    with one_thread():
-        run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train",
-                                              "--max_train_steps", "8", "--checkpointing_steps", "3",
-                                              "--save_total_limit", "5", "--warmup_ratio", "0")])
+    run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train",
+                                          "--max_train_steps", "8", "--checkpointing_steps", "3",
+                                          "--save_total_limit", "5", "--warmup_ratio", "0")])
     return out
 
 
@@ -101,12 +99,11 @@ def test_a_resume_names_a_changed_label_smoothing_and_applies_it(first_branch, u
     number of processes; the resume on more processes is the next test's.)"""
     out = tmp_path / "out"
     shutil.copytree(first_branch, out)
-    with one_thread():
-        proc = run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train",
-                                                     "--max_train_steps", "8", "--checkpointing_steps", "3",
-                                                     "--save_total_limit", "5", "--warmup_ratio", "0",
-                                                     "--label_smoothing", "0.2", "--resume_from_checkpoint",
-                                                     "latest")])
+    proc = run_here(SCRIPT, ["--cpu", *bert_args(uneven_text, out, "--data_dir", uneven_text, "--do_train",
+                                                 "--max_train_steps", "8", "--checkpointing_steps", "3",
+                                                 "--save_total_limit", "5", "--warmup_ratio", "0",
+                                                 "--label_smoothing", "0.2", "--resume_from_checkpoint",
+                                                 "latest")])
     assert "resumed with changed settings (applied from here on): --label_smoothing 0.0 -> 0.2" in proc.stdout
     plain = {e["step"]: e["loss"] for e in read_jsonl(first_branch / "metrics.jsonl") if e["event"] == "train"}
     smoothed = {e["step"]: e["loss"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"}
@@ -169,10 +166,9 @@ def accumulated(uneven_text, tmp_path_factory):
 
     runs = {"micro": tmp_path_factory.mktemp("micro"), "whole": tmp_path_factory.mktemp("whole")}
     runs["micro", "log"] = launch(SCRIPT, args("micro", "--gradient_accumulation_steps", "4"), num_processes=2).stdout
-    with one_thread():
-        runs["whole", "log"] = run_here(SCRIPT, ["--cpu", *args("whole", "--train_batch_size", "64",
-                                                                "--validation_file", uneven_text / "val.txt",
-                                                                "--do_eval", "--eval_steps", "100")]).stdout
+    runs["whole", "log"] = run_here(SCRIPT, ["--cpu", *args("whole", "--train_batch_size", "64",
+                                                            "--validation_file", uneven_text / "val.txt",
+                                                            "--do_eval", "--eval_steps", "100")]).stdout
     return runs
 
 
@@ -197,9 +193,8 @@ def test_finished_run_is_not_restarted_by_latest_and_test_only_results_merge(acc
     assert proc.returncode == 2 and "holds a finished run (all_results.json)" in proc.stderr, proc.stderr[-2000:]
     assert "no checkpoint to resume from" in proc.stderr and "--overwrite_output_dir" in proc.stderr
     before = read_json(out / "all_results.json")
-    with one_thread():
-        run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--test_file", uneven_text / "test.txt",
-                          "--do_test", "--max_seq_len", "32", "--eval_batch_size", "16", "--output_dir", out])
+    run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--test_file", uneven_text / "test.txt",
+                      "--do_test", "--max_seq_len", "32", "--eval_batch_size", "16", "--output_dir", out])
     after = read_json(out / "all_results.json")
     assert {k: after[k] for k in before} == before  # nothing dropped or replaced
     assert after["test_samples"] == 40 and read_json(out / "test_results.json")["test_samples"] == 40

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, descendants, free_port, launch, launch_cmd,
-                      one_thread, read_json, read_jsonl, run, run_here, start, wait_for)
+from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, descendants, free_port, launch, launch_cmd, read_json,
+                      read_jsonl, run, run_here, start, wait_for)
 from safetensors.torch import load_file
 
 from utils.checkpoint import latest_checkpoint
@@ -139,7 +139,7 @@ def test_a_taken_port_and_a_forced_gloo_backend(text_data, tmp_path):
 def test_legacy_data_parallel_trains_and_exports_plain_keys(text_data, tmp_path):
     """1 process, in this process: the warning is Python's (on stderr outside pytest, which records warnings)."""
     out = tmp_path / "out"
-    with one_thread(), pytest.warns(UserWarning, match="DDP is several times faster"):
+    with pytest.warns(UserWarning, match="DDP is several times faster"):
         run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--data_parallel", "--max_train_steps", "4")])
     assert not any(k.startswith("module.") for k in load_file(out / "best_model" / "model.safetensors"))
     assert read_json(out / "all_results.json")["train_steps"] == 4

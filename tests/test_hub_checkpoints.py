@@ -12,7 +12,7 @@ import pytest
 import torch
 from checkpoint_layouts import (bert_base_chinese_layout, checkpoint_weights, electra_layout, finetune_args,
                                 sharded_bert_layout, vocab_size)
-from conftest import assert_same_weights, one_thread, read_json, read_jsonl, run_here
+from conftest import assert_same_weights, read_json, read_jsonl, run_here
 from launch_options import default_config, launch_with_config, launch_with_precision
 from safetensors.torch import load_file
 
@@ -22,13 +22,6 @@ from utils.runtime import UserError
 from utils.text_model import check_hub_ids_or_paths
 
 SCRIPT = "train_bert_cls.py"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def in_one_thread():
-    """The runs in this process use one torch thread, as each launched process does (conftest's one_thread)."""
-    with one_thread():
-        yield
 LAYOUTS = {"bin_gamma_beta": bert_base_chinese_layout, "sharded_tokenizer_json": sharded_bert_layout,
            "electra": electra_layout}
 TEXTS = ["球队比赛冠军进球今天", "股市银行利率上涨", "电影明星导演票房"]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import launch, one_thread, read_jsonl, run_here
+from conftest import launch, read_jsonl, run_here
 
 from utils.export import load_torch_checkpoint
 from train_resnet import val_transform
@@ -95,18 +95,16 @@ def test_predictions_stream_a_batch_at_a_time(model_best, inputs, tmp_path, monk
         sizes.append(len(items))
         return real(dataset, first, items, *rest)
     monkeypatch.setattr(train_resnet, "prediction_rows", counted)
-    with one_thread():
-        run_here(SCRIPT, ["--predict", *args, "--resume", model_best, "--topk", "1", "-b", "64", "-j", "0",
-                          "--output_dir", tmp_path / "out"])
+    run_here(SCRIPT, ["--predict", *args, "--resume", model_best, "--topk", "1", "-b", "64", "-j", "0",
+                      "--output_dir", tmp_path / "out"])
     assert sizes == [64] * 7 + [6]  # 454 files in batches of 64
     assert [row["file"] for row in read_jsonl(tmp_path / "out" / "predictions.jsonl")] == files
 
 
 def test_topk_is_capped_at_the_class_count(model_best, inputs, tmp_path):
     args, files, _ = inputs
-    with one_thread():
-        run_here(SCRIPT, ["--predict", args[2], "--resume", model_best, "--topk", "50", "-j", "0",
-                          "--output_dir", tmp_path])
+    run_here(SCRIPT, ["--predict", args[2], "--resume", model_best, "--topk", "50", "-j", "0",
+                      "--output_dir", tmp_path])
     (row,) = read_jsonl(tmp_path / "predictions.jsonl")
     assert len(row["topk"]) == 10 and sum(t["score"] for t in row["topk"]) == pytest.approx(1.0, abs=1e-5)
 
@@ -123,16 +121,14 @@ def test_bad_predict_commands_are_one_line(model_best, inputs, tmp_path, extra, 
     bare = tmp_path / "bare.pth"
     torch.save(load_torch_checkpoint(model_best)["state_dict"], bare)  # torch.save(model.state_dict()): no classes
     names = {"MODEL": str(model_best), "BARE": str(bare), "DATA": str(inputs[0][0])}
-    with one_thread():
-        proc = run_here(SCRIPT, ["--predict", inputs[0][2], *[names.get(a, a) for a in extra], "--output_dir",
-                                 tmp_path / "out"], check=False)
+    proc = run_here(SCRIPT, ["--predict", inputs[0][2], *[names.get(a, a) for a in extra], "--output_dir",
+                             tmp_path / "out"], check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "predictions.jsonl").exists()
 
 
 def test_missing_folder_is_one_line(model_best, tmp_path):
-    with one_thread():
-        proc = run_here(SCRIPT, ["--predict", tmp_path / "nowhere", "--resume", model_best, "--output_dir",
-                                 tmp_path / "out"], check=False)
+    proc = run_here(SCRIPT, ["--predict", tmp_path / "nowhere", "--resume", model_best, "--output_dir",
+                             tmp_path / "out"], check=False)
     assert proc.returncode == 2 and f"--predict {tmp_path / 'nowhere'}: no such file or directory" in proc.stderr

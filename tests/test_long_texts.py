@@ -140,8 +140,7 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
     args = bert_args(text_data, out, "--doc_stride", "4", "--pool", pool, "--do_train", "--do_eval", "--do_test",
                      "--do_predict", "--predict_file", predict)
     if n == 1:  # in this process: the launcher is the 2-process case's point
-        with one_thread():
-            run_here(SCRIPT, ["--cpu", *args])
+        run_here(SCRIPT, ["--cpu", *args])
     else:
         launch(SCRIPT, args, num_processes=n)
     results = read_json(out / "all_results.json")
@@ -160,18 +159,16 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
     assert card_windows_probabilities(out / "best_model", card, predictions[0]["text"]) == pytest.approx(
         list(predictions[0]["probabilities"].values()), abs=1e-5)
     if n == 2:  # evaluating the export later: the model's windows, the training's numbers
-        with one_thread():
-            later = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--model_name_or_path", out / "best_model",
-                                      "--do_test", "--eval_batch_size", "16", "--output_dir", tmp_path / "later"])
+        later = run_here(SCRIPT, ["--cpu", "--data_dir", text_data, "--model_name_or_path", out / "best_model",
+                                  "--do_test", "--eval_batch_size", "16", "--output_dir", tmp_path / "later"])
         assert "was trained with" in later.stdout and "--doc_stride 4" in later.stdout
         assert read_json(tmp_path / "later" / "test_results.json")["test_accuracy"] == results["test_accuracy"]
 
 
 def test_head_tail_trains_and_is_recorded(text_data, tmp_path):
     out = tmp_path / "out"
-    with one_thread():
-        run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--truncation", "head_tail", "--head_tokens", "4",
-                                             "--num_train_epochs", "1", "--do_train", "--do_eval")])
+    run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--truncation", "head_tail", "--head_tokens", "4",
+                                         "--num_train_epochs", "1", "--do_train", "--do_eval")])
     assert read_json(out / "best_model" / "trained_with.json")["head_tokens"] == 4
     assert "ids[:4] + ids[-10:]" in (out / "best_model" / "README.md").read_text(encoding="utf-8")
     assert read_json(out / "all_results.json")["long_texts"] == "the first 4 tokens and the last ones"
@@ -183,6 +180,5 @@ def test_head_tail_trains_and_is_recorded(text_data, tmp_path):
     (["--truncation", "head_tail", "--head_tokens", "14"], "--head_tokens 14: --max_seq_len 16 holds 14 text tokens"),
 ])
 def test_bad_long_text_flags_are_one_line(text_data, tmp_path, extra, message):
-    with one_thread():
-        proc = run_here(SCRIPT, ["--cpu", *bert_args(text_data, tmp_path / "out", *extra, "--do_train")], check=False)
+    proc = run_here(SCRIPT, ["--cpu", *bert_args(text_data, tmp_path / "out", *extra, "--do_train")], check=False)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import launch, one_thread, read_json, run, run_here
+from conftest import launch, read_json, run, run_here
 from shared_image_runs import ONNX
 
 from utils.export import load_torch_checkpoint
@@ -110,6 +110,5 @@ def test_missing_onnxruntime_is_one_line(tmp_path, digits_data, script, args):
 
 
 def test_int8_needs_the_export(digits_data, tmp_path):
-    with one_thread():
-        proc = run_here("train_resnet.py", [digits_data, "--onnx_int8", "--output_dir", tmp_path], check=False)
+    proc = run_here("train_resnet.py", [digits_data, "--onnx_int8", "--output_dir", tmp_path], check=False)
     assert proc.returncode == 2 and "--onnx_int8 quantises the ONNX export: add --export_onnx" in proc.stderr

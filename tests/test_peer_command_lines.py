@@ -3,7 +3,7 @@ the peer's meaning (said once in the log), or stops with one line naming what re
 import shlex
 
 import pytest
-from conftest import launch, one_thread, read_json, read_jsonl, run_here
+from conftest import launch, read_json, read_jsonl, run_here
 
 import train_bert_cls
 import train_resnet
@@ -213,7 +213,7 @@ def test_trainer_command_trains_with_trainer_meanings(text_data, tmp_path):
 def test_timm_command_trains_with_timm_meanings(few_digits, tmp_path):
     """timm's spellings (and main.py's --no-accel), one process: the run takes them and says how it read them."""
     out = tmp_path / "timm"
-    proc = resnet_here([
+    proc = run_here("train_resnet.py", [
         "--data-dir", few_digits, "--model", "resnet18", "--sched", "cosine", "--min-lr", "1e-4", "--img-size", "16",
         "--val_resize", "16", "--smoothing", "0.1", "--clip-grad", "1.0", "--log-interval", "1",
         "--grad-accum-steps", "1", "--per_device_batch_size", "32", "--epochs", "1", "-j", "0", "--no-accel",
@@ -240,12 +240,6 @@ class NotANamespace:
         self.model = "resnet18"
 
 
-def resnet_here(args, check=True):
-    """train_resnet.py in this process (run_here) with one thread, as a launched process has."""
-    with one_thread():
-        return run_here("train_resnet.py", args, check=check)
-
-
 def test_torchvision_checkpoint_file_evaluates_and_resumes(few_digits, tmp_path):
     """torchvision's checkpoint.pth (model, optimizer, lr_scheduler, epoch, args as a pickled argparse.Namespace):
     -e evaluates its weights at the image sizes its args recorded; --resume continues after its epoch; any other
@@ -263,17 +257,18 @@ def test_torchvision_checkpoint_file_evaluates_and_resumes(few_digits, tmp_path)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": {}, "epoch": 0,
                 "args": args}, checkpoint)
     common = [few_digits, "-a", "resnet18", "-j", "0", "-b", "32", "--cpu"]
-    proc = resnet_here([*common, "-e", "--resume", checkpoint, "--output_dir", tmp_path / "eval"])
+    proc = run_here("train_resnet.py", [*common, "-e", "--resume", checkpoint, "--output_dir", tmp_path / "eval"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = read_json(tmp_path / "eval" / "eval_results.json")
     assert results["eval_samples"] > 0 and "eval_acc1" in results
-    proc = resnet_here([*common, "--image_size", "16", "--val_resize", "16", "--epochs", "2", "--resume", checkpoint,
-                        "--output_dir", tmp_path / "resumed"])
+    proc = run_here("train_resnet.py", [*common, "--image_size", "16", "--val_resize", "16", "--epochs", "2",
+                                        "--resume", checkpoint, "--output_dir", tmp_path / "resumed"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     epochs = {event["epoch"] for event in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "epoch" in event}
     assert epochs and min(epochs) >= 1, epochs  # torchvision's epoch 0 was done: the run trains epoch 1 (of 0, 1)
     torch.save({"model": model.state_dict(), "epoch": 0, "args": NotANamespace()}, checkpoint)
-    proc = resnet_here([*common, "-e", "--resume", checkpoint, "--output_dir", tmp_path / "evil"], check=False)
+    proc = run_here("train_resnet.py", [*common, "-e", "--resume", checkpoint, "--output_dir", tmp_path / "evil"],
+                    check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "NotANamespace" in proc.stderr, proc.stderr
 
 

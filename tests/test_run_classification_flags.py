@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import assert_same_curve, assert_same_weights, launch, one_thread, read_json, read_jsonl, run_here
+from conftest import assert_same_curve, assert_same_weights, launch, read_json, read_jsonl, run_here
 from safetensors.torch import load_file
 
 from utils.demo_data import TOPICS, make_headline, write_small_bert
@@ -63,11 +63,10 @@ def regression(sts, tmp_path_factory):
     """One run (in this process: 1 process), and a copy resumed from its mid-epoch step-20 checkpoint."""
     out = tmp_path_factory.mktemp("regression") / "out"
     resumed = tmp_path_factory.mktemp("regression_resumed") / "out"
-    with one_thread():
-        proc = run_here(SCRIPT, regression_args(sts, out))
-        shutil.copytree(out, resumed)
-        shutil.rmtree(resumed / "checkpoints" / f"step_{STEPS}")
-        run_here(SCRIPT, regression_args(sts, resumed, "--resume_from_checkpoint", "latest"))
+    proc = run_here(SCRIPT, regression_args(sts, out))
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / f"step_{STEPS}")
+    run_here(SCRIPT, regression_args(sts, resumed, "--resume_from_checkpoint", "latest"))
     return out, proc, resumed
 
 
@@ -156,8 +155,7 @@ def weighted_args(data, out, *extra):
 def weighted(imbalanced, tmp_path_factory):
     """--class_weights balanced on 1 process (in this process) and on 2 (gloo DDP through accelerate launch)."""
     outs = {n: tmp_path_factory.mktemp(f"weighted_{n}") / "out" for n in (1, 2)}
-    with one_thread():
-        procs = {1: run_here(SCRIPT, ["--cpu", *weighted_args(imbalanced, outs[1])])}
+    procs = {1: run_here(SCRIPT, ["--cpu", *weighted_args(imbalanced, outs[1])])}
     procs[2] = launch(SCRIPT, weighted_args(imbalanced, outs[2]), num_processes=2)
     return outs, procs
 
@@ -194,9 +192,9 @@ def test_resume_with_other_class_weights_is_refused(weighted, imbalanced, tmp_pa
     shutil.copytree(weighted[0][1], out)
     uniform = tmp_path / "uniform.json"
     uniform.write_text(json.dumps({label: 1.0 for label in list(TOPICS)[:4]}, ensure_ascii=False))
-    with one_thread():  # the later --class_weights wins, as on any command line
-        proc = run_here(SCRIPT, ["--cpu", *weighted_args(imbalanced, out, "--resume_from_checkpoint", "latest",
-                                                         "--class_weights", uniform)], check=False)
+    # the later --class_weights wins, as on any command line
+    proc = run_here(SCRIPT, ["--cpu", *weighted_args(imbalanced, out, "--resume_from_checkpoint", "latest",
+                                                     "--class_weights", uniform)], check=False)
     error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(error) == 1, proc.stderr[-2000:]
     assert "training_state.json: checkpoint has class_weights={'体育': 0.48" in error[0], error

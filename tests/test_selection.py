@@ -24,16 +24,6 @@ BERT, RESNET = "train_bert_cls.py", "train_resnet.py"
 TRACKING = {"MLFLOW_DISABLE_TELEMETRY": "true", "WANDB_MODE": "offline"}  # offline: no report attempts, no uploads
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The runs in this process get one thread, as every launched process does (conftest's ENV): the other pytest
-    worker has the other core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def bert_args(data, out, *extra):
     """Validation every 10 steps, stop after 2 without a better accuracy; no dropout, so that 1 and 2 processes
     train the same model (tests/test_launch_matrix.py)."""

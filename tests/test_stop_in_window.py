@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from conftest import assert_same_weights, one_thread, run_here
+from conftest import assert_same_weights, run_here
 from safetensors.torch import load_file
 
 from utils.loop import PreemptionGuard
@@ -50,14 +50,13 @@ def test_a_stop_inside_an_accumulation_window_saves_its_start_and_resumes_exactl
                                                                                   monkeypatch, tmp_path):
     script, args, resume, final_weights = CASES[name]
     data = text_data if name == "bert" else few_digits
-    with one_thread():
-        run_here(script, args(data, tmp_path / "uninterrupted"))
-        with monkeypatch.context() as patched:
-            sigterm_with_batch(patched)
-            stopped = run_here(script, args(data, tmp_path / "stopped"))
-        assert "stopped inside the accumulation window after step 2" in stopped.stdout, stopped.stdout[-3000:]
-        assert f"(batch {SIGNAL_AT} of the epoch)" in stopped.stdout
-        assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").glob("step_*")) == ["step_2"]
-        resumed = run_here(script, [*args(data, tmp_path / "stopped"), *resume])
+    run_here(script, args(data, tmp_path / "uninterrupted"))
+    with monkeypatch.context() as patched:
+        sigterm_with_batch(patched)
+        stopped = run_here(script, args(data, tmp_path / "stopped"))
+    assert "stopped inside the accumulation window after step 2" in stopped.stdout, stopped.stdout[-3000:]
+    assert f"(batch {SIGNAL_AT} of the epoch)" in stopped.stdout
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").glob("step_*")) == ["step_2"]
+    resumed = run_here(script, [*args(data, tmp_path / "stopped"), *resume])
     assert "Resumed from" in resumed.stdout and "at step 2" in resumed.stdout
     assert_same_weights(final_weights(tmp_path / "uninterrupted"), final_weights(tmp_path / "stopped"))

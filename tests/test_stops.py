@@ -13,8 +13,8 @@ import psutil
 import pytest
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from conftest import (descendants, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run_here, start,
-                      wait_for, workers)
+from conftest import (descendants, kill_job, launch, launch_cmd, read_json, read_jsonl, run_here, start, wait_for,
+                      workers)
 
 from utils.runtime import loader_settings
 
@@ -253,9 +253,8 @@ def test_sigterm_to_every_process_of_a_prediction_run_stops_it_at_once_with_one_
     and the directory free. The job is paused from its start while the signal is sent, so the signal lands inside
     the run however fast it is."""
     model = tmp_path / "trained"
-    with one_thread():
-        run_here("train_bert_cls.py", ["--cpu", *bert_args(text_data, model, "--num_workers", "0",
-                                                           "--max_train_steps", "2")])
+    run_here("train_bert_cls.py", ["--cpu", *bert_args(text_data, model, "--num_workers", "0",
+                                                       "--max_train_steps", "2")])
     texts = tmp_path / "many.txt"
     texts.write_text((text_data / "test.txt").read_text(encoding="utf-8") * 200, encoding="utf-8")  # 19,800 texts
     out = tmp_path / "predicted"
