@@ -4,13 +4,15 @@ import os
 import numpy as np
 import pytest
 import torch
+import torchvision
 from PIL import Image
 
+from utils.checkpoint import data_fingerprint
 from utils.runtime import UserError
 from train_resnet import parse_args
 from train_resnet import train_transform, val_transform
 from utils.image_data import (bad_image_error, build_datasets, build_dummy_datasets, decode_rgb, describe_bad_image,
-                         image_classes, RGBImageFolder)
+                         image_classes, ImageFiles, list_images, RGBImageFolder)
 
 
 def picture(width=40, height=30):
@@ -121,6 +123,31 @@ def test_each_class_folder_is_listed_once(tmp_path, monkeypatch):
     for split in ("train", "val"):
         for name in ("cat", "dog"):
             assert listed.count(str(tmp_path / split / name)) == 1, listed
+
+
+def test_listing_is_torchvisions_with_our_filter_and_the_per_line_fingerprint(tmp_path):
+    """The listing in arrays (folder by folder) holds what torchvision's make_dataset lists with ImageFiles as its
+    is_valid_file, in its order, and hashes what data_fingerprint hashes line by line: nested folders, a linked
+    folder, macOS metadata, hidden and other files, upper-case and non-ASCII names."""
+    root = tmp_path / "train"
+    for name in ("cat/a.jpg", "cat/B.JPEG", "cat/sub/c.png", "cat/sub/deeper/d.jpg", "cat/._a.jpg", "cat/.jpg",
+                 "cat/.hidden.jpg", "cat/notes.txt", "cat/README", "cat/__MACOSX/e.jpg", "dog/ü 1.jpg", "dog/z.webp",
+                 "émile/x.bmp", "../elsewhere/g.jpg"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x")
+    (root / "dog" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    classes = image_classes(root)
+    class_to_idx = {name: index for index, name in enumerate(classes)}
+    expected_files, files = ImageFiles(root), ImageFiles(root)
+    expected = torchvision.datasets.folder.make_dataset(str(root), class_to_idx, is_valid_file=expected_files)
+    samples, empty = list_images(root, class_to_idx, files)
+    assert list(samples) == expected and [samples[i] for i in range(len(samples))] == expected and empty == []
+    assert [os.path.relpath(path, root) for path, _ in expected] == [
+        "cat/.hidden.jpg", "cat/B.JPEG", "cat/a.jpg", "cat/sub/c.png", "cat/sub/deeper/d.jpg", "dog/z.webp",
+        "dog/ü 1.jpg", "dog/linked/g.jpg", "émile/x.bmp"]
+    assert files.notes() == expected_files.notes() and len(files.notes()) == 2
+    skip = len(os.path.join(str(root), ""))
+    assert samples.fingerprint == data_fingerprint(str(root), (f"{path[skip:]}\t{c}" for path, c in expected))
 
 
 def test_missing_split_and_no_classes(tmp_path):

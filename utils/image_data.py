@@ -12,10 +12,11 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 - Augmentation randomness depends only on (seed, epoch, index), so a resumed run, any number of
   processes and any number of workers see the same crops and flips (the epoch reaches persistent workers through
   `EpochValue`).
-- The images are listed once, by ImageFolder's own walk of each class folder, which also finds a class folder
-  without an image (`RGBImageFolder.make_dataset`); the class scan reads only the root's top level.
+- The images are listed once, by ImageFolder's walk of each class folder (`list_images`), which also finds a class
+  folder without an image; the class scan reads only the root's top level.
 - The sample list is held in numpy arrays (`SampleArrays`), not as ImageFolder's list of tuples, so that DataLoader
-  workers do not grow over an epoch by copying on read the pages of the Python objects they touch.
+  workers do not grow over an epoch by copying on read the pages of the Python objects they touch. The listing
+  builds the arrays and the fingerprint folder by folder: no Python object per image outlives its folder.
 - `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
   counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
   checking are collectives: every rank calls them at the same points.
@@ -24,14 +25,16 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
   batch's top-k classes into predictions.jsonl's rows, one per input, in input order (a batch at a time: memory
   bounded for any number of inputs).
 - `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (utils/checkpoint.py
-  data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count. Hashing every
-  image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed, renamed or moved between
-  classes change the list, an image edited in place under its own name does not.
+  data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count, hashed by the
+  listing. Hashing every image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed,
+  renamed or moved between classes change the list, an image edited in place under its own name does not.
 
 Neighbours: utils/image_augment.py (the transforms), utils/image_device_decode.py (decoding on the training device).
 """
 import functools
+import hashlib
 import io
+import itertools
 import os
 import warnings
 from collections import Counter
@@ -156,12 +159,15 @@ class RGBImageFolder(datasets.ImageFolder):
     folders and images as image_classes and ImageFiles find them (macOS metadata left out)."""
 
     def __init__(self, root, transform, image_size, seed=0):
-        files = ImageFiles(root)
-        super().__init__(str(root), transform=transform, is_valid_file=files,
-                         allow_empty=True)  # an empty class: our one line in make_dataset
-        self.left_out = files.notes()  # what the listing passed over, one line each
-        self.samples = self.imgs = SampleArrays(self.samples)
+        # ImageFolder's attributes, set here rather than by its __init__, which would copy the samples' classes into
+        # a list (1.3M Python ints for ImageNet): the listing's arrays hold them already
+        datasets.VisionDataset.__init__(self, str(root), transform=transform)
+        self.classes, self.class_to_idx = self.find_classes(self.root)
+        files = ImageFiles(self.root)
+        self.samples = self.imgs = self.make_dataset(self.root, self.class_to_idx, is_valid_file=files)
         self.targets = self.samples.targets
+        self.loader, self.extensions = decode_rgb, None
+        self.left_out = files.notes()  # what the listing passed over, one line each
         self.placeholder = torch.zeros(3, image_size, image_size)
         self.seed, self.epoch = seed, EpochValue()  # shared with persistent workers' copies of this dataset
 
@@ -172,10 +178,10 @@ class RGBImageFolder(datasets.ImageFolder):
 
     @staticmethod
     def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
-        """ImageFolder's one listing of the folder, which also finds the class folders without an image."""
-        samples = datasets.folder.make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty=True)
-        found = {target for _, target in samples}
-        empty = [name for name, index in class_to_idx.items() if index not in found]
+        """ImageFolder's one listing of the folder (`list_images`), which also finds the class folders without an
+        image; ImageFiles decides which files are images whatever `extensions` says."""
+        files = is_valid_file if isinstance(is_valid_file, ImageFiles) else ImageFiles(directory)
+        samples, empty = list_images(directory, class_to_idx, files)
         if empty:
             raise UserError(f"{Path(directory) / empty[0]}: empty class folder (no "
                             f"{', '.join(IMAGE_EXTENSIONS)} files); remove it or add its images")
@@ -206,13 +212,11 @@ class SampleArrays(Sequence):
     """ImageFolder's (path, class) list, read as that list is, held in numpy arrays: the paths' bytes in one array
     with each path's end offset, the classes in an int64 array. Nothing per sample is a Python object, so a DataLoader
     worker reading it touches no reference counts and its copy-on-write pages stay shared with the main process
-    (a list of tuples grows every worker by ~160 B per image per epoch)."""
+    (a list of tuples grows every worker by ~160 B per image per epoch). `fingerprint`: the list's, as
+    fingerprint_images records it."""
 
-    def __init__(self, samples):
-        encoded = [os.fsencode(path) for path, _ in samples]
-        self.ends = np.cumsum([len(path) for path in encoded], dtype=np.int64)
-        self.paths = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-        self.targets = np.fromiter((target for _, target in samples), dtype=np.int64, count=len(samples))
+    def __init__(self, paths, ends, targets, fingerprint):
+        self.paths, self.ends, self.targets, self.fingerprint = paths, ends, targets, fingerprint
 
     def __len__(self):
         return len(self.targets)
@@ -229,6 +233,41 @@ class SampleArrays(Sequence):
         for end, target in zip(self.ends.tolist(), self.targets.tolist()):
             yield os.fsdecode(data[start:end]), target
             start = end
+
+
+def list_images(directory, class_to_idx, files):
+    """torchvision's make_dataset walk (each class folder in name order, its subfolders too, links followed, sorted)
+    done once and held in arrays: (SampleArrays, the names of the class folders with no image). Folder by folder: each
+    file costs ImageFiles' filter of its name and no Python object of its own; the fingerprint (what
+    fingerprint_images records: the SHA-256 of every `path relative to the root<TAB>class` line) is hashed on the way.
+    """
+    directory = os.path.expanduser(os.fspath(directory))
+    skip = len(os.path.join(directory, ""))
+    blobs, lengths, targets, empty = [], [], [], []
+    digest, count = hashlib.sha256(), 0
+    for name in sorted(class_to_idx):
+        index, found = class_to_idx[name], 0
+        for folder, _, names in sorted(os.walk(os.path.join(directory, name), followlinks=True)):
+            names = files.keep(folder, sorted(names))
+            if not names:
+                continue
+            prefix = os.path.join(folder, "")
+            paths = prefix + prefix.join(names)  # every path of the folder, one after the other
+            blobs.append(os.fsencode(paths))
+            lengths.append([len(prefix) + len(file) for file in names] if paths.isascii() else
+                           [len(os.fsencode(prefix + file)) for file in names])
+            targets.append(np.full(len(names), index, dtype=np.int64))
+            relative, tail = prefix[skip:], f"\t{index}\n"
+            digest.update((relative + (tail + relative).join(names) + tail).encode("utf-8", "surrogateescape"))
+            found += len(names)
+        count += found
+        if not found:
+            empty.append(name)
+    ends = np.cumsum(np.fromiter(itertools.chain.from_iterable(lengths), dtype=np.int64))
+    fingerprint = {"source": directory, "examples": count, "sha256": digest.hexdigest()}
+    samples = SampleArrays(np.frombuffer(b"".join(blobs), dtype=np.uint8), ends,
+                           np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64), fingerprint)
+    return samples, empty
 
 
 def sample_key(seed, epoch, item):
@@ -274,6 +313,18 @@ class ImageFiles:
             self.others[suffix or "(no suffix)"] += 1
             return False
         return True
+
+    def keep(self, folder, names):
+        """The files among `names` (sorted, in `folder`) that __call__ keeps, in order; a folder of image files alone
+        is passed whole, by one test of each name."""
+        if MACOS_METADATA in folder and MACOS_METADATA in self.inside(folder).split(os.sep):
+            self.metadata += len(names)
+            return []
+        # a name starting with "." may be AppleDouble metadata, or all suffix (".jpg": no suffix to splitext)
+        images = [name for name in names if name[0] != "." and name.lower().endswith(IMAGE_EXTENSIONS)]
+        if len(images) == len(names):
+            return images
+        return [name for name in names if self(os.path.join(folder, name))]  # each decided and counted
 
     def inside(self, path):
         """`path` relative to the root, as a string."""
@@ -421,8 +472,7 @@ def fingerprint_images(dataset):
     list, or --dummy's image count."""
     if not hasattr(dataset, "samples"):  # FakeImages: each image a function of its index
         return data_fingerprint("--dummy", (str(index) for index in range(len(dataset))))
-    skip = len(os.path.join(dataset.root, ""))  # ImageFolder's paths are os.path.join(root, class, file)
-    return data_fingerprint(dataset.root, (f"{path[skip:]}\t{target}" for path, target in dataset.samples))
+    return dataset.samples.fingerprint  # hashed by the listing (list_images)
 
 
 LIST_SUFFIX = ".txt"  # a --predict file with this suffix lists image paths, one a line
