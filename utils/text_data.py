@@ -475,6 +475,7 @@ def _check_number(label, where):
     return value
 
 
+@functools.cache  # once per format, not once per line
 def _columns(fmt, labelled):
     """(field, flag) pairs a row must have."""
     columns = ([(column, "--text_column_names") for column in fmt.joined_columns] if fmt.joined_columns
@@ -483,7 +484,7 @@ def _columns(fmt, labelled):
         columns.append((fmt.text_pair_column, "--text_pair_column"))
     if labelled:
         columns.append((fmt.label_column, "--label_column"))
-    return columns
+    return tuple(columns)
 
 
 def _check_columns(row, where, fmt, labelled):
@@ -1210,7 +1211,8 @@ def fingerprint_examples(path, examples):
     read (text, pair, labels), in order; None without training examples."""
     if examples is None:
         return None
-    return data_fingerprint(path, (json.dumps([e.text, e.text_pair, e.label], ensure_ascii=False) for e in examples))
+    encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps' output, without its per-call set-up
+    return data_fingerprint(path, (encode([e.text, e.text_pair, e.label]) for e in examples))
 
 
 def token_lengths(dataset):
