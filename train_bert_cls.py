@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,11 +331,12 @@ def trained_with(args):
     return flag_roles().exported_settings(args)
 
 
-def load_splits(args, checkpoint_labels, say=print, with_predict=True):
+def load_splits(args, checkpoint_labels, say=print, with_predict=True, tables=None):
     """Read and validate every input (files or --dataset_name) before anything is written; say what was read for
-    what; return (labels, {split: examples}), "predict" among the splits with --do_predict (and `with_predict`)."""
+    what; return (labels, {split: examples}), "predict" among the splits with --do_predict (and `with_predict`).
+    With `tables` (a directory), files stream into ExampleTables there instead of lists."""
     fmt = text_format(args)
-    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say)
+    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say, tables)
     examples = data.examples
     if args.do_regression:  # one output, named after what it predicts
         labels = checkpoint_labels if checkpoint_labels and not args.do_train else [args.label_column]
@@ -386,9 +388,11 @@ def tokenizer_and_length(args, say=print):
 
 
 def tokenised_data(args, tokenizer, checkpoint_labels, say=print, directory=None):
-    """Every split read, checked and tokenised (into `directory`'s <split>.arrow files when given) as a TextData;
-    in memory, with the records to predict (the cache leaves them out: they are read by every process)."""
-    labels, examples = load_splits(args, checkpoint_labels, say, with_predict=directory is None)
+    """Every split read, checked and tokenised (into `directory`'s <split>.arrow files when given, the files read
+    through Arrow tables beside them, deleted once tokenised) as a TextData; in memory, with the records to predict
+    (the cache leaves them out: they are read by every process)."""
+    tables = directory and not args.dataset_name and Path(directory) / "read"
+    labels, examples = load_splits(args, checkpoint_labels, say, with_predict=directory is None, tables=tables)
     predict = examples.pop("predict", None)
     cut = long_text(args, args.max_seq_len, any(e.text_pair is not None for s in examples.values() for e in s[:1]))
     # evaluated texts keep their windows' text index, to pool them (predict_logits)
@@ -398,9 +402,12 @@ def tokenised_data(args, tokenizer, checkpoint_labels, say=print, directory=None
                                          directory and Path(directory) / f"{split}.arrow")
                 for split, split_examples in examples.items()}
     first = next((found[0] for found in (examples.get("validation"), examples.get("train")) if found), None)
-    return TextData(labels, datasets, [first.text, first.text_pair] if first else [None, None],
+    data = TextData(labels, datasets, [first.text, first.text_pair] if first else [None, None],
                     unk_rate(tokenizer, datasets["train"]) if "train" in datasets else None,
                     fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")), predict=predict)
+    if tables:
+        shutil.rmtree(tables)
+    return data
 
 
 def read_predict_records(args, labels, say=print):

@@ -193,11 +193,12 @@ def table(by_size, what):
 def main(argv=None):
     parser = harness.base_parser(__doc__)
     parser.add_argument("--sizes", default="45000,450000", help="headline counts, comma-separated ('': no BERT arms)")
-    parser.add_argument("--image_copies", default="1,10", help="hard links per imagenette_112/train image")
+    parser.add_argument("--image_copies", default="1,10",
+                        help="hard links per imagenette_112/train image, comma-separated ('': no ResNet arms)")
     args = parser.parse_args(argv)
     harness.require_data(args.data_root, "thucnews_titles/train.txt", "bert-base-chinese/vocab.txt")
     sizes = [2000] if args.quick else [int(size) for size in args.sizes.split(",") if size]
-    copies = [1] if args.quick else [int(copy) for copy in args.image_copies.split(",")]
+    copies = [1] if args.quick else [int(copy) for copy in args.image_copies.split(",") if copy]
     rounds = args.rounds or 1  # each a fresh start and a repeated one; the median of each arm is reported
     work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     headlines = {}

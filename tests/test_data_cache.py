@@ -53,6 +53,53 @@ def test_second_start_reads_the_cache_without_tokenising(data, tmp_path):
     assert saved[0]["training_data"]["examples"] == 800
 
 
+def pairs_multi_label(data):
+    """A JSON-lines sentence-pair, multi-label version of the headlines (labels as lists)."""
+    import json
+    for split, name in (("train", "train.txt"), ("val", "val.txt")):
+        rows = [line.split("\t", 1) for line in (data / name).read_text(encoding="utf-8").splitlines()]
+        (data / f"{split}.jsonl").write_text("".join(
+            json.dumps({"text": text[:12], "text_pair": text[12:] or text, "label": sorted({label, rows[i - 1][0]})},
+                       ensure_ascii=False) + "\n" for i, (label, text) in enumerate(rows)), encoding="utf-8")
+        (data / name).unlink()
+    return ["--text_pair_column", "text_pair", "--multi_label"]
+
+
+@pytest.mark.parametrize("layout", ["cnews, shuffled, cut, windows", "pairs, multi-label"])
+def test_files_stream_into_the_cache_as_they_are_read(data, tmp_path, monkeypatch, layout):
+    """The cache's build reads each file into an Arrow table as it goes (memory flat in the file's size) and gets what
+    reading it into a list of examples gets: the same labels, fingerprint, first text, [UNK] rate and tokenised
+    splits; the tables are gone once the splits are tokenised."""
+    import utils.text_data
+    from train_bert_cls import parse_args, tokenised_data, tokenizer_and_length
+    extra = (["--shuffle_train_dataset", "--max_train_samples", "300", "--doc_stride", "8", "--max_seq_len", "16"]
+             if layout.startswith("cnews") else pairs_multi_label(data))
+    argv = [str(a) for a in small_args(data, tmp_path / "o", tmp_path / "cache", *extra)]
+    quiet = []
+    tokenizer = tokenizer_and_length(parse_args(argv), quiet.append)
+    in_memory_notes, built_notes = [], []
+    expected = tokenised_data(parse_args(argv), tokenizer, None, in_memory_notes.append)
+
+    def no_lists(*args, **kwargs):
+        raise AssertionError("a file read into a list while the cache is built")
+    monkeypatch.setattr(utils.text_data, "read_examples", no_lists)
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    built = tokenised_data(parse_args(argv), tokenizer, None, built_notes.append, entry)
+    assert (built.labels, built.fingerprint, built.first_text, built.unk_rate) == (
+        expected.labels, expected.fingerprint, expected.first_text, expected.unk_rate)
+    assert built_notes == in_memory_notes
+    assert list(built.datasets) == list(expected.datasets) == ["train", "validation"]
+    for split, dataset in built.datasets.items():
+        assert dataset.to_dict() == expected.datasets[split].to_dict(), split
+    assert sorted(path.name for path in entry.iterdir()) == ["train.arrow", "validation.arrow"]
+    if layout.startswith("cnews"):
+        assert len(built.datasets["train"]) > built.fingerprint["examples"] == 300  # windows of 300 texts
+        assert "doc" in built.datasets["validation"].column_names
+    else:
+        assert len(built.labels) == 10 and "token_type_ids" in built.datasets["train"].column_names
+
+
 def test_each_input_of_the_key_makes_a_new_entry(data, tmp_path):
     cache = tmp_path / "cache"
 

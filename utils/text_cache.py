@@ -21,7 +21,9 @@ whole or not at all, and two runs building it at once keep one.
 Who writes: one process, the main one, where every node sees the cache directory; the main process of each node where
 each node has its own disk (utils/checkpoint.py output_dir_is_shared's test). The others wait for the entry outside
 any collective (tokenising a large file may take longer than --ddp_timeout) and read it; a problem in the data (a bad
-line) stops every rank with the writer's one line.
+line) stops every rank with the writer's one line. The writer streams each file into an Arrow table in the entry's
+temporary directory as it reads it (utils/text_data.py ExampleTable), checks the labels and tokenises from there, and
+deletes the tables: its memory does not grow with the files.
 
 The training data's fingerprint that a resume checks (utils/checkpoint.py DATA_KEY) is the part of the key that
 concerns the training examples (the file's SHA-256, the format, the labels file, the cuts), not a second pass over

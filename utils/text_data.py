@@ -49,6 +49,10 @@ of a training text is a training sample with the text's label; an evaluated or p
 index (`doc`), gathered with the logits, so that its windows are pooled into one prediction (utils/text_metrics.py
 pool_windows) on any number of processes. Single texts only: a sentence pair is cut longest_first.
 
+The data cache's build (utils/text_cache.py) reads each file into an `ExampleTable`, an Arrow file written as the file
+streams, rather than a list of Examples: the label checks, the cuts, the fingerprint and the tokenising read it back a
+batch at a time, so the build's memory does not grow with the file.
+
 The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
 checkpoint, so that a resume on changed data is refused (utils/checkpoint.py); for files it is computed once, when the
 tokenised data cache is built, and kept there (utils/text_cache.py).
@@ -59,6 +63,7 @@ import ast
 import codecs
 import csv
 import functools
+import itertools
 import json
 import math
 import re
@@ -71,7 +76,8 @@ import pyarrow.compute as pc
 import tokenizers
 import torch
 from accelerate.utils import DynamoBackend
-from datasets import ClassLabel, Dataset, DatasetDict
+from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
+from datasets.arrow_writer import ArrowWriter
 from datasets.exceptions import DatasetsError
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
@@ -469,6 +475,7 @@ def _check_number(label, where):
     return value
 
 
+@functools.cache  # once per format, not once per line
 def _columns(fmt, labelled):
     """(field, flag) pairs a row must have."""
     columns = ([(column, "--text_column_names") for column in fmt.joined_columns] if fmt.joined_columns
@@ -477,7 +484,7 @@ def _columns(fmt, labelled):
         columns.append((fmt.text_pair_column, "--text_pair_column"))
     if labelled:
         columns.append((fmt.label_column, "--label_column"))
-    return columns
+    return tuple(columns)
 
 
 def _check_columns(row, where, fmt, labelled):
@@ -530,6 +537,60 @@ def iter_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
 def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
     """All examples of a labelled file, as a list (`iter_examples`)."""
     return list(iter_examples(path, labelled, fmt, say))
+
+
+class ExampleTable:
+    """A split's examples in an Arrow file, written as the file is read (`write`) and memory-mapped from there: what
+    the data cache's build reads instead of a list of Examples, so that its memory does not grow with the file. It
+    reads back as Examples a batch at a time (iterating: the label checks, the fingerprint), is cut and shuffled by
+    index (`select`, slices) and tokenised from its columns (`columns`)."""
+
+    BATCH = 10_000  # examples per Arrow record batch
+
+    def __init__(self, dataset, source):
+        self.dataset, self.source = dataset, source
+
+    @classmethod
+    def write(cls, examples, path, fmt, source):
+        """`examples` (an iterable: iter_examples reading `source`) written to the Arrow file `path` as they come."""
+        label = (Value("float64") if fmt.regression else List(Value("string")) if fmt.multi_label
+                 else Value("string"))
+        features = Features({"text": Value("string"), **({"text_pair": Value("string")} if fmt.text_pair_column
+                                                          else {}), "label": label, "line": Value("int64")})
+        with ArrowWriter(features=features, path=str(path)) as writer:
+            examples = iter(examples)
+            while batch := list(itertools.islice(examples, cls.BATCH)):
+                writer.write_batch({"text": [e.text for e in batch], "label": [e.label for e in batch],
+                                    "line": [e.line for e in batch],
+                                    **({"text_pair": [e.text_pair for e in batch]} if fmt.text_pair_column else {})})
+            writer.finalize()
+        return cls(Dataset.from_file(str(path)), source)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __iter__(self):
+        paired = "text_pair" in self.dataset.column_names
+        for batch in self.dataset.iter(batch_size=self.BATCH):
+            for i, (text, label, line) in enumerate(zip(batch["text"], batch["label"], batch["line"])):
+                yield Example(text, tuple(label) if isinstance(label, list) else label, f"{self.source}:{line}",
+                              batch["text_pair"][i] if paired else None, line)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.select(range(*index.indices(len(self))))
+        return next(iter(self.select([range(len(self))[index]])))
+
+    def select(self, indices):
+        return ExampleTable(self.dataset.select(indices), self.source)
+
+    def columns(self, targets):
+        """text (and text_pair) and labels (`targets` of each batch of labels), as tokenize_columns reads them; written
+        beside the table's file."""
+        path = Path(self.dataset.cache_files[0]["filename"])
+        return self.dataset.map(lambda batch: {"labels": targets(batch["label"])}, batched=True,
+                                batch_size=self.BATCH, remove_columns=["label", "line"],
+                                cache_file_name=str(path.with_name(f"columns-{path.name}")))
 
 
 def read_predict_file(path, fmt=DEFAULT_FORMAT, labels=(), say=print):
@@ -610,9 +671,10 @@ TEST_FOR_EVAL = ("; run_classification.py would evaluate on the test split inste
                  "pass the test file as --validation_file)")
 
 
-def read_file_splits(args, fmt, say=print):
+def read_file_splits(args, fmt, say=print, tables=None):
     """The files of --train_file/--validation_file/--test_file (or --data_dir's) this run needs; the ones found in
-    --data_dir are set on args, so that run_config.json records them."""
+    --data_dir are set on args, so that run_config.json records them. With `tables` (a directory), each file streams
+    into an ExampleTable there instead of a list."""
     files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
                                         "test": args.test_file}, say)
     args.train_file, args.validation_file, args.test_file = files.values()
@@ -624,7 +686,12 @@ def read_file_splits(args, fmt, say=print):
                             + (TEST_FOR_EVAL if split == "validation" and files["test"] is not None else ""))
     if args.do_train and files["validation"] is not None:
         needed["validation"] = True  # model selection uses the validation set, never the test set
-    return Splits({split: read_examples(files[split], fmt=fmt, say=say) for split, need in needed.items() if need})
+    if tables is None:
+        return Splits({split: read_examples(files[split], fmt=fmt, say=say) for split, need in needed.items() if need})
+    Path(tables).mkdir(parents=True, exist_ok=True)
+    return Splits({split: ExampleTable.write(iter_examples(files[split], fmt=fmt, say=say),
+                                             Path(tables) / f"{split}.arrow", fmt, Path(files[split]))
+                   for split, need in needed.items() if need})
 
 
 def load_dataset_dict(name, config_name, cache_dir=None, token=None):
@@ -779,7 +846,7 @@ def select_examples(examples, args):
         if split == "train" and args.shuffle_train_dataset:
             seed = SHUFFLE_SEED if args.shuffle_seed is None else args.shuffle_seed
             order = np.random.default_rng(seed).permutation(len(items))
-            items = [items[i] for i in order]
+            items = items.select(order) if isinstance(items, ExampleTable) else [items[i] for i in order]
         selected[split] = items[:limits[split]]
         if limits[split] is not None:
             notes.append(f"{split}: the first {len(selected[split]):,} of {len(items):,} examples"
@@ -1027,65 +1094,70 @@ def build_collator(tokenizer, max_seq_len, pad_to_multiple_of=None, pad_to_max_l
 
 def label_targets(examples, labels, multi_label, regression=False):
     """Class ids (single-label) or multi-hot float rows (multi-label) in the id order of `labels`; the numbers
-    themselves for regression."""
-    if regression:
-        return [float(e.label) for e in examples]
+    themselves for regression. For an ExampleTable, the function that makes them from a batch of its labels (applied
+    as it is tokenised: no list as long as the file)."""
     label2id = {label: i for i, label in enumerate(labels)}
-    if not multi_label:
-        return [label2id[e.label] for e in examples]
-    targets = []
-    for example in examples:
-        row = [0.0] * len(labels)
-        for label in label_set(example):
-            row[label2id[label]] = 1.0
-        targets.append(row)
-    return targets
+
+    def targets(values):
+        if regression:
+            return [float(value) for value in values]
+        if not multi_label:
+            return [label2id[value] for value in values]
+        rows = []
+        for value in values:
+            row = [0.0] * len(labels)
+            for label in value:
+                row[label2id[label]] = 1.0
+            rows.append(row)
+        return rows
+    return targets if isinstance(examples, ExampleTable) else targets([e.label for e in examples])
 
 
 def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cut=LongText(), keep_doc=False,
              cache_file=None):
-    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator. `cache_file`: the
+    """`tokenize_columns` of texts (and sentence pairs) and their targets held in lists."""
+    columns = {"text": list(texts), **({"text_pair": list(text_pairs)} if text_pairs is not None else {}),
+               **({"labels": targets} if targets is not None else {})}
+    return tokenize_columns(tokenizer, Dataset.from_dict(columns), max_seq_len, cut, keep_doc, cache_file)
+
+
+def tokenize_columns(tokenizer, dataset, max_seq_len, cut=LongText(), keep_doc=False, cache_file=None):
+    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator. `dataset`: the
+    columns text, text_pair (sentence pairs) and labels (the targets; none for texts to predict). `cache_file`: the
     Arrow file the tokenised data go to (memory-mapped from there; utils/text_cache.py), else they stay in memory.
 
     A sentence pair becomes the tokenizer's pair encoding ([CLS] a [SEP] b [SEP], token_type_ids 0/1), truncated
     longest_first: the longer sentence loses tokens first, so a short question keeps all of its words. A single text
     is cut as `cut` says (LongText); with windows, `keep_doc` keeps each window's text index in a `doc` column."""
     if cut.doc_stride is not None:
-        return tokenize_windows(tokenizer, texts, targets, max_seq_len, cut.doc_stride, keep_doc, cache_file)
+        return tokenize_windows(tokenizer, dataset, max_seq_len, cut.doc_stride, keep_doc, cache_file)
     if cut.truncation != "head":
-        return tokenize_cut(tokenizer, texts, targets, max_seq_len, cut, cache_file)
-    columns = {"text": list(texts)}
-    paired = text_pairs is not None
-    if paired:
-        columns["text_pair"] = list(text_pairs)
-    if targets is not None:
-        columns["labels"] = targets
+        return tokenize_cut(tokenizer, dataset, max_seq_len, cut, cache_file)
+    paired = "text_pair" in dataset.column_names
 
     def encode(batch):
         pair = batch["text_pair"] if paired else None
         return tokenizer(batch["text"], pair, truncation="longest_first", max_length=max_seq_len)
 
-    dataset = Dataset.from_dict(columns)
-    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in columns if c != "labels"],
+    return dataset.map(encode, batched=True, batch_size=1000,
+                       remove_columns=[c for c in dataset.column_names if c != "labels"],
                        cache_file_name=cache_file and str(cache_file))
 
 
-def tokenize_windows(tokenizer, texts, targets, max_seq_len, doc_stride, keep_doc, cache_file=None):
+def tokenize_windows(tokenizer, dataset, max_seq_len, doc_stride, keep_doc, cache_file=None):
     """Each text as windows of max_seq_len tokens overlapping by doc_stride ([CLS] and [SEP] in each), with the
     text's label (and its index as `doc` if keep_doc)."""
     check_windows_cover(tokenizer, max_seq_len, doc_stride)
-    columns = {"text": list(texts), **({"doc": list(range(len(texts)))} if keep_doc else {}),
-               **({"labels": targets} if targets is not None else {})}
 
-    def encode(batch):
+    def encode(batch, indices):
         encoded = tokenizer(batch["text"], truncation=True, max_length=max_seq_len, stride=doc_stride,
                             return_overflowing_tokens=True)
         texts_of_windows = encoded.pop("overflow_to_sample_mapping")  # the batch position of each window's text
-        return {**encoded, **{column: [batch[column][i] for i in texts_of_windows] for column in ("doc", "labels")
-                              if column in batch}}
+        columns = {"doc": indices, "labels": batch.get("labels")} if keep_doc else {"labels": batch.get("labels")}
+        return {**encoded, **{name: [values[i] for i in texts_of_windows] for name, values in columns.items()
+                              if values is not None}}
 
-    dataset = Dataset.from_dict(columns)
-    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=list(columns),
+    return dataset.map(encode, batched=True, batch_size=1000, with_indices=True, remove_columns=dataset.column_names,
                        cache_file_name=cache_file and str(cache_file))
 
 
@@ -1104,14 +1176,13 @@ def check_windows_cover(tokenizer, max_seq_len, doc_stride):
                         "pip install 'tokenizers>=0.23.3'")
 
 
-def tokenize_cut(tokenizer, texts, targets, max_seq_len, cut, cache_file=None):
+def tokenize_cut(tokenizer, dataset, max_seq_len, cut, cache_file=None):
     """Each text's tail, or its head and tail, in max_seq_len tokens with [CLS] and [SEP] (the tokenizer's ids)."""
     if tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
         raise UserError(f"--truncation {cut.truncation}: the tokenizer has no [CLS]/[SEP] tokens to frame the kept "
                         "tokens with; use --truncation head or --doc_stride")
     room = max_seq_len - 2
     head = cut.head_tokens if cut.truncation == "head_tail" else 0
-    columns = {"text": list(texts), **({"labels": targets} if targets is not None else {})}
 
     def encode(batch):
         # every token first (verbose=False: the "longer than the maximum" warning is what the cut handles)
@@ -1121,13 +1192,16 @@ def tokenize_cut(tokenizer, texts, targets, max_seq_len, cut, cache_file=None):
         return {"input_ids": input_ids, "token_type_ids": [[0] * len(ids) for ids in input_ids],
                 "attention_mask": [[1] * len(ids) for ids in input_ids]}
 
-    dataset = Dataset.from_dict(columns)
-    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=["text"],
+    return dataset.map(encode, batched=True, batch_size=1000,
+                       remove_columns=[c for c in dataset.column_names if c != "labels"],
                        cache_file_name=cache_file and str(cache_file))
 
 
 def tokenize_examples(tokenizer, examples, targets, max_seq_len, cut=LongText(), keep_doc=False, cache_file=None):
-    """`tokenize` for Examples: texts, and sentence pairs when the examples have them."""
+    """`tokenize` for Examples: texts, and sentence pairs when the examples have them. An ExampleTable is tokenised
+    from its columns, with `targets` (label_targets' for a table) applied to its labels a batch at a time."""
+    if isinstance(examples, ExampleTable):
+        return tokenize_columns(tokenizer, examples.columns(targets), max_seq_len, cut, keep_doc, cache_file)
     pairs = [e.text_pair for e in examples] if examples[0].text_pair is not None else None
     return tokenize(tokenizer, [e.text for e in examples], targets, max_seq_len, pairs, cut, keep_doc, cache_file)
 
@@ -1137,7 +1211,8 @@ def fingerprint_examples(path, examples):
     read (text, pair, labels), in order; None without training examples."""
     if examples is None:
         return None
-    return data_fingerprint(path, (json.dumps([e.text, e.text_pair, e.label], ensure_ascii=False) for e in examples))
+    encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps' output, without its per-call set-up
+    return data_fingerprint(path, (encode([e.text, e.text_pair, e.label]) for e in examples))
 
 
 def token_lengths(dataset):

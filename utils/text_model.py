@@ -169,13 +169,17 @@ def head_by_name(model, source, labels, say=print):
 MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
 
 
-def unk_rate(tokenizer, dataset, column="input_ids"):
-    """[UNK] tokens / all tokens that are not special tokens ([CLS], [SEP], [PAD], ...), over a tokenised dataset."""
-    rows = dataset.with_format("arrow")[column]  # the arrow column, in the dataset's row order and selection
-    ids = pc.list_flatten(rows).to_numpy(zero_copy_only=False)  # every row's ids, end to end
+def unk_rate(tokenizer, dataset, column="input_ids", rows=100_000):
+    """[UNK] tokens / all tokens that are not special tokens ([CLS], [SEP], [PAD], ...), over a tokenised dataset,
+    counted `rows` rows at a time (memory flat for any size)."""
     special = np.fromiter(set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}, dtype=np.int64)
-    real = ids[~np.isin(ids, special)]  # [UNK] is a special token too, but it is what is counted
-    return float(np.count_nonzero(real == tokenizer.unk_token_id)) / max(1, real.size)
+    unknown = counted = 0
+    for batch in dataset.with_format("arrow").iter(batch_size=rows):  # in the dataset's row order and selection
+        ids = pc.list_flatten(batch[column]).to_numpy(zero_copy_only=False)  # the rows' ids, end to end
+        real = ids[~np.isin(ids, special)]  # [UNK] is a special token too, but it is what is counted
+        unknown += int(np.count_nonzero(real == tokenizer.unk_token_id))
+        counted += real.size
+    return unknown / max(1, counted)
 
 
 def check_unk_rate(rate, source, limit=MAX_UNK_RATE):
