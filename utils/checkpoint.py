@@ -224,11 +224,24 @@ def add_allow_data_change(group):
 def data_fingerprint(source, records):
     """must_match[DATA_KEY]: `records` (one string per training example, in the order read) as their count and
     SHA-256; `source`: the file or directory they came from, named in messages."""
-    digest, count = hashlib.sha256(), 0
+    fingerprint = DataFingerprint()
     for record in records:  # one at a time: memory stays flat for any number of examples
-        digest.update((record + "\n").encode("utf-8"))
-        count += 1
-    return {"source": str(source), "examples": count, "sha256": digest.hexdigest()}
+        fingerprint.add(record)
+    return fingerprint.result(source)
+
+
+class DataFingerprint:
+    """data_fingerprint taken record by record, as the records stream past (a file being read)."""
+
+    def __init__(self):
+        self.digest, self.count = hashlib.sha256(), 0
+
+    def add(self, record):
+        self.digest.update((record + "\n").encode("utf-8"))
+        self.count += 1
+
+    def result(self, source):
+        return {"source": str(source), "examples": self.count, "sha256": self.digest.hexdigest()}
 
 
 def check_same_data(saved, current, path, allow_change, say):

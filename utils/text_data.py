@@ -82,8 +82,8 @@ from datasets.exceptions import DatasetsError
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
-from utils.checkpoint import (DATA_KEY, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, data_fingerprint, keep_as, kept_by,
-                              this_launch)
+from utils.checkpoint import (DATA_KEY, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, DataFingerprint, data_fingerprint,
+                              keep_as, kept_by, this_launch)
 from utils.runtime import UserError, hf_bool, nonnegative_int, positive_int
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
@@ -542,13 +542,16 @@ def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
 class ExampleTable:
     """A split's examples in an Arrow file, written as the file is read (`write`) and memory-mapped from there: what
     the data cache's build reads instead of a list of Examples, so that its memory does not grow with the file. It
-    reads back as Examples a batch at a time (iterating: the label checks, the fingerprint), is cut and shuffled by
-    index (`select`, slices) and tokenised from its columns (`columns`)."""
+    reads back as Examples a batch at a time (iterating), is cut and shuffled by index (`select`, slices) and
+    tokenised from its columns (`columns`). What the checks need of the whole file, its labels' first lines
+    (`first_seen`) and its fingerprint (`fingerprint`), is taken while it is written: no second pass for a file used
+    whole and in order."""
 
     BATCH = 10_000  # examples per Arrow record batch
 
-    def __init__(self, dataset, source):
+    def __init__(self, dataset, source, first_seen=None, fingerprint=None):
         self.dataset, self.source = dataset, source
+        self.first_seen, self.fingerprint = first_seen, fingerprint  # of these rows in this order; None: not taken
 
     @classmethod
     def write(cls, examples, path, fmt, source):
@@ -557,14 +560,19 @@ class ExampleTable:
                  else Value("string"))
         features = Features({"text": Value("string"), **({"text_pair": Value("string")} if fmt.text_pair_column
                                                           else {}), "label": label, "line": Value("int64")})
+        first_seen, fingerprint = {}, DataFingerprint()
         with ArrowWriter(features=features, path=str(path)) as writer:
             examples = iter(examples)
             while batch := list(itertools.islice(examples, cls.BATCH)):
                 writer.write_batch({"text": [e.text for e in batch], "label": [e.label for e in batch],
                                     "line": [e.line for e in batch],
                                     **({"text_pair": [e.text_pair for e in batch]} if fmt.text_pair_column else {})})
+                for example in batch:
+                    for name in label_set(example):
+                        first_seen.setdefault(name, example.where)
+                    fingerprint.add(example_record(example))
             writer.finalize()
-        return cls(Dataset.from_file(str(path)), source)
+        return cls(Dataset.from_file(str(path)), source, first_seen, fingerprint)
 
     def __len__(self):
         return len(self.dataset)
@@ -578,7 +586,8 @@ class ExampleTable:
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return self.select(range(*index.indices(len(self))))
+            bounds = index.indices(len(self))
+            return self if bounds == (0, len(self), 1) else self.select(range(*bounds))
         return next(iter(self.select([range(len(self))[index]])))
 
     def select(self, indices):
@@ -944,7 +953,9 @@ def build_label_list(train_examples, labels_file=None, encoding="utf-8"):
 
 
 def _first_seen(examples):
-    """{label: where it first appears}."""
+    """{label: where it first appears}, in the order of first appearance."""
+    if isinstance(examples, ExampleTable) and examples.first_seen is not None:
+        return examples.first_seen  # taken as the file was read
     first_seen = {}
     for example in examples:
         for label in label_set(example):
@@ -985,10 +996,9 @@ def _label_number(label):
 def check_known_labels(examples, labels, source="the train file"):
     """Every label must be one the model can predict; name the first line that is not."""
     known = set(labels)
-    for example in examples:
-        for label in label_set(example):
-            if label not in known:
-                raise UserError(f"{example.where}: label '{label}' is not in {source}")
+    for label, where in _first_seen(examples).items():  # the first line with an unknown label
+        if label not in known:
+            raise UserError(f"{where}: label '{label}' is not in {source}")
 
 
 def write_labels_file(labels, path):
@@ -1211,8 +1221,17 @@ def fingerprint_examples(path, examples):
     read (text, pair, labels), in order; None without training examples."""
     if examples is None:
         return None
-    encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps' output, without its per-call set-up
-    return data_fingerprint(path, (encode([e.text, e.text_pair, e.label]) for e in examples))
+    if isinstance(examples, ExampleTable) and examples.fingerprint is not None:
+        return examples.fingerprint.result(path)  # taken as the file was read
+    return data_fingerprint(path, map(example_record, examples))
+
+
+_RECORD = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps' output, without its per-call set-up
+
+
+def example_record(example):
+    """An example as its training file's fingerprint hashes it: [text, text_pair, label] in JSON."""
+    return _RECORD([example.text, example.text_pair, example.label])
 
 
 def token_lengths(dataset):
