@@ -25,9 +25,9 @@ line) stops every rank with the writer's one line. The writer streams each file 
 temporary directory as it reads it (utils/text_data.py ExampleTable), checks the labels and tokenises from there, and
 deletes the tables: its memory does not grow with the files.
 
-The training data's fingerprint that a resume checks (utils/checkpoint.py DATA_KEY) is the part of the key that
-concerns the training examples (the file's SHA-256, the format, the labels file, the cuts), not a second pass over
-the data.
+The training data's fingerprint that a resume checks (utils/checkpoint.py DATA_KEY; utils/text_data.py
+fingerprint_examples: the training examples as read, in order) is taken while the entry is built, in the pass that
+reads the training file, and kept in meta.json: a later start reads it there, without a pass over the data.
 
 Neighbours: utils/text_data.py (reading and tokenising), utils/checkpoint.py (what a resume must match).
 """
