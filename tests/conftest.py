@@ -78,8 +78,9 @@ def run_here(script, args, check=True):
     in this process: a 1-process run that stops at bad input (or trains a few steps) then costs no start-up, which
     (importing torch and transformers in a fresh interpreter) is most of such a run. Returns what `run` returns: the
     exit status and what went to stdout and stderr. Puts back what the run changes in this process: the SIGTERM
-    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the directory.
-    The run has one torch thread (one_thread), as a launched process has."""
+    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the
+    directory; and ends W&B's service, as the process's exit would. The run has one torch thread (one_thread), as a
+    launched process has."""
     import importlib
     import io
     import signal
@@ -103,6 +104,8 @@ def run_here(script, args, check=True):
         returncode = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     finally:
         sys.argv = sys_argv
+        if "wandb" in sys.modules:  # what the script's exit does (utils/runtime.py runs the atexit functions, W&B's
+            sys.modules["wandb"].teardown()  # among them): its service flushes each run's offline file, then ends
         signal.signal(signal.SIGTERM, sigterm)
         signal.signal(signal.SIGINT, sigint)
         AcceleratorState._reset_state(reset_partial_state=True)
