@@ -17,7 +17,7 @@ import torch
 from accelerate.state import AcceleratorState
 from conftest import read_json, read_jsonl, run_here
 
-from utils.checkpoint import check_checkpoint_files, latest_checkpoint
+from utils.checkpoint import check_checkpoint_files, fsync_files, latest_checkpoint
 from utils.demo_data import write_digits_imagefolder
 from utils.outputs import RunLog
 from utils.runtime import UserError, write_failure
@@ -408,3 +408,22 @@ def test_checkpoint_files_reach_the_disk_before_the_rename(digits, tmp_path, mon
               if event[0] == "fsync" and event[1].startswith(tmp + "/")}
     assert {path.name for path in (out / "checkpoints" / "step_2").iterdir()} <= synced
     assert ("fsync", str(out / "checkpoints")) in events[renamed:]
+
+
+def test_another_ranks_temporary_file_renamed_during_the_sync_is_not_a_write_failure(tmp_path, monkeypatch):
+    """Every rank syncs the checkpoint's files while the others may still write theirs: safetensors writes through a
+    temporary file (.tmpXXXXXX) and renames it, so a rank may list that file and find it gone when it opens it. That
+    is no failure to write (it stopped a 2-process run at a checkpoint, one line on every rank); the files that are
+    there are still synced."""
+    (tmp_path / ".tmpIg73NJ").write_bytes(b"weights being written by the main process")
+    (tmp_path / "random_states_1.pkl").write_bytes(b"this rank's part")
+    real_open, synced = os.open, []
+
+    def open_(path, flags, *args):
+        if os.path.basename(path) == ".tmpIg73NJ":  # renamed to model.safetensors by its writer meanwhile
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+        synced.append(os.path.basename(path))
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(os, "open", open_)
+    fsync_files(tmp_path)
+    assert synced == ["random_states_1.pkl", tmp_path.name]

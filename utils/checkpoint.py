@@ -757,10 +757,15 @@ def replace_dir_atomically(tmp, final):
 def fsync_files(directory):
     """Every file under `directory` on disk, then the directory's entries: after a power loss a renamed checkpoint
     holds its data, never a complete name over empty files (the rename itself may be undone: the previous checkpoint
-    is then the latest)."""
+    is then the latest). Every rank runs it while the others may still be writing: a file gone between the listing
+    and its sync is another rank's temporary file (safetensors writes through one), renamed by that rank, whose own
+    call syncs the file under its final name."""
     for path in sorted(Path(directory).rglob("*")):
-        if path.is_file():
-            _fsync(path)
+        try:
+            if path.is_file():
+                _fsync(path)
+        except FileNotFoundError:
+            continue
     _fsync(directory)
 
 
