@@ -231,14 +231,19 @@ def data_fingerprint(source, records):
 
 
 class DataFingerprint:
-    """data_fingerprint taken record by record, as the records stream past (a file being read)."""
+    """data_fingerprint taken record by record, as the records stream past (a file being read), or a block of
+    records at a time (an image folder's)."""
 
     def __init__(self):
         self.digest, self.count = hashlib.sha256(), 0
 
     def add(self, record):
-        self.digest.update((record + "\n").encode("utf-8"))
-        self.count += 1
+        self.add_block((record + "\n").encode("utf-8"), 1)
+
+    def add_block(self, data, records):
+        """`records` records already encoded and joined in `data`, each ending in a newline."""
+        self.digest.update(data)
+        self.count += records
 
     def result(self, source):
         return {"source": str(source), "examples": self.count, "sha256": self.digest.hexdigest()}

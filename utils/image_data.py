@@ -32,7 +32,6 @@ made explicit, main.py's --dummy data, and what the training loop counts of its 
 Neighbours: utils/image_augment.py (the transforms), utils/image_device_decode.py (decoding on the training device).
 """
 import functools
-import hashlib
 import io
 import itertools
 import os
@@ -49,7 +48,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from utils.checkpoint import data_fingerprint
+from utils.checkpoint import DataFingerprint, data_fingerprint
 from utils.runtime import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -244,7 +243,7 @@ def list_images(directory, class_to_idx, files):
     directory = os.path.expanduser(os.fspath(directory))
     skip = len(os.path.join(directory, ""))
     blobs, lengths, targets, empty = [], [], [], []
-    digest, count = hashlib.sha256(), 0
+    fingerprint = DataFingerprint()
     for name in sorted(class_to_idx):
         index, found = class_to_idx[name], 0
         for folder, _, names in sorted(os.walk(os.path.join(directory, name), followlinks=True)):
@@ -258,15 +257,15 @@ def list_images(directory, class_to_idx, files):
                            [len(os.fsencode(prefix + file)) for file in names])
             targets.append(np.full(len(names), index, dtype=np.int64))
             relative, tail = prefix[skip:], f"\t{index}\n"
-            digest.update((relative + (tail + relative).join(names) + tail).encode("utf-8", "surrogateescape"))
+            fingerprint.add_block((relative + (tail + relative).join(names) + tail).encode("utf-8", "surrogateescape"),
+                                  len(names))
             found += len(names)
-        count += found
         if not found:
             empty.append(name)
     ends = np.cumsum(np.fromiter(itertools.chain.from_iterable(lengths), dtype=np.int64))
-    fingerprint = {"source": directory, "examples": count, "sha256": digest.hexdigest()}
     samples = SampleArrays(np.frombuffer(b"".join(blobs), dtype=np.uint8), ends,
-                           np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64), fingerprint)
+                           np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64),
+                           fingerprint.result(directory))
     return samples, empty
 
 

@@ -567,9 +567,9 @@ class ExampleTable:
                 writer.write_batch({"text": [e.text for e in batch], "label": [e.label for e in batch],
                                     "line": [e.line for e in batch],
                                     **({"text_pair": [e.text_pair for e in batch]} if fmt.text_pair_column else {})})
+                for label, where in _first_seen(batch).items():
+                    first_seen.setdefault(label, where)
                 for example in batch:
-                    for name in label_set(example):
-                        first_seen.setdefault(name, example.where)
                     fingerprint.add(example_record(example))
             writer.finalize()
         return cls(Dataset.from_file(str(path)), source, first_seen, fingerprint)
@@ -1163,7 +1163,7 @@ def tokenize_windows(tokenizer, dataset, max_seq_len, doc_stride, keep_doc, cach
         encoded = tokenizer(batch["text"], truncation=True, max_length=max_seq_len, stride=doc_stride,
                             return_overflowing_tokens=True)
         texts_of_windows = encoded.pop("overflow_to_sample_mapping")  # the batch position of each window's text
-        columns = {"doc": indices, "labels": batch.get("labels")} if keep_doc else {"labels": batch.get("labels")}
+        columns = {"doc": indices if keep_doc else None, "labels": batch.get("labels")}
         return {**encoded, **{name: [values[i] for i in texts_of_windows] for name, values in columns.items()
                               if values is not None}}
 
