@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -289,6 +290,13 @@ def workers(job, out):
                 and "torch.distributed.run" not in cmdline:
             found.append(pid)
     return found
+
+
+def assert_group_restarted(log):
+    """The elastic agent saw a worker of the group fail and started the group again, which resumed. The worker it names
+    is the one whose failure it recorded first: the SIGKILLed one (exitcode -9) or its peer, which may see the broken
+    connection and exit on its own first."""
+    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: \d", log) and "Resumed from" in log, log[-3000:]
 
 
 def kill_job(proc, sig):
