@@ -207,6 +207,90 @@ def test_output_dir_lock_of_an_earlier_attempt_of_a_requeued_slurm_job_is_taken_
                 hold_output_dir(ONE_PROCESS, out)
 
 
+def test_a_stop_inside_the_lock_release_leaves_no_lock(tmp_path, monkeypatch):
+    """A SIGTERM that stops the run while its end releases the lock (Stopped raised in the middle of the release) leaves
+    the lock to run_cli's own release, which finishes it; a stop before the release does the same."""
+    from utils import runtime
+
+    for cut in ("before the file goes", "after the file went"):
+        out = tmp_path / cut.replace(" ", "_") / "out"
+        hold_output_dir(ONE_PROCESS, out)
+        target = runtime._read_lock if cut.startswith("before") else runtime._remove_empty
+        calls = []
+
+        def stopped_once(*args, target=target, calls=calls, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise runtime.Stopped(runtime.STOPPED_LINE)
+            return target(*args, **kwargs)
+
+        monkeypatch.setattr(runtime, target.__name__, stopped_once)
+
+        def main(args):
+            release_output_dirs()  # the end of the run (RunLog.end), where the stop arrives
+
+        handler = signal.getsignal(signal.SIGTERM)
+        try:
+            with pytest.raises(SystemExit) as exit_:
+                runtime.run_cli(main, None)
+        finally:
+            signal.signal(signal.SIGTERM, handler)  # run_cli's, as a script's process ends with them
+            monkeypatch.undo()
+        assert exit_.value.code == 143 and len(calls) == 2, cut
+        assert not (out / ".lock").exists() and not out.parent.exists(), cut  # lock and its new directories gone
+
+
+SIGNAL_ONCE = """
+import ctypes, os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from utils import runtime
+
+received = []
+
+def on_sigterm(signum, frame):  # what both of the scripts' SIGTERM handlers do first
+    runtime.forget_a_dead_launcher()
+    received.append(signum)
+    print("sigterm", flush=True)
+
+libc, asked = ctypes.CDLL(None), ctypes.c_int()
+signal.signal(signal.SIGTERM, on_sigterm)
+runtime.stop_with_launcher()
+libc.prctl(2, ctypes.byref(asked))  # PR_GET_PDEATHSIG
+print(f"asked {asked.value} parent {os.getppid()}", flush=True)
+for _ in range(600):  # 30 s at most: the launcher's death, then the signal
+    if received:
+        break
+    time.sleep(0.05)
+libc.prctl(2, ctypes.byref(asked))
+print(f"asked {asked.value} parent {os.getppid()}", flush=True)
+"""
+
+LAUNCHER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, *sys.argv[1:]], start_new_session=True)
+time.sleep(120)
+"""
+
+
+def test_an_orphan_is_signalled_once_at_its_launchers_death(tmp_path):
+    """A process of an elastic launch asks for SIGTERM at its launcher's death; once that came, it withdraws the
+    request, which the kernel would otherwise repeat each time a thread of the init process it was handed to ends."""
+    (tmp_path / "rank.py").write_text(SIGNAL_ONCE)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    log = tmp_path / "rank.log"
+    launcher = start([sys.executable, tmp_path / "launcher.py", tmp_path / "rank.py", ROOT], log,
+                     env={"TORCHELASTIC_RUN_ID": "none"})
+    wait_for(lambda: "asked" in log.read_text(), launcher, timeout=60)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 30
+    while log.read_text().count("asked") < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    lines = log.read_text().splitlines()
+    assert lines[0] == f"asked {int(signal.SIGTERM)} parent {launcher.pid}", lines
+    assert lines[1] == "sigterm" and lines[2].startswith("asked 0 parent ") and lines[2] != lines[0], lines
+
+
 LOCK_CHECK = """
 import json, os, sys
 from pathlib import Path

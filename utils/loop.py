@@ -51,7 +51,7 @@ from accelerate.utils import DistributedType, find_batch_size, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
-from .runtime import Interrupted, UserError, hf_bool, stop_outside_training
+from .runtime import Interrupted, UserError, forget_a_dead_launcher, hf_bool, stop_outside_training
 
 
 class Due(NamedTuple):
@@ -413,6 +413,7 @@ class PreemptionGuard:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _handler(self, signum, frame):
+        forget_a_dead_launcher()
         self.received = signal.Signals(signum).name
 
     def _interrupt(self, signum, frame):

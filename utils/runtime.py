@@ -21,10 +21,10 @@ handlers, then os._exit, without the interpreter's finalization, where gloo's wo
 run.
 Stops (utils/loop.py PreemptionGuard acts on them): DataLoader workers leave SIGTERM and Ctrl-C to their parent
 (`ignore_stop_signals`, in every loader's settings); a process started by torch's elastic agent gets SIGTERM when the
-agent dies (`stop_with_launcher`), and so saves and leaves instead of training on as an orphan; a collective that
-another rank never answered ends each surviving rank with one line naming the ranks that missed a roll call in the
-launcher's store (`RollCall`), and a frozen one on the same host is ended, so the job ends within --ddp_timeout
-and a few seconds.
+agent dies (`stop_with_launcher`; once: `forget_a_dead_launcher`), and so saves and leaves instead of training on
+as an orphan; a collective that another rank never answered ends each surviving rank with one line naming the ranks
+that missed a roll call in the launcher's store (`RollCall`), and a frozen one on the same host is ended, so the job
+ends within --ddp_timeout and a few seconds.
 A problem found on one rank must stop every rank, or the others wait in their next collective until --ddp_timeout:
 `stop_together` shares it (a collective), and `writing` does so for a block that writes files, where a full disk
 surfaces as torch.save's "unexpected pos" or safetensors' "os error 28" and becomes one line naming the directory and
@@ -98,6 +98,7 @@ STOPPED_LINE = ("stopped on SIGTERM outside the training steps: the files this r
 
 def stop_at_once(signum, frame):
     """The SIGTERM handler of a run outside its training steps (run_cli installs it)."""
+    forget_a_dead_launcher()
     raise Stopped(STOPPED_LINE)
 
 
@@ -154,6 +155,8 @@ def run_cli(main, args):
         record_for_launcher(line)
         code = 143
     finally:
+        # the run is over: a late SIGTERM (the launcher passing its own on) must not cut the lock's release short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         release_output_dirs()
     if launched_world_size() > 1:
         leave_process(code)
@@ -662,14 +665,30 @@ def stop_with_launcher():
     where the ranks can still agree, then leaves, and lets go of the output directory. Without this, the ranks (in
     sessions of their own) train on as orphans, holding the directory's lock. Linux only (prctl); a process started
     otherwise (python script.py, nohup) is left as it is."""
+    global _launcher
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     parent = os.getppid()
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
         return  # the kernel refused: the job then ends as it did without it
+    _launcher = parent
     if os.getppid() != parent:  # the launcher died while the request was being made
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+_launcher = None  # the agent whose death sends this process SIGTERM (stop_with_launcher), while it is alive
+
+
+def forget_a_dead_launcher():
+    """Called on every SIGTERM this process acts on: once the launcher is gone, the request for a signal at its death
+    is withdrawn. The kernel keeps that request across the orphan's handing over to an init process, and sends the
+    signal again whenever the thread it was handed to ends: in a container whose PID 1 is multi-threaded, an orphan
+    saving its checkpoint would be stopped again, at random, while it finishes."""
+    global _launcher
+    if _launcher is not None and os.getppid() != _launcher:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)
+        _launcher = None
 
 
 def check_sharding_applies(accelerator):
@@ -743,12 +762,15 @@ def _claim_or_refusal(output_dir, token):
 
 def release_output_dirs():
     """Remove the locks this process holds, and the directories created only to hold them when nothing else was
-    written there. Called at the end of a run (RunLog.end) and by run_cli however the run ends; safe to repeat."""
+    written there. Called at the end of a run (RunLog.end) and by run_cli however the run ends; safe to repeat, and a
+    release cut short (a SIGTERM stopping the run inside it) is finished by the next: a lock leaves the list only once
+    it is gone."""
     while _held_locks:
-        path, token, created = _held_locks.pop()
+        path, token, created = _held_locks[-1]
         if _read_lock(path, wait=0).get("token") == token:
             path.unlink(missing_ok=True)
         _remove_empty(created)
+        _held_locks.pop()
 
 
 def _remove_empty(directories):
