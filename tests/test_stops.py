@@ -13,18 +13,18 @@ import psutil
 import pytest
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from conftest import (descendants, kill_job, launch, launch_cmd, read_json, read_jsonl, run_here, start, wait_for,
-                      workers)
+from conftest import (FEW_DIGITS_TRAIN, descendants, kill_job, launch, launch_cmd, read_json, read_jsonl, run_here,
+                      start, wait_for, workers)
 
 from utils.runtime import loader_settings
 
 GRACE = 30  # seconds torch's elastic agent (accelerate launch, torchrun) waits between its SIGTERM and its SIGKILL
-RESNET_STEPS_PER_EPOCH = 1348 // 64  # the digits' training images, -b 64, drop_last
+RESNET_STEPS_PER_EPOCH = FEW_DIGITS_TRAIN // 64  # the few digits' training images, -b 64, drop_last
 
 
 def resnet_args(data, out, *extra):
     return [data, "--arch", "resnet18", "--image_size", "16", "--val_resize", "16", "-b", "64", "--lr", "0.02",
-            "--momentum", "0", "-j", "2", "-p", "5", "--epochs", "2", "--checkpointing_steps", "5",
+            "--momentum", "0", "-j", "2", "-p", "5", "--epochs", "2", "--checkpointing_steps", "2",
             "--output_dir", out, *extra]
 
 
@@ -110,14 +110,14 @@ def test_loader_workers_leave_on_their_parents_sigterm_alone():
 
 
 @pytest.mark.parametrize("name", ["resnet", "bert"])
-def test_sigterm_to_every_process_with_loader_workers_saves_and_resumes(name, digits_data, text_data, tmp_path):
+def test_sigterm_to_every_process_with_loader_workers_saves_and_resumes(name, few_digits, text_data, tmp_path):
     """Slurm's time limit and scancel: SIGTERM to the launcher, the ranks and their DataLoader workers at once."""
     script, args, resume, steps = SCRIPTS[name]
-    data, out = (digits_data if name == "resnet" else text_data), tmp_path / "out"
+    data, out = (few_digits if name == "resnet" else text_data), tmp_path / "out"
     job = start(launch_cmd(script, args(data, out), num_processes=2), tmp_path / "job.log")
     processes = []
     try:
-        wait_for(complete(out, 5), job, timeout=240)
+        wait_for(lambda: any((out / "checkpoints").glob("step_*/training_state.json")), job, timeout=240)  # the first
         wait_for(lambda: len(workers(job, out)) >= 2 + 2 * 2, job)  # the ranks and each one's 2 loader workers
         processes = [job.pid, *descendants(job.pid)]
         signaled = time.time()
@@ -140,12 +140,12 @@ def test_sigterm_to_every_process_with_loader_workers_saves_and_resumes(name, di
     assert read_json(out / "all_results.json")["train_steps"] == steps
 
 
-def long_validation_copy(digits_data, root, copies):
-    """The digits with `copies` hard links of every validation image beside it: a validation of minutes, the same
+def long_validation_copy(digits, root, copies):
+    """The few digits with `copies` hard links of every validation image beside it: a validation of minutes, the same
     training data (the links are removed again before the resume)."""
     root.mkdir()
-    (root / "train").symlink_to(digits_data / "train")
-    for image in sorted((digits_data / "val").rglob("*.png")):
+    (root / "train").symlink_to(digits / "train")
+    for image in sorted((digits / "val").rglob("*.png")):
         folder = root / "val" / image.parent.name
         folder.mkdir(parents=True, exist_ok=True)
         os.link(image, folder / image.name)
@@ -154,18 +154,19 @@ def long_validation_copy(digits_data, root, copies):
     return root
 
 
-def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves(digits_data, tmp_path):
+def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves(few_digits, tmp_path):
     """docker stop, kubectl delete: SIGTERM to PID 1 (the launcher), which passes it on and SIGKILLs the ranks
     GRACE seconds later. The stop abandons the epoch's validation (minutes long here), saves the epoch's end with the
     validation still due, and the resumed run validates that epoch first."""
-    data, out = long_validation_copy(digits_data, tmp_path / "data", copies=200), tmp_path / "out"
+    data, out = long_validation_copy(few_digits, tmp_path / "data", copies=800), tmp_path / "out"
     args = resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000")  # no checkpoint but the stop's
     job = start(launch_cmd("train_resnet.py", args, num_processes=2), tmp_path / "job.log")
     processes = []
     try:
-        # the last log line of epoch 1 (step 20); step 21 ends the epoch and starts the validation
+        # the log line of epoch 1's last step (5), which ends the epoch and starts the validation
         wait_for(lambda: (out / "metrics.jsonl").exists() and any(
-            e["event"] == "train" and e["step"] == 20 for e in read_jsonl(out / "metrics.jsonl")), job, timeout=240)
+            e["event"] == "train" and e["step"] == RESNET_STEPS_PER_EPOCH for e in read_jsonl(out / "metrics.jsonl")),
+            job, timeout=240)
         time.sleep(5)
         processes = [job.pid, *descendants(job.pid)]
         signaled = time.time()
@@ -176,19 +177,21 @@ def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves
     finally:
         end_all([job.pid, *processes])
     log = (tmp_path / "job.log").read_text()
-    assert "evaluation after step 21 abandoned on SIGTERM" in log, log[-3000:]
+    assert f"evaluation after step {RESNET_STEPS_PER_EPOCH} abandoned on SIGTERM" in log, log[-3000:]
     assert checkpoint_steps(out) == [RESNET_STEPS_PER_EPOCH], log[-3000:]
-    state = json.loads((out / "checkpoints" / "step_21" / "training_state.json").read_text())
+    state = json.loads((out / "checkpoints" / f"step_{RESNET_STEPS_PER_EPOCH}" / "training_state.json").read_text())
     assert state["validation_due"] is True
     assert seconds < GRACE and ended, f"{seconds:.1f} s"
-    print(f"launcher SIGTERM during validation: launcher exit {job.returncode}, checkpoint step 21, {seconds:.1f} s")
+    print(f"launcher SIGTERM during validation: launcher exit {job.returncode}, checkpoint step "
+          f"{RESNET_STEPS_PER_EPOCH}, {seconds:.1f} s")
     for copy in (data / "val").rglob("copy*.png"):
         copy.unlink()
     launch("train_resnet.py", [*resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000"),
                                "--resume", "latest"], num_processes=2, timeout=400)
     evals = [(e["step"], e["epoch"]) for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
-    assert evals == [(21, 1), (42, 2)], evals  # the abandoned validation, then the next epoch's
-    assert read_json(out / "all_results.json")["train_steps"] == 42
+    steps = RESNET_STEPS_PER_EPOCH
+    assert evals == [(steps, 1), (2 * steps, 2)], evals  # the abandoned validation, then the next epoch's
+    assert read_json(out / "all_results.json")["train_steps"] == 2 * steps
 
 
 def test_sigkill_to_the_launcher_stops_the_ranks_and_frees_the_directory(text_data, tmp_path):
