@@ -234,9 +234,9 @@ def test_a_stop_inside_the_lock_release_leaves_no_lock(tmp_path, monkeypatch):
             with pytest.raises(SystemExit) as exit_:
                 runtime.run_cli(main, None)
         finally:
-            signal.signal(signal.SIGTERM, handler)  # run_cli's, as a script's process ends with them
             monkeypatch.undo()
         assert exit_.value.code == 143 and len(calls) == 2, cut
+        assert signal.getsignal(signal.SIGTERM) == handler  # run_cli gives its caller's handler back
         assert not (out / ".lock").exists() and not out.parent.exists(), cut  # lock and its new directories gone
 
 

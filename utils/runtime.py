@@ -117,11 +117,13 @@ def run_cli(main, args):
     one line per process and exit status 143 (128 + SIGTERM). A process started with SIGTERM ignored keeps it
     ignored outside its training steps, as programs started under nohup do: slurm/node_launch.sh starts the ranks so
     and forwards a stop to each one once it handles SIGTERM, which is where its training steps can save it. The
-    output directory's lock is released however the run ends. A process of a multi-process launch then leaves
-    through leave_process."""
+    output directory's lock is released however the run ends, with SIGTERM ignored while it is (a late one must not
+    cut the release short). A process of a multi-process launch then leaves through leave_process; otherwise the
+    caller's SIGTERM handler is put back."""
     global _outside_training
     code, result = 0, None
-    _outside_training = signal.SIG_IGN if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN else stop_at_once
+    entry = signal.getsignal(signal.SIGTERM)
+    _outside_training = signal.SIG_IGN if entry == signal.SIG_IGN else stop_at_once
     stop_outside_training()
     try:
         result = main(args)
@@ -160,6 +162,7 @@ def run_cli(main, args):
         release_output_dirs()
     if launched_world_size() > 1:
         leave_process(code)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if entry is None else entry)  # the caller's again
     if code:
         sys.exit(code)
     return result
