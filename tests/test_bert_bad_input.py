@@ -6,7 +6,7 @@ import re
 import shutil
 
 import pytest
-from conftest import ACCELERATE, assert_one_line_error, free_port, launch, run, run_here
+from conftest import ACCELERATE, FAKE_GPU, assert_one_line_error, free_port, launch, run, run_here
 
 import train_bert_cls
 from utils.export import on_meta_device
@@ -111,11 +111,18 @@ def test_global_batch_must_divide_over_processes(text_data, tmp_path):
     assert 'train_bert_cls.py", line' not in proc.stderr  # the launcher reports the exit; our code has no traceback
 
 
-def test_multi_process_launch_without_cpu_flag_on_a_cpu_machine(text_data, tmp_path):
+@pytest.mark.parametrize("machine, env, message", [
+    ("no GPU", {"CUDA_VISIBLE_DEVICES": ""}, "2 processes were launched on a machine without a GPU but without --cpu"),
+    ("1 GPU", FAKE_GPU, "2 processes were launched on this machine, which has 1 GPU visible: each process trains on a "
+                        "GPU of its own. Launch at most 1 per machine"),
+], ids=["no GPU", "1 GPU"])
+def test_multi_process_launch_without_cpu_flag_on_too_few_gpus(text_data, tmp_path, machine, env, message):
+    """The 4-GPU config on a laptop or a 1-GPU box, without --cpu: refused before anything is written."""
     proc = run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", free_port(), SCRIPT,
-                "--data_dir", text_data, "--do_train", *small_args(text_data, tmp_path / "o")], check=False)
+                "--data_dir", text_data, "--do_train", *small_args(text_data, tmp_path / "o")], check=False, env=env)
     assert proc.returncode != 0
-    assert "without a GPU but without --cpu" in proc.stderr
+    assert f"error: {message}" in proc.stderr
+    assert 'train_bert_cls.py", line' not in proc.stderr  # the launcher reports the exit; our code has no traceback
     assert not (tmp_path / "o").exists()
 
 

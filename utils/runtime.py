@@ -501,6 +501,13 @@ def check_launch(args):
             "--data_parallel (single-process nn.DataParallel) cannot be combined with a multi-process launch "
             f"({world_size} processes): drop --data_parallel, the launch already does DDP."
         )
+    here, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if here > gpus > 0 and not args.cpu:
+        raise UserError(
+            f"{here} processes were launched on this machine, which has {gpus} GPU{'s' * (gpus > 1)} visible: each "
+            f"process trains on a GPU of its own. Launch at most {gpus} per machine (--num_processes, or "
+            "num_processes in the config file), or add --cpu for gloo DDP on CPU."
+        )
 
 
 def hide_gpus_under_cpu(args):
