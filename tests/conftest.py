@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +26,27 @@ ENV = {
     "PYTHONUNBUFFERED": "1",
     "TQDM_DISABLE": "1",
 }
+# The GPUs this machine shows, asked through NVML without initialising CUDA (cpu_in_this_process hides them here)
+REAL_GPUS = torch.cuda.device_count()
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def pythonpath(*folders):
+    """PYTHONPATH with these folders first, then the caller's: wheels installed with --target (make gpu-check) stay
+    importable in a run that puts its own modules first."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [*map(str, folders), ENV.get("PYTHONPATH")]))}
+
+
 # `launch` runs every job on a simulated 1-GPU machine where any CUDA use raises (tests/fake_gpu/sitecustomize.py):
 # the suite's --cpu runs then prove that --cpu means CPU on a machine with a GPU, too.
-# Prepended to PYTHONPATH, so wheels installed with --target (make gpu-check) stay importable.
-FAKE_GPU = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests" / "fake_gpu"), os.environ.get("PYTHONPATH")]))}
+FAKE_GPU = pythonpath(ROOT / "tests" / "fake_gpu")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+# --doc_stride needs every window of a long text: tokenizers 0.23.2 returns two at most, and the script refuses it
+needs_whole_windows = pytest.mark.skipif(
+    tokenizers.__version__ == "0.23.2", reason="tokenizers 0.23.2 cuts a long text into two windows at most, so "
+    "--doc_stride refuses it (pip install 'tokenizers>=0.23.3'): the refusal is tested on any version")
 
 
 def free_port():
@@ -175,6 +191,20 @@ def shared_dir(tmp_path_factory, name, build):
             build(directory)
             done.touch()
     return directory
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_in_this_process():
+    """What runs in a pytest process (the unit tests, run_here's 1-process runs) runs on CPU on any machine, as a
+    launched --cpu run does: where a GPU is visible, it is hidden from the process that runs the tests before anything
+    initialises CUDA (an in-process --cpu run could not hide it afterwards; a leftover accelerate state would put the
+    next in-process run on the GPU). A fixture, not an import-time setting: pytest-xdist's workers inherit their
+    controller's environment, and launched runs see the machine as it is (ENV was copied at import)."""
+    if REAL_GPUS:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():
+            raise RuntimeError("CUDA was initialised in the pytest process before the tests ran, so it cannot hide "
+                               "the GPU: ask torch.cuda.device_count() (NVML), not is_available(), at import time")
 
 
 @pytest.fixture(scope="session")

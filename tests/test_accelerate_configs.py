@@ -5,7 +5,6 @@ inline script on CPU (2 gloo processes, a few seconds each) and time out instead
 """
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
-from conftest import FAKE_GPU, kill_job
+from conftest import ENV, FAKE_GPU, kill_job
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -65,7 +64,7 @@ def free_port():
 def launch_env():
     """The caller's environment without distributed/accelerate variables that would leak into the run."""
     leaked = ("ACCELERATE_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
+    env = {k: v for k, v in ENV.items() if not k.startswith(leaked)}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **FAKE_GPU)  # on a simulated 1-GPU machine, as `launch`
     return env
 

@@ -9,9 +9,8 @@ import re
 import textwrap
 
 import pytest
-import torch
 
-from conftest import FAKE_GPU, ROOT, run
+from conftest import FAKE_GPU, REAL_GPUS, ROOT, run
 from utils.runtime import cpu_bf16_note, CPU_BF16_WITHOUT_AMX, cpu_has_amx
 
 BARRIER = """
@@ -34,7 +33,7 @@ def barrier_on_fake_gpu(before, tmp_path):
                timeout=120)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU would serve the barrier: the simulation is for "
+@pytest.mark.skipif(REAL_GPUS > 0, reason="a real GPU would serve the barrier: the simulation is for "
                     "CPU-only machines; on a GPU machine the suite's own 2-process --cpu runs are the proof")
 def test_the_simulated_gpu_machine_sends_an_unhidden_barrier_to_cuda(tmp_path):
     proc = barrier_on_fake_gpu("", tmp_path)

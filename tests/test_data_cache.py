@@ -6,7 +6,7 @@ import os
 import shutil
 
 import pytest
-from conftest import launch, read_json, run_here
+from conftest import launch, needs_whole_windows, read_json, run_here
 from test_edges import two_machines
 
 SCRIPT = "train_bert_cls.py"
@@ -65,7 +65,8 @@ def pairs_multi_label(data):
     return ["--text_pair_column", "text_pair", "--multi_label"]
 
 
-@pytest.mark.parametrize("layout", ["cnews, shuffled, cut, windows", "pairs, multi-label"])
+@pytest.mark.parametrize("layout", [pytest.param("cnews, shuffled, cut, windows", marks=needs_whole_windows),
+                                    "pairs, multi-label"])
 def test_files_stream_into_the_cache_as_they_are_read(data, tmp_path, monkeypatch, layout):
     """The cache's build reads each file into an Arrow table as it goes (memory flat in the file's size) and gets what
     reading it into a list of examples gets: the same labels, fingerprint, first text, [UNK] rate and tokenised
@@ -134,6 +135,7 @@ def test_each_input_of_the_key_makes_a_new_entry(data, tmp_path):
     assert len(entries(cache)) == 5
 
 
+@needs_whole_windows
 def test_each_long_text_cut_makes_a_new_entry(data, tmp_path):
     cache = tmp_path / "cache"
 

@@ -306,6 +306,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU (gloo) on any machine, as --cpu makes a run
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file

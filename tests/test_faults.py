@@ -296,6 +296,7 @@ import json, os, sys
 from pathlib import Path
 from types import SimpleNamespace
 
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU (gloo) on any machine, as --cpu makes a run
 sys.path.insert(0, sys.argv[1])
 from accelerate import PartialState
 from accelerate.utils import gather_object

@@ -1,9 +1,12 @@
 """train_bert_cls.py on texts longer than --max_seq_len: --truncation tail/head_tail against the tokenizer's own
 encoding, --doc_stride windows trained with their text's label and pooled into one prediction per text, counted once
 on 1 and 2 processes (against the exported model's own forward in the test), recorded in the export."""
+import re
+
 import pytest
+import tokenizers
 import torch
-from conftest import launch, one_thread, read_json, read_jsonl, run_here
+from conftest import launch, needs_whole_windows, one_thread, read_json, read_jsonl, run_here
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from utils.runtime import UserError
@@ -47,6 +50,7 @@ def test_head_tail_keeps_the_first_and_last_tokens(tokenizer):
     assert dataset["labels"] == [3, 4]
 
 
+@needs_whole_windows
 def test_windows_cover_the_text_with_its_label(tokenizer):
     tokens = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     dataset = tokenize(tokenizer, [TEXT, "体育"], [7, 2], LEN, cut=LongText(doc_stride=4), keep_doc=True)
@@ -75,9 +79,12 @@ class TwoWindowsAtMost:
 
 
 def test_windows_that_drop_tokens_are_refused_before_any_text_is_cut(tokenizer):
-    with pytest.raises(UserError, match=r"^--doc_stride: this tokenizer's windows hold 24 of a 48-token text \(2 "
-                                        r"windows, tokenizers .*pip install 'tokenizers>=0.23.3'$"):
+    with pytest.raises(UserError, match=r"^--doc_stride: this tokenizer's windows hold (\d+) of a 48-token text \(2 "
+                                        r"windows, tokenizers .*pip install 'tokenizers>=0.23.3'$") as refused:
         tokenize(TwoWindowsAtMost(tokenizer), [TEXT], [7], LEN, cut=LongText(doc_stride=4))
+    covered = int(re.search(r"hold (\d+) of", str(refused.value)).group(1))
+    # two windows of 14 tokens overlapping by 4; tokenizers 0.23.2 cuts its own two windows first
+    assert covered == 24 or (tokenizers.__version__ == "0.23.2" and covered < 48), covered
 
 
 def test_pool_windows_by_mean_and_max():
@@ -131,6 +138,7 @@ def card_windows_probabilities(model_dir, card, text):
     return scope["probabilities"].tolist()
 
 
+@needs_whole_windows
 @pytest.mark.parametrize("n, pool", [(1, "max"), (2, "mean")])
 def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n, pool):
     out = tmp_path / "out"

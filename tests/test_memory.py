@@ -15,7 +15,7 @@ import transformers
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from conftest import launch_cmd, one_thread, read_json, read_jsonl, run, run_here
+from conftest import launch_cmd, one_thread, pythonpath, read_json, read_jsonl, run, run_here
 from safetensors.torch import load_file
 from torchvision.datasets import ImageFolder
 
@@ -140,7 +140,7 @@ def test_bert_two_processes_one_runs_out(bert_runs, text_data, tmp_path):
     out = tmp_path / "two"
     args = bert_args(text_data, out, "--train_batch_size", "16", "--auto_find_batch_size", "--gradient_checkpointing",
                      config=TINY_BERT + NO_DROPOUT)
-    proc = run(launch_cmd("train_bert_cls.py", args[1:], num_processes=2), env={"PYTHONPATH": str(site)})
+    proc = run(launch_cmd("train_bert_cls.py", args[1:], num_processes=2), env=pythonpath(site))
     assert proc.stdout.count("out of memory at per-device batch 8: retrying with 4 x 2 accumulation steps") == 1
     results = read_json(out / "all_results.json")
     assert (results["num_processes"], results["per_device_micro_batch_size"]) == (2, 4)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import launch, read_json, run, run_here
+from conftest import launch, pythonpath, read_json, run, run_here
 from shared_image_runs import ONNX
 
 from utils.export import load_torch_checkpoint
@@ -102,7 +102,7 @@ def test_missing_onnxruntime_is_one_line(tmp_path, digits_data, script, args):
     (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'onnxruntime'\")\n")
     args = [str(digits_data) if a == "DATA" else a for a in args]
     proc = run(["python", script, *args, "--export_onnx", "--output_dir", tmp_path / "out"], check=False,
-               env={"PYTHONPATH": str(tmp_path / "site")})
+               env=pythonpath(tmp_path / "site"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert ("--export_onnx needs the optional packages onnx and onnxruntime (onnxruntime is not installed)"
             in proc.stderr)
