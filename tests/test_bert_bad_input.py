@@ -4,12 +4,15 @@ The first test runs `python train_bert_cls.py` as users do; the other 1-process 
 this process (conftest.run_here: the script's run_cli(main, parse_args()), without a fresh interpreter's start-up)."""
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ACCELERATE, FAKE_GPU, assert_one_line_error, free_port, launch, run, run_here
 
 import train_bert_cls
 from utils.export import on_meta_device
+from utils.runtime import UserError, check_launch
 from utils.text_model import position_limit
 
 SCRIPT = "train_bert_cls.py"
@@ -111,19 +114,37 @@ def test_global_batch_must_divide_over_processes(text_data, tmp_path):
     assert 'train_bert_cls.py", line' not in proc.stderr  # the launcher reports the exit; our code has no traceback
 
 
-@pytest.mark.parametrize("machine, env, message", [
-    ("no GPU", {"CUDA_VISIBLE_DEVICES": ""}, "2 processes were launched on a machine without a GPU but without --cpu"),
-    ("1 GPU", FAKE_GPU, "2 processes were launched on this machine, which has 1 GPU visible: each process trains on a "
-                        "GPU of its own. Launch at most 1 per machine"),
-], ids=["no GPU", "1 GPU"])
-def test_multi_process_launch_without_cpu_flag_on_too_few_gpus(text_data, tmp_path, machine, env, message):
-    """The 4-GPU config on a laptop or a 1-GPU box, without --cpu: refused before anything is written."""
+def test_multi_process_launch_without_cpu_flag_on_a_1_gpu_machine(text_data, tmp_path):
+    """The 4-GPU config on a 1-GPU box, without --cpu: refused on every rank before anything is written."""
     proc = run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", free_port(), SCRIPT,
-                "--data_dir", text_data, "--do_train", *small_args(text_data, tmp_path / "o")], check=False, env=env)
+                "--data_dir", text_data, "--do_train", *small_args(text_data, tmp_path / "o")], check=False,
+               env=FAKE_GPU)
     assert proc.returncode != 0
-    assert f"error: {message}" in proc.stderr
+    assert any(line.startswith("error: 2 processes were launched on this machine, which has 1 GPU visible: each "
+                               "process trains on a GPU of its own. Launch at most 1 per machine")
+               for line in proc.stderr.splitlines()), proc.stderr[-3000:]
     assert 'train_bert_cls.py", line' not in proc.stderr  # the launcher reports the exit; our code has no traceback
     assert not (tmp_path / "o").exists()
+
+
+def test_launches_each_machine_can_serve(monkeypatch):
+    """Processes per machine against its GPUs (LOCAL_WORLD_SIZE, set by torchrun and accelerate launch)."""
+    def check(world, here, gpus, cpu=False):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(here))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+        check_launch(SimpleNamespace(cpu=cpu, data_parallel=False))
+
+    check(world=2, here=1, gpus=1)  # two machines of one GPU each
+    check(world=8, here=4, gpus=8)  # fewer processes than GPUs: the rest stay free
+    check(world=2, here=2, gpus=0, cpu=True)  # gloo DDP on the CPU
+    check(world=2, here=2, gpus=1, cpu=True)
+    with pytest.raises(UserError, match=r"^2 processes were launched on a machine without a GPU but without --cpu"):
+        check(world=2, here=2, gpus=0)  # each would train on its own
+    with pytest.raises(UserError, match=r"^4 processes were launched on this machine, which has 2 GPUs visible: .* "
+                                        r"Launch at most 2 per machine"):
+        check(world=8, here=4, gpus=2)
 
 
 @pytest.mark.parametrize("flag,value", [("--logging_steps", "0"), ("--gradient_accumulation_steps", "0"),
