@@ -115,7 +115,7 @@ def test_global_batch_must_divide_over_processes(text_data, tmp_path):
 
 
 def test_multi_process_launch_without_cpu_flag_on_a_1_gpu_machine(text_data, tmp_path):
-    """The 4-GPU config on a 1-GPU box, without --cpu: refused on every rank before anything is written."""
+    """The 4-GPU config on a 1-GPU box, without --cpu: refused in one line before anything is written."""
     proc = run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", free_port(), SCRIPT,
                 "--data_dir", text_data, "--do_train", *small_args(text_data, tmp_path / "o")], check=False,
                env=FAKE_GPU)
