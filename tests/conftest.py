@@ -3,6 +3,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -134,6 +135,16 @@ def run_here(script, args, check=True):
         raise AssertionError(f"exit {returncode}: {script} {' '.join(argv)}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
                              f"--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_on(num_processes, script, args):
+    """A run on 1 or 2 processes whose point is the script, not the launcher: 1 process in this process (run_here,
+    with the --cpu that `launch` adds), 2 through a real `accelerate launch` of gloo DDP. What a 1-process launch adds
+    is an interpreter's start-up, seconds of CPU; a 1-process run's `startup_seconds` then counts from the pytest
+    process's start, so tests of start-up read launched runs."""
+    if num_processes == 1:
+        return run_here(script, ["--cpu", *args])
+    return launch(script, args, num_processes=num_processes)
 
 
 def launch(script, args, num_processes=1, env=None, **kwargs):
@@ -330,12 +341,27 @@ def assert_group_restarted(log):
 
 
 def kill_job(proc, sig):
-    """Signal the launcher and every worker at once, as Slurm does to a job step (or the OOM killer to all)."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
+    """Signal the launcher and every worker at once, as Slurm does to a job step (or the OOM killer to all). After a
+    SIGKILL, wait until each of them has ended (gone or a zombie), as the next command after a `kill -9` finds them:
+    a process that is still tearing down its memory still holds its output directory's lock."""
+    import time
+
+    pids = [proc.pid, *descendants(proc.pid)]
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + 30
+    while sig == signal.SIGKILL and time.monotonic() < deadline and any(map(_running, pids)):
+        time.sleep(0.05)
+
+
+def _running(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def assert_same_weights(a, b):

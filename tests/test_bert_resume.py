@@ -7,7 +7,8 @@ import signal
 
 import pytest
 from conftest import (ELASTIC, TORCHRUN, assert_group_restarted, assert_same_curve, assert_same_weights, descendants,
-                      free_port, kill_job, launch, launch_cmd, read_json, run_here, start, wait_for, workers)
+                      free_port, kill_job, launch, launch_cmd, read_json, run_here, run_on, start, wait_for,
+                      workers)
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
@@ -37,7 +38,7 @@ def uninterrupted(text_data, tmp_path_factory):
     runs = {}
     for n in (1, 2):
         out = tmp_path_factory.mktemp(f"uninterrupted_{n}")
-        launch(SCRIPT, resume_args(text_data, out), num_processes=n)
+        run_on(n, SCRIPT, resume_args(text_data, out))
         runs[n] = out
     return runs
 
@@ -60,7 +61,7 @@ def test_sigkill_then_resume_latest_is_bitwise_identical(uninterrupted, text_dat
     job.wait()
     latest = checkpoint_steps(out)[-1]
     assert 20 <= latest < STEPS, latest
-    launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=1)
+    train_here(resume_args(text_data, out, "--resume_from_checkpoint", "latest"))
     assert_same_run(uninterrupted[1], out)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import launch, read_jsonl, run_here
+from conftest import read_jsonl, run_here, run_on
 
 from utils.export import load_torch_checkpoint
 from train_resnet import val_transform
@@ -62,8 +62,8 @@ def test_predict_rows_in_input_order_match_the_models_forward(model_best, inputs
     args, files, unreadable = inputs
     out = tmp_path / "out"
     # -b 64 over 454 files: the last batch is short, and on 2 processes padded with duplicates
-    proc = launch(SCRIPT, ["--predict", *args, "--resume", model_best, "--topk", "3", "-b", "64", "-j", "0",
-                           "--output_dir", out], num_processes=n)
+    proc = run_on(n, SCRIPT, ["--predict", *args, "--resume", model_best, "--topk", "3", "-b", "64", "-j", "0",
+                              "--output_dir", out])
     rows = read_jsonl(out / "predictions.jsonl")
     assert [row["file"] for row in rows] == files
     assert {row["file"] for row in rows if "skipped" in row} == unreadable
