@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import assert_same_weights, launch, read_json, run, run_here
+from conftest import assert_same_weights, launch, read_json, run_here, run_on
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -124,8 +124,8 @@ def test_refused_before_anything_starts(photos, tmp_path):
             train_resnet.build_dataloaders(None, args)
     with pytest.raises(UserError, match="TrivialAugmentWide"):
         EncodedImageFolder(photos / "train", train_transform(augment_args("--auto_augment", "ta_wide")), 32)
-    proc = run(["python", SCRIPT, "--cpu", photos, "--decode-on-device", "--auto-augment", "ra",
-                "--output_dir", tmp_path / "out"], check=False)
+    proc = run_here(SCRIPT, ["--cpu", photos, "--decode-on-device", "--auto-augment", "ra",
+                             "--output_dir", tmp_path / "out"], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-2000:]
     assert "--decode_on_device: the transform RandAugment" in errors[0] and not (tmp_path / "out").exists()
@@ -188,8 +188,8 @@ def test_trains_as_the_cpu_loader_on_1_and_2_processes(photos, tmp_path):
               "--lr", "0.05", "--momentum", "0", "--epochs", "1", "-p", "1"]
     one = [*common, "-b", "8", "--gradient_accumulation_steps", "2"]
     outs = {name: tmp_path / name for name in ("cpu_loader", "device_1", "device_2")}
-    launch(SCRIPT, [*one, "-j", "0", "--output_dir", outs["cpu_loader"]])
-    launch(SCRIPT, [*one, "-j", "1", "--decode_on_device", "--output_dir", outs["device_1"]])
+    run_on(1, SCRIPT, [*one, "-j", "0", "--output_dir", outs["cpu_loader"]])
+    run_on(1, SCRIPT, [*one, "-j", "1", "--decode_on_device", "--output_dir", outs["device_1"]])
     launch(SCRIPT, [*common, "-b", "16", "-j", "1", "--decode_on_device", "--output_dir", outs["device_2"]],
            num_processes=2)
     results = {name: read_json(out / "all_results.json") for name, out in outs.items()}
