@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -268,8 +269,6 @@ ELASTIC = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def wait_for(predicate, proc, timeout=120):
     """Poll until predicate() holds; fail if the job exits first."""
-    import time
-
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
@@ -344,24 +343,36 @@ def kill_job(proc, sig):
     """Signal the launcher and every worker at once, as Slurm does to a job step (or the OOM killer to all). After a
     SIGKILL, wait until each of them has ended (gone or a zombie), as the next command after a `kill -9` finds them:
     a process that is still tearing down its memory still holds its output directory's lock."""
-    import time
-
     pids = [proc.pid, *descendants(proc.pid)]
     for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + 30
-    while sig == signal.SIGKILL and time.monotonic() < deadline and any(map(_running, pids)):
-        time.sleep(0.05)
+    if sig == signal.SIGKILL:
+        gone_within(pids, 30)
 
 
-def _running(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+def alive(pids):
+    """The processes of `pids` still running (a zombie has ended)."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.append(pid)
+    return running
+
+
+def gone_within(pids, seconds):
+    """Whether every process of `pids` ended within `seconds` (a DataLoader worker notices its parent's exit within
+    torch's 5-second watchdog interval)."""
+    deadline = time.time() + seconds
+    while alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    return not alive(pids)
 
 
 def assert_same_weights(a, b):

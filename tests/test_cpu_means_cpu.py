@@ -4,13 +4,12 @@ Every `launch` in the suite already runs on a simulated 1-GPU machine (conftest.
 of both scripts prove 2-process gloo DDP under --cpu there. The tests here prove the simulation reproduces the
 failure seen on a real 1-GPU box, and what utils.runtime.hide_gpus_under_cpu does about it.
 """
-import os
 import re
 import textwrap
 
 import pytest
 
-from conftest import FAKE_GPU, REAL_GPUS, ROOT, run
+from conftest import REAL_GPUS, ROOT, pythonpath, run
 from utils.runtime import cpu_bf16_note, CPU_BF16_WITHOUT_AMX, cpu_has_amx
 
 BARRIER = """
@@ -29,7 +28,7 @@ def barrier_on_fake_gpu(before, tmp_path):
     from conftest import free_port
     script = tmp_path / "barrier.py"
     script.write_text(textwrap.dedent(BARRIER.format(before=before, port=free_port())))
-    return run(["python", script], env={"PYTHONPATH": os.pathsep.join([FAKE_GPU["PYTHONPATH"], "."])}, check=False,
+    return run(["python", script], env=pythonpath(ROOT / "tests" / "fake_gpu", "."), check=False,
                timeout=120)
 
 

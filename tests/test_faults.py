@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, descendants, free_port, launch, launch_cmd, read_json,
-                      read_jsonl, run, run_here, start, wait_for)
+from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, alive, descendants, free_port, launch, launch_cmd,
+                      read_json, read_jsonl, run, run_here, start, wait_for)
 from safetensors.torch import load_file
 
 from utils.checkpoint import latest_checkpoint
@@ -41,8 +41,7 @@ def test_a_killed_rank_ends_the_whole_job_quickly(text_data, tmp_path):
     assert time.time() - killed_at < 60  # not the default 10-minute collective timeout
     log = (tmp_path / "job.log").read_text()
     assert "exitcode  : -9" in log and "SIGKILL" in log, log[-3000:]  # the failing rank is named
-    for pid in workers:
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert not alive(workers)
 
 
 def test_nan_loss_stops_with_a_clear_message_and_a_good_checkpoint(text_data, tmp_path):

@@ -6,7 +6,7 @@ import re
 import pytest
 import tokenizers
 import torch
-from conftest import launch, needs_whole_windows, one_thread, read_json, read_jsonl, run_here
+from conftest import needs_whole_windows, one_thread, read_json, read_jsonl, run_here, run_on
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from utils.runtime import UserError
@@ -147,10 +147,7 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
     predict.write_text("".join(f"{text}\n" for _, text in rows[:9]) + "\n", encoding="utf-8")  # and a blank line
     args = bert_args(text_data, out, "--doc_stride", "4", "--pool", pool, "--do_train", "--do_eval", "--do_test",
                      "--do_predict", "--predict_file", predict)
-    if n == 1:  # in this process: the launcher is the 2-process case's point
-        run_here(SCRIPT, ["--cpu", *args])
-    else:
-        launch(SCRIPT, args, num_processes=n)
+    run_on(n, SCRIPT, args)  # 1 process in this process: the launcher is the 2-process case's point
     results = read_json(out / "all_results.json")
     assert results["eval_samples"] == results["test_samples"] == 99  # texts, not windows
     assert results["validation_windows"] > 99 and results["train_windows"] > 800

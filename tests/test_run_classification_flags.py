@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import assert_same_curve, assert_same_weights, launch, read_json, read_jsonl, run_here
+from conftest import assert_same_curve, assert_same_weights, read_json, read_jsonl, run_here, run_on
 from safetensors.torch import load_file
 
 from utils.demo_data import TOPICS, make_headline, write_small_bert
@@ -155,8 +155,7 @@ def weighted_args(data, out, *extra):
 def weighted(imbalanced, tmp_path_factory):
     """--class_weights balanced on 1 process (in this process) and on 2 (gloo DDP through accelerate launch)."""
     outs = {n: tmp_path_factory.mktemp(f"weighted_{n}") / "out" for n in (1, 2)}
-    procs = {1: run_here(SCRIPT, ["--cpu", *weighted_args(imbalanced, outs[1])])}
-    procs[2] = launch(SCRIPT, weighted_args(imbalanced, outs[2]), num_processes=2)
+    procs = {n: run_on(n, SCRIPT, weighted_args(imbalanced, outs[n])) for n in (1, 2)}
     return outs, procs
 
 

@@ -13,8 +13,8 @@ import psutil
 import pytest
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from conftest import (FEW_DIGITS_TRAIN, descendants, kill_job, launch, launch_cmd, read_json, read_jsonl, run_here,
-                      start, wait_for, workers)
+from conftest import (FEW_DIGITS_TRAIN, alive, descendants, gone_within, kill_job, launch, launch_cmd, read_json,
+                      read_jsonl, run_here, start, wait_for, workers)
 
 from utils.runtime import loader_settings
 
@@ -46,28 +46,6 @@ def complete(out, step):
 
 def checkpoint_steps(out):
     return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
-
-
-def alive(pids):
-    """The processes of `pids` still running (a zombie has ended)."""
-    running = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            running.append(pid)
-    return running
-
-
-def gone_within(pids, seconds):
-    """Whether every process of `pids` ended within `seconds` (a DataLoader worker notices its parent's exit within
-    torch's 5-second watchdog interval)."""
-    deadline = time.time() + seconds
-    while alive(pids) and time.time() < deadline:
-        time.sleep(0.2)
-    return not alive(pids)
 
 
 def end_all(pids):
