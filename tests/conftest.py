@@ -170,6 +170,22 @@ def pytest_configure(config):
                                        "matched against a peer); `make test` leaves it out, `make test-long` runs it")
 
 
+# The files that take longest (`make test`'s durations; docs/results.md), longest first, handed out before the others:
+# pytest-xdist gives a worker a whole file at a time (--dist loadfile), in collection order, so a long file left near
+# the end keeps one worker busy minutes after the other has run out of work. A file not named here runs after these,
+# in name order. (The files that read the shared digits_model, test_onnx_export and test_image_predict, stay apart.)
+LONGEST_FIRST = ("test_launch_matrix.py", "test_stops.py", "test_resnet.py", "test_compile.py", "test_edges.py",
+                 "test_bert_resume.py", "test_selection.py", "test_faults.py", "test_gpu_check.py",
+                 "test_between_runs.py", "test_data_cache.py", "test_docs.py", "test_bert_cls.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the files of LONGEST_FIRST first, each file's tests in their own order (its module fixtures then build
+    once); every worker collects the same order, as pytest-xdist requires."""
+    first = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # a stable sort: name order otherwise
+
+
 @pytest.fixture(autouse=True)
 def environment_as_found():
     """A run in this process changes the environment (--cpu sets CUDA_VISIBLE_DEVICES=""), which later launchers of

@@ -33,7 +33,7 @@ def compiled_bert(text_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled_bert")
     model_dir = bert_base_chinese_layout(text_data / "model", root / "checkpoint")
     predict_file = root / "texts.txt"
-    texts = [line.split("\t")[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()[:20]]
+    texts = [line.split("\t")[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()[:33]]
     predict_file.write_text("\n".join(texts) + "\n", encoding="utf-8")
     out, resumed = root / "out", root / "resumed"
     proc = compiled_launch("inductor", "train_bert_cls.py", finetune_args(text_data, model_dir, out, predict_file))

@@ -1,5 +1,6 @@
-"""Every way of launching gives the same run: 1 process, accelerate + cpu_ddp.yaml, torchrun, two "machines" with fp16
-requested (and, for ResNet, `accelerate config default`'s file with fp16 requested); the CPU trains fp16 in fp32.
+"""Every way of launching gives the same run: `python` on 1 process, accelerate + cpu_ddp.yaml, torchrun, two
+"machines" with fp16 requested (and, for ResNet, `accelerate config default`'s file with fp16 requested); the CPU
+trains fp16 in fp32.
 
 The equivalence check is the proof that gradients are really averaged across processes: the same
 command with the same GLOBAL batch ends with the same weights on 1 and on 2 processes (BERT).
@@ -15,8 +16,8 @@ import subprocess
 
 import pytest
 import torch
-from conftest import (ACCELERATE, ENV, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, ROOT, TORCHRUN, free_port, kill_job, launch,
-                      read_json, run)
+from conftest import (ACCELERATE, ENV, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, ROOT, TORCHRUN, free_port, kill_job, read_json,
+                      run, run_here)
 from launch_options import default_config, launch_with_config
 from safetensors.torch import load_file
 
@@ -55,8 +56,10 @@ def launch_two_machines(args):
     assert node1.returncode == 0, output[-4000:]
 
 
+# "1 process" is `python SCRIPT`, run in this process (run_here): the reference every launch is compared with, where a
+# launcher would add only its start-up (accelerate launch of 1 process: tests/test_compile.py, the config-file runs).
 LAUNCHES = {
-    "1 process": lambda args: launch(args[0], args[2:], num_processes=1),
+    "1 process": lambda args: run_here(args[0], args[1:]),
     "accelerate cpu_ddp.yaml": lambda args: run([*ACCELERATE, "--config_file", "accelerate_configs/cpu_ddp.yaml",
                                                  "--main_process_port", free_port(), *args]),
     "torchrun": lambda args: run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), *args]),
