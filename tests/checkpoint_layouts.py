@@ -82,11 +82,10 @@ def checkpoint_weights(model_dir):
             for key, value in raw.items()}
 
 
-def finetune_args(data, model_dir, out, predict_file, *extra):
+def finetune_args(data, model_dir, out, predict_file, *extra, eval_batch_size=32):
     """A short fine-tune of a checkpoint directory on the fixture's text: 6 steps, checkpoints and evaluations every 3,
-    test and predictions at the end. Evaluation batches of 33 divide the 99 validation and test texts, so a compiled
-    run compiles one evaluation shape (a predict file of 33 texts shares it): inductor compiles each shape anew."""
+    test and predictions at the end (shared by the checkpoint-layout and compile tests)."""
     return ["--model_name_or_path", model_dir, "--data_dir", data, "--do_train", "--do_eval", "--do_test",
             "--do_predict", "--predict_file", predict_file, "--max_seq_len", "32", "--train_batch_size", "16",
-            "--eval_batch_size", "33", "--learning_rate", "1e-3", "--max_train_steps", "6", "--checkpointing_steps",
-            "3", "--eval_steps", "3", "--logging_steps", "3", "--output_dir", out, *extra]
+            "--eval_batch_size", eval_batch_size, "--learning_rate", "1e-3", "--max_train_steps", "6",
+            "--checkpointing_steps", "3", "--eval_steps", "3", "--logging_steps", "3", "--output_dir", out, *extra]

@@ -56,27 +56,40 @@ def assert_schedule_goes_on(out, first_step, total_steps):
         assert event["lr"] == pytest.approx(cosine_lr(event["step"], total_steps), abs=1e-9), event
 
 
-def test_a_finished_run_is_extended_from_its_checkpoint_pth(digits, tmp_path):
-    """main.py's way to train longer, on 2 processes: `--resume OUT/checkpoint.pth --epochs 2` in the finished run's
-    own directory continues its log, schedule and best-model selection, and says that the momentum starts afresh."""
+CHECKPOINTED = ["--checkpointing_steps", "3", "--save_total_limit", "0"]  # step_3 and step_6 kept
+
+
+@pytest.fixture(scope="module")
+def resnet_two_processes(digits, tmp_path_factory):
+    """A finished 2-epoch run on 2 processes with a checkpoint each epoch, copied by each test that resumes it."""
+    out = tmp_path_factory.mktemp("resnet_two_processes") / "run"
+    launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED), num_processes=2)
+    return out
+
+
+def test_a_finished_run_is_extended_from_its_checkpoint_pth(resnet_two_processes, digits, tmp_path):
+    """main.py's way to train longer, on 2 processes: `--resume OUT/checkpoint.pth --epochs 3` in the finished 2-epoch
+    run's own directory continues its log, schedule and best-model selection, and says that the momentum starts
+    afresh."""
     out = tmp_path / "run"
-    launch(RESNET, resnet_args(digits, out, 1), num_processes=2)
+    shutil.copytree(resnet_two_processes, out)
     first = read_json(out / "all_results.json")
-    proc = launch(RESNET, resnet_args(digits, out, 2, "--resume", out / "checkpoint.pth"), num_processes=2)
-    assert (f"--resume {out / 'checkpoint.pth'}: epoch 1 counts as done: training starts at epoch 2, step 3 of 6 of "
+    proc = launch(RESNET, resnet_args(digits, out, 3, *CHECKPOINTED, "--resume", out / "checkpoint.pth"),
+                  num_processes=2)
+    assert (f"--resume {out / 'checkpoint.pth'}: epochs 1-2 count as done: training starts at epoch 3, step 6 of 9 of "
             "the --lr_scheduler cosine schedule") in proc.stdout
     assert "the optimizer's momentum starts afresh" in proc.stdout
-    # epoch 1's lines kept (a 1-epoch schedule's), epoch 2's follow on the 2-epoch schedule
-    assert [e["step"] for e in logged(out, "train")] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
-    assert_schedule_goes_on(out, STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)
-    assert [e["epoch"] for e in logged(out, "eval")] == [1, 2]
+    # epochs 1 and 2's lines kept (a 2-epoch schedule's), epoch 3's follow on the 3-epoch schedule
+    assert [e["step"] for e in logged(out, "train")] == list(range(1, 3 * STEPS_PER_EPOCH + 1))
+    assert_schedule_goes_on(out, 2 * STEPS_PER_EPOCH + 1, 3 * STEPS_PER_EPOCH)
+    assert [e["epoch"] for e in logged(out, "eval")] == [1, 2, 3]
     results = read_json(out / "all_results.json")
-    assert results["train_steps"] == 2 * STEPS_PER_EPOCH
+    assert results["train_steps"] == 3 * STEPS_PER_EPOCH
     best = torch.load(out / "model_best.pth", weights_only=True)
     assert results["best_epoch"] == best["epoch"] and results["best_metric"] == best["best_acc1"]
-    if results["best_epoch"] == 1:  # epoch 2 did not beat the first run's best: the first run's file stands
+    if results["best_epoch"] < 3:  # epoch 3 did not beat the first run's best: the first run's file stands
         assert results["best_metric"] == first["best_metric"]
-    assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 2
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 3
 
 
 def test_continues_from_model_best_pth(digits, tmp_path):
@@ -107,16 +120,6 @@ def test_start_epoch_starts_inside_the_schedule(digits, tmp_path):
 
 
 # ---- a kill between a best-model export and the next checkpoint, then a resume with another learning rate ----
-
-CHECKPOINTED = ["--checkpointing_steps", "3", "--save_total_limit", "0"]  # step_3 and step_6 kept
-
-
-@pytest.fixture(scope="module")
-def resnet_two_processes(digits, tmp_path_factory):
-    """A finished 2-epoch run on 2 processes with a checkpoint each epoch, copied by each test that resumes it."""
-    out = tmp_path_factory.mktemp("resnet_two_processes") / "run"
-    launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED), num_processes=2)
-    return out
 
 
 def test_resnet_best_model_from_after_the_checkpoint_goes_aside(resnet_two_processes, digits, tmp_path):

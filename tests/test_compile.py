@@ -36,10 +36,13 @@ def compiled_bert(text_data, tmp_path_factory):
     texts = [line.split("\t")[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()[:33]]
     predict_file.write_text("\n".join(texts) + "\n", encoding="utf-8")
     out, resumed = root / "out", root / "resumed"
-    proc = compiled_launch("inductor", "train_bert_cls.py", finetune_args(text_data, model_dir, out, predict_file))
+    # evaluation batches of 33 divide the 99 validation and test texts, and the 33 texts to predict are one more such
+    # batch: one evaluation shape to compile (inductor compiles each batch size anew, seconds of CPU each)
+    proc = compiled_launch("inductor", "train_bert_cls.py", finetune_args(text_data, model_dir, out, predict_file,
+                                                                          eval_batch_size=33))
     shutil.copytree(out, resumed, ignore=lambda folder, names: ["step_6"] if folder.endswith("checkpoints") else [])
     resume = compiled_launch("inductor", "train_bert_cls.py", finetune_args(
-        text_data, model_dir, resumed, predict_file, "--resume_from_checkpoint", "latest"))
+        text_data, model_dir, resumed, predict_file, "--resume_from_checkpoint", "latest", eval_batch_size=33))
     return {"out": out, "resumed": resumed, "texts": texts, "logs": (proc.stderr, resume.stderr)}
 
 
