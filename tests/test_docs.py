@@ -138,6 +138,7 @@ def tiny_run(module):
     return shell_commands(block.strip("\n").replace("\n    ", "\n")), key, float(promise.group(2))
 
 
+@pytest.mark.long  # a learning check (the accuracy it promises); test_documented_command_parses checks its commands
 @pytest.mark.parametrize("module", SCRIPTS.values())
 def test_help_tiny_run_runs_as_printed(module, tmp_path):
     """Copy-pasted from --help into a fresh checkout (here: the repository's files linked into an empty

@@ -147,43 +147,18 @@ def test_resume_keeps_the_metric_that_selected(stopped, text_data, tmp_path):
         "metric_for_best_model='accuracy', this run has 'loss'")
 
 
-@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # mlflow's SQLAlchemy models
-def test_two_processes_stop_at_the_same_step_and_track_once(stopped, text_data, tmp_path):
-    """2 processes: the same stop and the same selected step as 1; TensorBoard and MLflow hold one run each, written
-    by the main process, with the validation metrics at their steps."""
-    pytest.importorskip("mlflow", reason="mlflow is not installed (requirements-dev.txt)")
-    out = tmp_path / "out"
-    launch(BERT, bert_args(text_data, out, "--report_to", "tensorboard", "mlflow"), num_processes=2, env=TRACKING)
-    one, two = read_json(stopped / "all_results.json"), read_json(out / "all_results.json")
-    assert two["num_processes"] == 2
-    assert (two["stopped_early_at_step"], two["best_step"]) == (one["stopped_early_at_step"], one["best_step"])
-    evals = {e["step"]: e["accuracy"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"}
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    [event_file] = (out / "runs" / "bert_cls").glob("events.out.tfevents.*")  # (add_hparams writes its own below)
-    tensorboard = EventAccumulator(str(event_file))
-    tensorboard.Reload()
-    assert {s.step: s.value for s in tensorboard.Scalars("eval/accuracy")} == pytest.approx(evals)
-
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    [experiment] = [e for e in client.search_experiments() if e.name == "bert_cls"]
-    [mlflow_run] = client.search_runs([experiment.experiment_id])
-    history = client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")
-    assert {m.step: m.value for m in history} == pytest.approx(evals)
-    assert mlflow_run.data.params["metric_for_best_model"] == "accuracy"
-
-
-def tensorboard_steps(run_dir, tag):
-    """The steps of `tag` in a TensorBoard run directory (every event file in it, read as TensorBoard reads them:
-    what a writer's purge_step discards left out)."""
+def tensorboard_events(run_dir, tag):
+    """The (step, value) events of `tag` in a TensorBoard run directory, in order (every event file in it, read as
+    TensorBoard reads them: what a writer's purge_step discards left out)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tensorboard = EventAccumulator(str(run_dir))
     tensorboard.Reload()
-    return [s.step for s in tensorboard.Scalars(tag)]
+    return [(s.step, s.value) for s in tensorboard.Scalars(tag)]
+
+
+def tensorboard_steps(run_dir, tag):
+    return [step for step, _ in tensorboard_events(run_dir, tag)]
 
 
 def wandb_offline_runs(wandb_dir):
@@ -228,14 +203,14 @@ def leveldb_log_records(data, block=32768, header=7):
 
 
 @pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # mlflow's SQLAlchemy models
-def test_sigterm_and_resume_continue_one_tracker_run(text_data, tmp_path):
-    """2 processes stopped by SIGTERM and resumed from `latest`: TensorBoard, MLflow and W&B (offline) hold ONE run
-    each, the one the checkpoints record, with every logged step once, in order, as metrics.jsonl has them."""
+def test_sigterm_and_resume_stop_where_one_process_does_and_continue_one_tracker_run(stopped, text_data, tmp_path):
+    """2 processes stopped by SIGTERM and resumed from `latest`: the same early stop and the same selected step as the
+    uninterrupted 1-process run; TensorBoard, MLflow and W&B (offline) hold ONE run each, the one the checkpoints
+    record, written by the main process, with every logged step once, in order, and the values metrics.jsonl has."""
     for tracker in ("mlflow", "wandb"):
         pytest.importorskip(tracker, reason=f"{tracker} is not installed (requirements-dev.txt)")
     out = tmp_path / "out"
-    args = bert_args(text_data, out, "--report_to", "tensorboard", "mlflow", "wandb", "--early_stopping_patience",
-                     "100")
+    args = bert_args(text_data, out, "--report_to", "tensorboard", "mlflow", "wandb")
     import signal
 
     env = {**TRACKING, **{f"WANDB_{d}_DIR": str(tmp_path / f"wandb_{d.lower()}") for d in ("CONFIG", "CACHE", "DATA")}}
@@ -250,13 +225,18 @@ def test_sigterm_and_resume_continue_one_tracker_run(text_data, tmp_path):
     assert f"continuing the runs that checkpoint step {stopped_at} records" in proc.stdout
     last = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
     assert read_training_state(out / "checkpoints" / f"step_{last}")["tracker_runs"] == first_runs
+    one, two = read_json(stopped / "all_results.json"), read_json(out / "all_results.json")
+    assert two["num_processes"] == 2
+    assert (two["stopped_early_at_step"], two["best_step"]) == (one["stopped_early_at_step"], one["best_step"])
     events = read_jsonl(out / "metrics.jsonl")
     train_steps = [e["step"] for e in events if e["event"] == "train"]
     eval_steps = [e["step"] for e in events if e["event"] == "eval"]
+    evals = {e["step"]: e["accuracy"] for e in events if e["event"] == "eval"}
     assert train_steps[0] < stopped_at < train_steps[-1]  # logged before and after the stop
 
     assert tensorboard_steps(out / "runs" / "bert_cls", "train/loss") == train_steps
     assert tensorboard_steps(out / "runs" / "bert_cls", "eval/accuracy") == eval_steps
+    assert dict(tensorboard_events(out / "runs" / "bert_cls", "eval/accuracy")) == pytest.approx(evals)
 
     from mlflow.tracking import MlflowClient
 
@@ -266,7 +246,9 @@ def test_sigterm_and_resume_continue_one_tracker_run(text_data, tmp_path):
     assert mlflow_run.info.run_id == first_runs["mlflow"]
     history = sorted(client.get_metric_history(mlflow_run.info.run_id, "train/loss"), key=lambda m: m.timestamp)
     assert [m.step for m in history] == train_steps
-    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")] == eval_steps
+    history = client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")
+    assert [m.step for m in history] == eval_steps and {m.step: m.value for m in history} == pytest.approx(evals)
+    assert mlflow_run.data.params["metric_for_best_model"] == "accuracy"
 
     # W&B: one run id, the checkpoint's, in both launches, whose rows continue where the stop left them. wandb-core
     # gets the SIGTERM too (Slurm signals every process of a step) and ends the launch's stream at once, so the stopped
