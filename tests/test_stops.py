@@ -13,8 +13,8 @@ import psutil
 import pytest
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from conftest import (FEW_DIGITS_TRAIN, alive, descendants, gone_within, kill_job, launch, launch_cmd, read_json,
-                      read_jsonl, run_here, start, wait_for, workers)
+from conftest import (FEW_DIGITS_TRAIN, alive, descendants, gone_within, kill_job, launch_cmd, read_json, read_jsonl,
+                      run_here, start, wait_for, workers)
 
 from utils.runtime import loader_settings
 
@@ -35,9 +35,11 @@ def bert_args(data, out, *extra):
             *extra]
 
 
-# script, its arguments, its resume flag, its steps
-SCRIPTS = {"resnet": ("train_resnet.py", resnet_args, ["--resume", "latest"], 2 * RESNET_STEPS_PER_EPOCH),
-           "bert": ("train_bert_cls.py", bert_args, ["--resume_from_checkpoint", "latest"], 60)}
+# script, its arguments, its resume flags, its steps. The resumes run in this process, on 1 process without loader
+# workers: what is under test is the checkpoint the stop left (exact resumes on 2 processes: tests/test_resnet.py,
+# tests/test_bert_resume.py).
+SCRIPTS = {"resnet": ("train_resnet.py", resnet_args, ["-j", "0", "--resume", "latest"], 2 * RESNET_STEPS_PER_EPOCH),
+           "bert": ("train_bert_cls.py", bert_args, ["--num_workers", "0", "--resume_from_checkpoint", "latest"], 60)}
 
 
 def complete(out, step):
@@ -114,7 +116,7 @@ def test_sigterm_to_every_process_with_loader_workers_saves_and_resumes(name, fe
     assert results["preempted"] is True and checkpoint_steps(out)[-1] == results["train_steps"] < steps
     assert not (out / ".lock").exists()
     print(f"{name}: launcher exit {job.returncode}, checkpoint step {results['train_steps']}, {seconds:.1f} s")
-    launch(script, [*args(data, out), *resume], num_processes=2, timeout=400)
+    run_here(script, ["--cpu", *args(data, out), *resume])
     assert read_json(out / "all_results.json")["train_steps"] == steps
 
 
@@ -164,8 +166,8 @@ def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves
           f"{RESNET_STEPS_PER_EPOCH}, {seconds:.1f} s")
     for copy in (data / "val").rglob("copy*.png"):
         copy.unlink()
-    launch("train_resnet.py", [*resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000"),
-                               "--resume", "latest"], num_processes=2, timeout=400)
+    run_here("train_resnet.py", ["--cpu", *resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000"),
+                                 *SCRIPTS["resnet"][2]])
     evals = [(e["step"], e["epoch"]) for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
     steps = RESNET_STEPS_PER_EPOCH
     assert evals == [(steps, 1), (2 * steps, 2)], evals  # the abandoned validation, then the next epoch's
