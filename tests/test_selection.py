@@ -147,18 +147,14 @@ def test_resume_keeps_the_metric_that_selected(stopped, text_data, tmp_path):
         "metric_for_best_model='accuracy', this run has 'loss'")
 
 
-def tensorboard_events(run_dir, tag):
-    """The (step, value) events of `tag` in a TensorBoard run directory, in order (every event file in it, read as
+def tensorboard_events(run_dir, *tags):
+    """{tag: its (step, value) events in order} of a TensorBoard run directory, read once (every event file in it, as
     TensorBoard reads them: what a writer's purge_step discards left out)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tensorboard = EventAccumulator(str(run_dir))
     tensorboard.Reload()
-    return [(s.step, s.value) for s in tensorboard.Scalars(tag)]
-
-
-def tensorboard_steps(run_dir, tag):
-    return [step for step, _ in tensorboard_events(run_dir, tag)]
+    return {tag: [(s.step, s.value) for s in tensorboard.Scalars(tag)] for tag in tags}
 
 
 def wandb_offline_runs(wandb_dir):
@@ -234,9 +230,10 @@ def test_sigterm_and_resume_stop_where_one_process_does_and_continue_one_tracker
     evals = {e["step"]: e["accuracy"] for e in events if e["event"] == "eval"}
     assert train_steps[0] < stopped_at < train_steps[-1]  # logged before and after the stop
 
-    assert tensorboard_steps(out / "runs" / "bert_cls", "train/loss") == train_steps
-    assert tensorboard_steps(out / "runs" / "bert_cls", "eval/accuracy") == eval_steps
-    assert dict(tensorboard_events(out / "runs" / "bert_cls", "eval/accuracy")) == pytest.approx(evals)
+    tensorboard = tensorboard_events(out / "runs" / "bert_cls", "train/loss", "eval/accuracy")
+    assert [step for step, _ in tensorboard["train/loss"]] == train_steps
+    assert [step for step, _ in tensorboard["eval/accuracy"]] == eval_steps
+    assert dict(tensorboard["eval/accuracy"]) == pytest.approx(evals)
 
     from mlflow.tracking import MlflowClient
 

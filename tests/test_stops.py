@@ -35,11 +35,14 @@ def bert_args(data, out, *extra):
             *extra]
 
 
-# script, its arguments, its resume flags, its steps. The resumes run in this process, on 1 process without loader
-# workers: what is under test is the checkpoint the stop left (exact resumes on 2 processes: tests/test_resnet.py,
-# tests/test_bert_resume.py).
-SCRIPTS = {"resnet": ("train_resnet.py", resnet_args, ["-j", "0", "--resume", "latest"], 2 * RESNET_STEPS_PER_EPOCH),
-           "bert": ("train_bert_cls.py", bert_args, ["--num_workers", "0", "--resume_from_checkpoint", "latest"], 60)}
+# The resumes after a stop run in this process, on 1 process without loader workers: what is under test is the
+# checkpoint the stop left (exact resumes on 2 processes: tests/test_resnet.py, tests/test_bert_resume.py).
+RESNET_RESUME = ["-j", "0", "--resume", "latest"]
+BERT_RESUME = ["--num_workers", "0", "--resume_from_checkpoint", "latest"]
+
+# script, its arguments, its resume flags, its steps
+SCRIPTS = {"resnet": ("train_resnet.py", resnet_args, RESNET_RESUME, 2 * RESNET_STEPS_PER_EPOCH),
+           "bert": ("train_bert_cls.py", bert_args, BERT_RESUME, 60)}
 
 
 def complete(out, step):
@@ -167,7 +170,7 @@ def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves
     for copy in (data / "val").rglob("copy*.png"):
         copy.unlink()
     run_here("train_resnet.py", ["--cpu", *resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000"),
-                                 *SCRIPTS["resnet"][2]])
+                                 *RESNET_RESUME])
     evals = [(e["step"], e["epoch"]) for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
     steps = RESNET_STEPS_PER_EPOCH
     assert evals == [(steps, 1), (2 * steps, 2)], evals  # the abandoned validation, then the next epoch's
