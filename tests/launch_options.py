@@ -1,14 +1,27 @@
 """Launching as users configure it: a file from `accelerate config default`, and other launcher flags."""
+import json
 import sys
 
-from conftest import ACCELERATE, free_port, run
+from conftest import ACCELERATE, free_port, run, shared_dir
+
+PRECISIONS = ("no", "fp16", "bf16")
 
 
-def default_config(path, mixed_precision="no"):
-    """What `accelerate config default` writes on this machine (JSON, use_cpu: true when no GPU)."""
-    run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default", "--config_file", path,
-         "--mixed_precision", mixed_precision])
-    return path
+def write_default_configs(directory):
+    """`accelerate config default`'s file on this machine (JSON, use_cpu: true when no GPU), run once, and the same
+    file for each other --mixed_precision: the command writes that one field differently and nothing else."""
+    written = directory / "no.json"
+    run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default", "--config_file", written,
+         "--mixed_precision", "no"])
+    config = json.loads(written.read_text())
+    for precision in PRECISIONS[1:]:
+        (directory / f"{precision}.json").write_text(json.dumps({**config, "mixed_precision": precision}, indent=2))
+
+
+def default_config(tmp_path_factory, mixed_precision="no"):
+    """What `accelerate config default --mixed_precision PRECISION` writes on this machine, made once per test session
+    (conftest.shared_dir): the command's start-up is seconds of CPU."""
+    return shared_dir(tmp_path_factory, "accelerate_default_config", write_default_configs) / f"{mixed_precision}.json"
 
 
 def launch_with_config(config, script, args, num_processes=1, **kwargs):

@@ -87,7 +87,7 @@ def finetuned(layouts, text_data, tmp_path_factory):
     args = {name: finetune_args(text_data, layouts[name], outs[name], predict_file) for name in LAYOUTS}
     launch_with_precision("fp16", SCRIPT, args["bin_gamma_beta"], num_processes=2)
     run_here(SCRIPT, ["--cpu", *args["sharded_tokenizer_json"]])
-    launch_with_config(default_config(root / "default_config.json"), SCRIPT, args["electra"])
+    launch_with_config(default_config(tmp_path_factory), SCRIPT, args["electra"])
     return outs, predict_file
 
 

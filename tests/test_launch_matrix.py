@@ -1,6 +1,8 @@
 """Every way of launching gives the same run: `python` on 1 process, accelerate + cpu_ddp.yaml, torchrun, two
-"machines" with fp16 requested (and, for ResNet, `accelerate config default`'s file with fp16 requested); the CPU
-trains fp16 in fp32.
+"machines" with fp16 requested (BERT), and `accelerate config default`'s file with fp16 requested (ResNet); the CPU
+trains fp16 in fp32. How a launch becomes processes, ranks and a precision is one mechanism both scripts go through
+(utils/runtime.py's Accelerator), so each launch is run once, with BERT, and ResNet's own 2-process proof is the
+default-config launch.
 
 The equivalence check is the proof that gradients are really averaged across processes: the same
 command with the same GLOBAL batch ends with the same weights on 1 and on 2 processes (BERT).
@@ -134,17 +136,17 @@ def resnet_parameters(out):
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-# BERT's runs from `accelerate config default`'s file are shared with tests/test_metric_flag.py (bf16) and
-# tests/test_hub_checkpoints.py (fp16, no mixed precision).
+# BERT's runs from `accelerate config default`'s file are in tests/test_metric_flag.py (bf16, 2 processes) and
+# tests/test_hub_checkpoints.py (no mixed precision, 1 process).
 FP16_DEFAULT_CONFIG = "accelerate config default fp16"
-RESNET_LAUNCHES = [*LAUNCHES, FP16_DEFAULT_CONFIG]
+RESNET_LAUNCHES = ["1 process", FP16_DEFAULT_CONFIG]
 
 
 @pytest.fixture(scope="module")
 def resnet_runs(few_digits, tmp_path_factory):
-    fp16_config = default_config(tmp_path_factory.mktemp("default_config") / "fp16.json", "fp16")
-    launches = {**LAUNCHES, FP16_DEFAULT_CONFIG: lambda args: launch_with_config(fp16_config, args[0], args[2:],
-                                                                                 num_processes=2)}
+    fp16_config = default_config(tmp_path_factory, "fp16")
+    launches = {"1 process": LAUNCHES["1 process"],
+                FP16_DEFAULT_CONFIG: lambda args: launch_with_config(fp16_config, args[0], args[2:], num_processes=2)}
     outs = {}
     for name, start in launches.items():
         out = tmp_path_factory.mktemp("resnet_" + name.replace(" ", "_").replace(".", "_"))

@@ -51,7 +51,7 @@ def metric_run(text_data, tmp_path_factory):
     script = write_module(root / "balanced_accuracy.py", "BalancedAccuracy", BALANCED_ACCURACY)
     folder = write_module(root / "error_count" / "error_count.py", "ErrorCount", ERROR_COUNT).parent
     out = root / "out"
-    launch_with_config(default_config(root / "bf16.json", "bf16"), "train_bert_cls.py", [
+    launch_with_config(default_config(tmp_path_factory, "bf16"), "train_bert_cls.py", [
         "--data_dir", text_data, "--model_name_or_path", text_data / "model", "--from_scratch", "--config_overrides",
         "num_hidden_layers=1,hidden_size=32,intermediate_size=64", "--do_train", "--do_eval", "--do_test",
         "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "32", "--learning_rate", "1e-3",
