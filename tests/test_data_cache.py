@@ -1,13 +1,14 @@
 """The BERT data are tokenised once (utils/text_cache.py): a second start reads the cache without tokenising, any
 input of the cache key (file content, tokenizer, --max_seq_len, --labels_file, the long-text cut) makes a new entry,
-2 processes tokenise once in all, nodes with their own disks once per node, and a bad line stops every rank with one
-line. What else a run keeps on disk stays bounded: a finished run rotates the checkpoints a rollback set aside."""
+2 processes tokenise once in all (nodes with their own disks once per node: tests/test_edges.py, in its two-machine
+job), and a bad line stops every rank with one line. What else a run keeps on disk stays bounded: a finished run
+rotates the checkpoints a rollback set aside."""
 import os
 import shutil
 
 import pytest
 from conftest import launch, needs_whole_windows, read_json, run_here
-from test_edges import two_machines
+from test_edges import entries
 
 SCRIPT = "train_bert_cls.py"
 BUILT = "tokenising the data into"
@@ -19,10 +20,6 @@ def small_args(data, out, cache, *extra):
             "--train_batch_size", "16", "--eval_batch_size", "16", "--max_train_steps", "2", "--checkpointing_steps",
             "2", "--do_train", "--do_eval", "--data_cache_dir", cache, "--output_dir", out, "--overwrite_output_dir",
             *extra]
-
-
-def entries(cache):
-    return sorted(path.name for path in cache.iterdir() if not path.name.startswith("."))
 
 
 def arrow_times(cache):
@@ -182,15 +179,6 @@ def test_a_bad_line_or_a_missing_file_stops_both_processes_with_one_line(data, t
     assert missing.returncode != 0  # found while the cache key is computed, by the main process, said by both
     assert f"error: {tmp_path / 'missing.txt'}: file not found" in missing.stderr, missing.stderr[-3000:]
     assert 'train_bert_cls.py", line' not in missing.stderr
-
-
-def test_nodes_with_their_own_disks_tokenise_once_each(data, tmp_path):
-    caches = [tmp_path / "node0" / "cache", tmp_path / "node1" / "cache"]
-    codes, logs = two_machines([small_args(data, tmp_path / f"node{rank}" / "out", caches[rank])[1:]
-                                for rank in range(2)])
-    assert codes == [0, 0], logs[1][-3000:]
-    assert [log.count(BUILT) for log in logs] == [1, 1]
-    assert entries(caches[0]) == entries(caches[1]) and len(entries(caches[0])) == 1
 
 
 def test_a_copy_of_the_data_elsewhere_is_read_from_its_own_files(data, tmp_path):

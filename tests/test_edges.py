@@ -19,6 +19,7 @@ from utils.demo_data import write_digits_imagefolder, write_text_classification_
 from utils.runtime import UserError
 
 SCRIPT = "train_bert_cls.py"
+TOKENISED = "tokenising the data into"  # said by the process that fills the data cache (utils/text_cache.py)
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
 
@@ -34,6 +35,11 @@ def bert_args(data, out, *extra):
             "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0", "--max_seq_len", "32",
             "--train_batch_size", "16", "--eval_batch_size", "16", "--learning_rate", "1e-3", "--logging_steps", "1",
             "--output_dir", out, *extra]
+
+
+def entries(cache):
+    """The data cache's entries (one per tokenised input), without the hidden temporary ones."""
+    return sorted(path.name for path in cache.iterdir() if not path.name.startswith("."))
 
 
 def two_machines(node_args, timeout=120):
@@ -53,12 +59,18 @@ def two_machines(node_args, timeout=120):
     return [proc.returncode for proc in procs], outputs
 
 
-def test_nodes_with_their_own_disks_train_resume_and_refuse_a_missing_checkpoint(uneven_text, tmp_path):
+def test_nodes_with_their_own_disks_tokenise_train_resume_and_refuse_a_missing_checkpoint(uneven_text, tmp_path):
+    """Each node has its own disk: its own --output_dir and its own --data_cache_dir, which it fills once and reads
+    when the job starts again."""
     outs = [tmp_path / "node0", tmp_path / "node1"]
+    caches = [tmp_path / "cache0", tmp_path / "cache1"]
     common = ["--data_dir", uneven_text, "--do_train", "--do_eval", "--eval_steps", "2", "--checkpointing_steps", "2"]
-    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--max_train_steps", "4") for out in outs])
+    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--data_cache_dir", cache, "--max_train_steps",
+                                          "4") for out, cache in zip(outs, caches)])
     assert codes == [0, 0], logs[1][-3000:]
     assert "--output_dir is not shared between the nodes" in logs[0]
+    assert [log.count(TOKENISED) for log in logs] == [1, 1]  # once per node
+    assert [entries(cache) for cache in caches] == [entries(caches[0])] * 2 and len(entries(caches[0])) == 1
     for rank, out in enumerate(outs):  # each node can resume on its own
         step = out / "checkpoints" / "step_4"
         assert (step / "training_state.json").is_file() and (step / "model.safetensors").is_file()
@@ -66,16 +78,18 @@ def test_nodes_with_their_own_disks_train_resume_and_refuse_a_missing_checkpoint
     # the best model was exported on the main node only, and node 1 never needed to read it
     assert not (outs[1] / "best_model").exists() and read_json(outs[0] / "all_results.json")["eval_samples"] == 40
 
-    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--max_train_steps", "6",
-                                          "--resume_from_checkpoint", "latest") for out in outs])
+    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--data_cache_dir", cache, "--max_train_steps",
+                                          "6", "--resume_from_checkpoint", "latest") for out, cache in zip(outs, caches)])
     assert codes == [0, 0], logs[1][-3000:]
     assert f"Resumed from {outs[0] / 'checkpoints' / 'step_4'}" in logs[0]
+    assert not any(TOKENISED in log for log in logs)  # each node read its own cache
     assert read_json(outs[0] / "all_results.json")["train_steps"] == 6
 
     shutil.rmtree(outs[1] / "checkpoints" / "step_6")  # node 1's disk lost the newest checkpoint
     started = time.time()
-    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--max_train_steps", "8", "--ddp_timeout", "90",
-                                          "--resume_from_checkpoint", "latest") for out in outs])
+    codes, logs = two_machines([bert_args(uneven_text, out, *common, "--data_cache_dir", cache, "--max_train_steps",
+                                          "8", "--ddp_timeout", "90", "--resume_from_checkpoint", "latest")
+                                for out, cache in zip(outs, caches)])
     assert codes[0] != 0 and codes[1] != 0
     assert time.time() - started < 60  # every rank stops at once, not at the collective timeout
     message = f"{outs[1] / 'checkpoints' / 'step_6'}: not on the disk of node"
