@@ -123,17 +123,18 @@ def test_start_epoch_starts_inside_the_schedule(digits, tmp_path):
 
 
 def test_resnet_best_model_from_after_the_checkpoint_goes_aside(resnet_two_processes, digits, tmp_path):
-    """2 processes. A run killed after exporting epoch 2 as model_best.pth, before checkpointing step 6, resumed from
-    step 3 with another --lr: the dead run's model_best.pth and card go aside, and model_best.pth, its card and
-    all_results.json then name the resumed run's one selected epoch."""
+    """A 2-process run killed after exporting epoch 2 as model_best.pth, before checkpointing step 6, resumed from step
+    3 (on 1 process, in this process: what is under test is what the resume finds on disk) with another --lr: the dead
+    run's model_best.pth and card go aside, and model_best.pth, its card and all_results.json then name the resumed
+    run's one selected epoch."""
     out = tmp_path / "run"
     shutil.copytree(resnet_two_processes, out)
     dead = torch.load(out / "checkpoint.pth", weights_only=True)  # epoch 2, as the dead run exported it as the best
     torch.save({**dead, "best_acc1": dead["acc1"], "best_epoch": 2}, out / "model_best.pth")
     shutil.rmtree(out / "checkpoints" / "step_6")
     (out / "all_results.json").unlink()
-    proc = launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED, "--resume", "latest", "--lr", "0.01"),
-                  num_processes=2)
+    proc = run_here(RESNET, ["--cpu", *resnet_args(digits, out, 2, *CHECKPOINTED, "--resume", "latest", "--lr",
+                                                   "0.01")])
     assert ("the best model was exported at step 6, after this checkpoint (step 3): model_best.pth, model_card.md "
             "moved aside (*.abandoned_on_resume_from_step_3)") in proc.stdout
     aside = torch.load(out / "model_best.pth.abandoned_on_resume_from_step_3", weights_only=True)
