@@ -63,12 +63,15 @@ def metric_run(text_data, tmp_path_factory):
 def test_bf16_run_from_a_default_config_file_exports_fp32_that_pipeline_loads(metric_run):
     from transformers import AutoModelForSequenceClassification
 
+    """Accelerate applies bf16 autocast on the CPU (an fp16 request trains in fp32: tests/test_launch_matrix.py)."""
     results = read_json(metric_run / "all_results.json")
-    assert (results["num_processes"], results["mixed_precision"]) == (2, "bf16")
+    assert (results["num_processes"], results["mixed_precision_requested"], results["mixed_precision"]) == (
+        2, "bf16", "bf16")
     _, info = AutoModelForSequenceClassification.from_pretrained(metric_run / "best_model", output_loading_info=True)
     assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     weights = load_file(metric_run / "best_model" / "model.safetensors")
     assert {w.dtype for w in weights.values()} == {torch.float32}  # autocast: the weights themselves stay fp32
+    assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 def balanced_accuracy_from_confusion_matrix(path):
