@@ -14,7 +14,7 @@ SCRIPT = "train_bert_cls.py"
 HEAD_CUT = {"truncation": "head", "head_tokens": 128, "doc_stride": None}  # long texts: the first tokens (the default)
 
 
-def bert_args(data, out, *extra, epochs=5):
+def bert_args(data, out, *extra, epochs=3):
     # 16 tokens cut most headlines (up to 24 tokens with [CLS] and [SEP]): an evaluation at another length differs
     return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch",
             "--max_seq_len", "16", "--train_batch_size", "16", "--eval_batch_size", "16",
