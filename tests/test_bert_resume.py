@@ -12,7 +12,8 @@ from conftest import (ELASTIC, TORCHRUN, assert_group_restarted, assert_same_cur
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
-STEPS = 120  # 800 samples / 16 = 50 steps per epoch: checkpoints every 10 steps fall mid-epoch
+STEPS = 60  # 800 samples / 16 = 50 steps per epoch: checkpoints every 10 steps fall mid-epoch, and a resume crosses
+# into the second epoch
 
 
 def resume_args(data, out, *extra):
