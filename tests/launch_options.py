@@ -1,4 +1,4 @@
-"""Launching as users configure it: a file from `accelerate config default`, and other launcher flags."""
+"""Launching as users configure it: a file from `accelerate config default`."""
 import json
 import sys
 
@@ -31,11 +31,3 @@ def launch_with_config(config, script, args, num_processes=1, **kwargs):
         head += ["--multi_gpu", "--num_processes", num_processes, "--main_process_port", free_port()]
     return run([*head, script, "--cpu", *args], **kwargs)
 
-
-def launch_with_precision(precision, script, args, num_processes=1, **kwargs):
-    """conftest.launch's command with another --mixed_precision."""
-    from conftest import launch_cmd
-
-    cmd = launch_cmd(script, args, num_processes)
-    cmd[cmd.index("--mixed_precision") + 1] = precision
-    return run(cmd, **kwargs)
