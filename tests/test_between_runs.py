@@ -68,14 +68,14 @@ def resnet_two_processes(digits, tmp_path_factory):
 
 
 def test_a_finished_run_is_extended_from_its_checkpoint_pth(resnet_two_processes, digits, tmp_path):
-    """main.py's way to train longer, on 2 processes: `--resume OUT/checkpoint.pth --epochs 3` in the finished 2-epoch
-    run's own directory continues its log, schedule and best-model selection, and says that the momentum starts
-    afresh."""
+    """main.py's way to train longer: `--resume OUT/checkpoint.pth --epochs 3` in the finished 2-epoch, 2-process run's
+    own directory continues its log, schedule and best-model selection, and says that the momentum starts afresh (the
+    extension on 1 process, in this process: the file is read the same on any number of processes, before they
+    share anything)."""
     out = tmp_path / "run"
     shutil.copytree(resnet_two_processes, out)
     first = read_json(out / "all_results.json")
-    proc = launch(RESNET, resnet_args(digits, out, 3, *CHECKPOINTED, "--resume", out / "checkpoint.pth"),
-                  num_processes=2)
+    proc = run_here(RESNET, ["--cpu", *resnet_args(digits, out, 3, *CHECKPOINTED, "--resume", out / "checkpoint.pth")])
     assert (f"--resume {out / 'checkpoint.pth'}: epochs 1-2 count as done: training starts at epoch 3, step 6 of 9 of "
             "the --lr_scheduler cosine schedule") in proc.stdout
     assert "the optimizer's momentum starts afresh" in proc.stdout
