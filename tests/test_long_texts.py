@@ -145,8 +145,8 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
     predict = tmp_path / "predict.txt"
     rows = [line.split("\t", 1) for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()]
     predict.write_text("".join(f"{text}\n" for _, text in rows[:9]) + "\n", encoding="utf-8")  # and a blank line
-    args = bert_args(text_data, out, "--doc_stride", "4", "--pool", pool, "--do_train", "--do_eval", "--do_test",
-                     "--do_predict", "--predict_file", predict)
+    args = bert_args(text_data, out, "--doc_stride", "4", "--pool", pool, "--num_train_epochs", "1", "--do_train",
+                     "--do_eval", "--do_test", "--do_predict", "--predict_file", predict)
     run_on(n, SCRIPT, args)  # 1 process in this process: the launcher is the 2-process case's point
     results = read_json(out / "all_results.json")
     assert results["eval_samples"] == results["test_samples"] == 99  # texts, not windows
