@@ -4,12 +4,14 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import pytest
 from conftest import (ELASTIC, TORCHRUN, assert_group_restarted, assert_same_curve, assert_same_weights, descendants,
-                      free_port, kill_job, launch, launch_cmd, read_json, run_here, run_on, start, wait_for,
-                      workers)
+                      free_port, gone_within, kill_job, launch, launch_cmd, read_json, run_here, run_on, start,
+                      wait_for, workers)
 from safetensors.torch import load_file
+from test_stops import GRACE, end_all, rank_tracebacks
 
 SCRIPT = "train_bert_cls.py"
 STEPS = 60  # 800 samples / 16 = 50 steps per epoch: checkpoints every 10 steps fall mid-epoch, and a resume crosses
@@ -88,27 +90,46 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(uninterrup
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, text_data, tmp_path):
+    """Slurm's time limit and scancel: SIGTERM to the launcher, the ranks and their DataLoader workers at once. The
+    ranks save at the next step and leave before the launcher's grace ends, no process of the job is left, and the
+    2-process resume ends exactly as the uninterrupted run (which loaded its batches without workers)."""
     out = tmp_path / "preempted"
-    job = start(launch_cmd(SCRIPT, resume_args(text_data, out), num_processes=2), tmp_path / "preempted.log")
-    wait_for(complete(out, 20), job)
-    # a second run on the directory, started while the job holds it: one line naming the holder, nothing written
-    # (the curve and the weights below are exactly the uninterrupted run's); the job is paused meanwhile, so that it
-    # still holds the directory however fast it trains
-    kill_job(job, signal.SIGSTOP)
-    second = run_here(SCRIPT, ["--cpu", *resume_args(text_data, out, "--resume_from_checkpoint", "latest")],
-                      check=False)
-    refusal = re.search(rf"error: {out}: another run is using this directory \(host \S+, PID (\d+)", second.stderr)
-    assert second.returncode == 2 and refusal, second.stderr[-2000:]
-    assert int(refusal.group(1)) in descendants(job.pid) and job.poll() is None  # the job's main process holds it
-    kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
-    kill_job(job, signal.SIGCONT)  # the SIGTERM, pending while paused, arrives as the job goes on
-    job.wait(timeout=60)
+    job = start(launch_cmd(SCRIPT, resume_args(text_data, out, "--num_workers", "2"), num_processes=2),
+                tmp_path / "preempted.log")
+    processes = []
+    try:
+        wait_for(complete(out, 20), job)
+        wait_for(lambda: len(workers(job, out)) >= 2 + 2 * 2, job)  # the ranks and each one's 2 loader workers
+        # a second run on the directory, started while the job holds it: one line naming the holder, nothing written
+        # (the curve and the weights below are exactly the uninterrupted run's); the job is paused meanwhile, so
+        # that it still holds the directory however fast it trains
+        kill_job(job, signal.SIGSTOP)
+        second = run_here(SCRIPT, ["--cpu", *resume_args(text_data, out, "--resume_from_checkpoint", "latest")],
+                          check=False)
+        refusal = re.search(rf"error: {out}: another run is using this directory \(host \S+, PID (\d+)",
+                            second.stderr)
+        assert second.returncode == 2 and refusal, second.stderr[-2000:]
+        processes = [job.pid, *descendants(job.pid)]
+        assert int(refusal.group(1)) in processes and job.poll() is None  # the job's main process holds it
+        signaled = time.time()
+        kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
+        kill_job(job, signal.SIGCONT)  # the SIGTERM, pending while paused, arrives as the job goes on
+        job.wait(timeout=GRACE + 30)
+        seconds = time.time() - signaled
+        ended = gone_within(processes, 10)
+    finally:
+        end_all([job.pid, *processes])
     log = (tmp_path / "preempted.log").read_text()
     assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    assert not rank_tracebacks(log, SCRIPT), log[-3000:]
+    assert seconds < GRACE, f"{seconds:.1f} s: the launcher's SIGKILL ended the ranks"
+    assert ended, "a process of the job outlived it"
     assert not (out / ".lock").exists()  # the first run ended as a preempted run does, and let go
     results = read_json(out / "all_results.json")
     assert results["preempted"] is True
     assert checkpoint_steps(out)[-1] == results["train_steps"] < STEPS
+    print(f"SIGTERM to every process, --num_workers 2: launcher exit {job.returncode}, checkpoint step "
+          f"{results['train_steps']}, {seconds:.1f} s")
     launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=2)
     assert_same_run(uninterrupted[2], out, stopped_at=results["train_steps"])
 

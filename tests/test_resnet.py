@@ -4,6 +4,7 @@ import os
 import shlex
 import shutil
 import signal
+import time
 import urllib.error
 from pathlib import Path
 
@@ -12,9 +13,11 @@ import torch
 import torchvision
 from accelerate.state import AcceleratorState
 from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, assert_group_restarted,
-                      assert_one_line_error, assert_same_curve, assert_same_weights, free_port, kill_job, launch,
-                      launch_cmd, one_thread, read_json, read_jsonl, run, run_here, run_on, start, wait_for, workers)
+                      assert_one_line_error, assert_same_curve, assert_same_weights, descendants, free_port,
+                      gone_within, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run, run_here,
+                      run_on, start, wait_for, workers)
 from PIL import Image
+from test_stops import GRACE, end_all, rank_tracebacks
 
 import train_resnet
 from utils.demo_data import write_digits_imagefolder
@@ -203,7 +206,10 @@ def same_run(reference, resumed, stopped_at=None):
 
 
 def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, few_digits, tmp_path):
-    """2 processes: --resume from a mid-epoch checkpoint of the reference run, SIGTERM, --resume latest."""
+    """2 processes: --resume from a mid-epoch checkpoint of the reference run with 2 DataLoader workers per rank, then
+    Slurm's time limit and scancel: SIGTERM to the launcher, the ranks and their workers at once. The ranks save and
+    leave before the launcher's grace ends, no process of the job is left, and --resume latest ends exactly as the
+    uninterrupted run (which loaded its images without workers)."""
     out = tmp_path / "preempted"
     shutil.copytree(trained[2], out)
     for later in ("checkpoint.pth", "model_best.pth", "checkpoint_ema.pth", "model_best_ema.pth", "all_results.json",
@@ -212,16 +218,31 @@ def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, few_
     for step in (9, 12, 15):
         shutil.rmtree(out / "checkpoints" / f"step_{step}")
     # step 6 = epoch 2, batch 1 of 5: the rest of epoch 2 and its validation come from the resumed run
-    job = start(launch_cmd(SCRIPT, train_args(few_digits, out, "--resume", out / "checkpoints" / "step_6"),
+    job = start(launch_cmd(SCRIPT, train_args(few_digits, out, "--resume", out / "checkpoints" / "step_6", "-j", "2"),
                            num_processes=2), tmp_path / "job.log")
-    wait_for(lambda: (out / "checkpoints" / "step_9" / "training_state.json").exists(), job)
-    kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
-    job.wait(timeout=60)
+    processes = []
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step_9" / "training_state.json").exists(), job)
+        wait_for(lambda: len(workers(job, out)) >= 2 + 2 * 2, job)  # the ranks and each one's 2 loader workers
+        processes = [job.pid, *descendants(job.pid)]
+        signaled = time.time()
+        kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
+        job.wait(timeout=GRACE + 30)
+        seconds = time.time() - signaled
+        ended = gone_within(processes, 10)
+    finally:
+        end_all([job.pid, *processes])
     log = (tmp_path / "job.log").read_text()
     assert "at step 6" in log and "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
+    assert not rank_tracebacks(log, SCRIPT), log[-3000:]
+    assert seconds < GRACE, f"{seconds:.1f} s: the launcher's SIGKILL ended the ranks"
+    assert ended, "a process of the job outlived it"
+    assert not (out / ".lock").exists()
     results = read_json(out / "all_results.json")
     assert results["preempted"] is True and 9 <= results["train_steps"] < STEPS
     assert (out / "checkpoints" / f"step_{results['train_steps']}").is_dir()
+    print(f"SIGTERM to every process, -j 2: launcher exit {job.returncode}, checkpoint step {results['train_steps']}, "
+          f"{seconds:.1f} s")
     launch(SCRIPT, train_args(few_digits, out, "--resume", "latest"), num_processes=2)
     same_run(trained[2], out, stopped_at=results["train_steps"])
     assert read_json(out / "all_results.json")["best_acc1"] == read_json(trained[2] / "all_results.json")["best_acc1"]
