@@ -1,5 +1,7 @@
 """train_bert_cls.py end to end through the real launcher, 1 and 2 CPU processes, on a tiny fixture."""
 import ast
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -7,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ENV, ROOT, launch, read_json, read_jsonl, run, run_here, run_on
+from conftest import ENV, ROOT, launch, one_thread, read_json, read_jsonl, run_here, run_on
 
 SCRIPT = "train_bert_cls.py"
 
@@ -93,10 +95,13 @@ def test_outputs_load_anywhere(trained, text_data):
 
     keys = load_file(best / "model.safetensors").keys()
     assert not any(k.startswith("module.") for k in keys)
-    # the model card's own pipeline() snippet, as a user copies it, then one more text of our own
+    # the model card's own pipeline() snippet, as a user copies it (in a namespace of its own: it imports what it
+    # uses), then one more text of our own; a fresh interpreter's pipeline() is the demo test's
     snippet = (best / "README.md").read_text(encoding="utf-8").split("```python\n")[1].split("```")[0]
-    proc = run(["python", "-c", snippet + "print(classifier('球队比赛冠军进球今天')[0]['label'])\n"])
-    card_output, label = proc.stdout.strip().splitlines()[-2:]
+    printed = io.StringIO()
+    with one_thread(), contextlib.redirect_stdout(printed):
+        exec(snippet + "print(classifier('球队比赛冠军进球今天')[0]['label'])\n", {})
+    card_output, label = printed.getvalue().strip().splitlines()[-2:]
     [predicted] = read_jsonl(out / "predictions.jsonl")  # what the run itself predicted for the card's text
     [piped] = ast.literal_eval(card_output)
     assert piped["label"] == predicted["label"] and piped["score"] == pytest.approx(predicted["score"], abs=1e-5)

@@ -14,7 +14,7 @@ import torchvision
 from accelerate.state import AcceleratorState
 from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, assert_group_restarted,
                       assert_one_line_error, assert_same_curve, assert_same_weights, descendants, free_port,
-                      gone_within, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run, run_here,
+                      gone_within, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run_here,
                       run_on, start, wait_for, workers)
 from PIL import Image
 from test_stops import GRACE, end_all, rank_tracebacks
@@ -460,7 +460,7 @@ def corrupt(path):
 
 def test_corrupt_image_is_a_one_line_error(small_digits, tmp_path):
     bad = corrupt(sorted((small_digits / "train" / "3").iterdir())[0])
-    proc = run(["python", SCRIPT, *small_args(small_digits, tmp_path / "out")], check=False)
+    proc = run_here(SCRIPT, small_args(small_digits, tmp_path / "out"), check=False)  # `python SCRIPT`: exit 2
     assert_one_line_error(proc, str(bad), "unreadable image", "--skip_bad_images")
     assert not (tmp_path / "out" / "checkpoints").exists()
 
