@@ -179,7 +179,11 @@ def accumulated(uneven_text, tmp_path_factory):
                          "--max_train_steps", "4", "--checkpointing_steps", "100", *extra)
 
     runs = {"micro": tmp_path_factory.mktemp("micro"), "whole": tmp_path_factory.mktemp("whole")}
-    runs["micro", "log"] = launch(SCRIPT, args("micro", "--gradient_accumulation_steps", "4"), num_processes=2).stdout
+    # the 2-process run also tokenises into a data cache of its own: once in all (tests/test_data_cache.py)
+    runs["cache"] = tmp_path_factory.mktemp("cache")
+    micro = launch(SCRIPT, args("micro", "--gradient_accumulation_steps", "4", "--data_cache_dir", runs["cache"]),
+                   num_processes=2)
+    runs["micro", "log"] = micro.stdout + micro.stderr
     runs["whole", "log"] = run_here(SCRIPT, ["--cpu", *args("whole", "--train_batch_size", "64",
                                                             "--validation_file", uneven_text / "val.txt",
                                                             "--do_eval", "--eval_steps", "100")]).stdout
@@ -196,6 +200,13 @@ def test_short_accumulation_window_and_padded_batch_take_a_full_mean_step(accumu
     assert "the best model is the last one evaluated (step 4): its validation results are reused" in \
         accumulated["whole", "log"]
     assert read_json(accumulated["whole"] / "all_results.json")["eval_samples"] == 40
+
+
+def test_two_processes_tokenise_once(accumulated):
+    """The BERT data cache (utils/text_cache.py) filled by one process of a 2-process job, the other waiting for it
+    and reading it: one entry, no temporary directory left."""
+    assert accumulated["micro", "log"].count(TOKENISED) == 1
+    assert len(entries(accumulated["cache"])) == 1 and not list(accumulated["cache"].glob(".*tmp*"))
 
 
 def test_finished_run_is_not_restarted_by_latest_and_test_only_results_merge(accumulated, uneven_text):
