@@ -175,9 +175,9 @@ def pytest_configure(config):
 # the end keeps one worker busy minutes after the other has run out of work. A file not named here runs after these,
 # in name order. (test_onnx_export and test_image_predict both read the shared digits_model: not listed, they start
 # apart and neither waits for the other's build of it.)
-LONGEST_FIRST = ("test_launch_matrix.py", "test_stops.py", "test_resnet.py", "test_compile.py", "test_edges.py",
-                 "test_bert_resume.py", "test_selection.py", "test_faults.py", "test_gpu_check.py",
-                 "test_between_runs.py", "test_data_cache.py", "test_docs.py", "test_bert_cls.py")
+LONGEST_FIRST = ("test_resnet.py", "test_edges.py", "test_compile.py", "test_stops.py", "test_gpu_check.py",
+                 "test_bert_resume.py", "test_faults.py", "test_launch_matrix.py", "test_selection.py",
+                 "test_benchmarks.py", "test_between_runs.py", "test_bert_cls.py", "test_data_cache.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(config, items):
