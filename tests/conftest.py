@@ -173,8 +173,8 @@ def pytest_configure(config):
 # The files that take longest (`make test`'s durations; docs/results.md), longest first, handed out before the others:
 # pytest-xdist gives a worker a whole file at a time (--dist loadfile), in collection order, so a long file left near
 # the end keeps one worker busy minutes after the other has run out of work. A file not named here runs after these,
-# in name order. (test_onnx_export and test_image_predict both read the shared digits_model: not listed, they start
-# apart and neither waits for the other's build of it.)
+# in name order. (test_onnx_export and test_image_predict read the shared digits_model, which test_resnet, first,
+# builds and evaluates on 2 processes: not listed, they start long after and wait for no one's build of it.)
 LONGEST_FIRST = ("test_resnet.py", "test_edges.py", "test_compile.py", "test_stops.py", "test_gpu_check.py",
                  "test_bert_resume.py", "test_faults.py", "test_launch_matrix.py", "test_selection.py",
                  "test_benchmarks.py", "test_between_runs.py", "test_bert_cls.py", "test_data_cache.py", "test_docs.py")

@@ -58,11 +58,12 @@ def test_resnet_training_exports_the_best_model(resnet_run, digits_data):
     assert not (resnet_run / "onnx" / "check_inputs.npz").exists()
 
 
-def test_resnet_evaluate_exports_on_two_processes(resnet_run, digits_data, tmp_path):
-    out = tmp_path / "eval"
-    launch("train_resnet.py", [digits_data, "-e", "--resume", resnet_run / "model_best.pth", "-j", "0", "-b", "64",
-                               "--output_dir", out, *ONNX], num_processes=2)
+def test_resnet_evaluate_exports_on_two_processes(resnet_run, digits_model_evaluated):
+    """`-e --resume model_best.pth --export_onnx` on 2 processes (tests/shared_image_runs.py; its evaluation is
+    tests/test_resnet.py's)."""
+    out = digits_model_evaluated
     results = read_json(out / "eval_results.json")
+    assert results["num_processes"] == 2
     assert_reported_check(results, read_json(out / "onnx" / "onnx_check.json"))
     trained = read_json(resnet_run / "all_results.json")
     assert results["onnx_torch_accuracy"] == trained["onnx_torch_accuracy"]  # the same model, the same 100 images

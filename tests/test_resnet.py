@@ -1,7 +1,6 @@
 """train_resnet.py end to end through the real launcher on 1 and 2 CPU processes, on real handwritten digits."""
 import json
 import os
-import shlex
 import shutil
 import signal
 import time
@@ -17,6 +16,7 @@ from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, ass
                       gone_within, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run_here,
                       run_on, start, wait_for, workers)
 from PIL import Image
+from shared_image_runs import card_command
 from test_stops import GRACE, end_all, rank_tracebacks
 
 import train_resnet
@@ -154,22 +154,24 @@ def test_exports_load_into_plain_torchvision(trained, few_digits, suffix):
         evals[best["epoch"] - 1][f"{suffix[1:]}_acc5".lstrip("_")], abs=1e-4)
 
 
-def test_evaluate_reproduces_reported_accuracy(trained, few_digits, tmp_path, capsys):
+def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_model_evaluated, digits_data,
+                                              few_digits, tmp_path, capsys):
     """The second command users run: `-e --resume model_best.pth` without the training's size flags evaluates at the
-    sizes the model was trained with (16 px, not 224/256), in a second process, on 2 processes."""
-    out = trained[1]
+    sizes the model was trained with (16 px, not 224/256), in a second process, on 2 processes (the shared digits
+    model's evaluation, tests/shared_image_runs.py; its ONNX export is tests/test_onnx_export.py's)."""
     # the command model_card.md gives for model_best.pth: no size flags, the file records them
-    card = (out / "model_card.md").read_text(encoding="utf-8")
-    command = shlex.split(card.split("## How to use")[1].split("```bash\n")[1].split("```")[0])
-    assert command[:2] == ["python", SCRIPT] and str(out / "model_best.pth") in command
+    command = card_command(digits_model)
+    assert command[:2] == ["python", SCRIPT] and str(digits_model / "model_best.pth") in command
     assert not {"--image_size", "--val_resize", "--val_crop_size", "--interpolation"} & set(command)
-    proc = launch(SCRIPT, [*command[2:], "-j", "0", "--output_dir", tmp_path], num_processes=2)
     assert "was trained with --image_size 16, --val_resize 16, --interpolation bilinear: evaluating with the same" \
-        in proc.stdout
-    evaluated = read_json(tmp_path / "eval_results.json")
-    assert evaluated["eval_samples"] == FEW_DIGITS_VAL and evaluated["num_processes"] == 2
-    assert evaluated["eval_acc1"] == pytest.approx(read_json(out / "all_results.json")["best_acc1"], abs=1e-9)
+        in (digits_model_evaluated / "stdout.txt").read_text(encoding="utf-8")
+    evaluated = read_json(digits_model_evaluated / "eval_results.json")
+    assert evaluated["num_processes"] == 2
+    assert evaluated["eval_samples"] == len(val_images(digits_data)) and evaluated["eval_samples"] % 2 == 1
+    assert evaluated["eval_acc1"] == pytest.approx(read_json(digits_model / "all_results.json")["best_acc1"],
+                                                   abs=1e-9)
     assert evaluated["eval_settings"] == {"val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
+    out = trained[1]
     # our own checkpoints evaluate too: `latest` is the run's last step, written beside its all_results.json, and
     # scores what the run's last validation scored
     main_here(["--cpu", few_digits, "-j", "0", "-e", "--resume", "latest", "--output_dir", out])
