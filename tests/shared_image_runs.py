@@ -24,8 +24,8 @@ def train_digits_model(data, out):
 
 @pytest.fixture(scope="session")
 def digits_model(digits_data, tmp_path_factory):
-    """A trained ResNet-18 at 16 pixels (model_best.pth, its ONNX export), read by tests/test_onnx_export.py and
-    tests/test_image_predict.py."""
+    """A trained ResNet-18 at 16 pixels (model_best.pth, its ONNX export), read by tests/test_resnet.py,
+    tests/test_onnx_export.py and tests/test_image_predict.py."""
     return shared_dir(tmp_path_factory, "digits_model", lambda out: train_digits_model(digits_data, out / "run")) / "run"
 
 

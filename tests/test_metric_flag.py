@@ -61,9 +61,9 @@ def metric_run(text_data, tmp_path_factory):
 
 
 def test_bf16_run_from_a_default_config_file_exports_fp32_that_pipeline_loads(metric_run):
+    """Accelerate applies bf16 autocast on the CPU (an fp16 request trains in fp32: tests/test_launch_matrix.py)."""
     from transformers import AutoModelForSequenceClassification
 
-    """Accelerate applies bf16 autocast on the CPU (an fp16 request trains in fp32: tests/test_launch_matrix.py)."""
     results = read_json(metric_run / "all_results.json")
     assert (results["num_processes"], results["mixed_precision_requested"], results["mixed_precision"]) == (
         2, "bf16", "bf16")
