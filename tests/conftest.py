@@ -356,6 +356,9 @@ def assert_group_restarted(log):
     assert re.search(r"failed \(exitcode: -?\d+\) local_rank: \d", log) and "Resumed from" in log, log[-3000:]
 
 
+GRACE = 30  # seconds torch's elastic agent (accelerate launch, torchrun) waits between its SIGTERM and its SIGKILL
+
+
 def kill_job(proc, sig):
     """Signal the launcher and every worker at once, as Slurm does to a job step (or the OOM killer to all). After a
     SIGKILL, wait until each of them has ended (gone or a zombie), as the next command after a `kill -9` finds them:
@@ -368,6 +371,32 @@ def kill_job(proc, sig):
             pass
     if sig == signal.SIGKILL:
         gone_within(pids, 30)
+
+
+def stop_job(job, processes, *signals):
+    """Send each of `signals` to every process of the job (kill_job), then wait for the launcher (its GRACE and 30 s
+    more). Returns the seconds from the first signal until the launcher exited, and whether every process of
+    `processes` (the job's, listed before the signals) ended within 10 s of that."""
+    signaled = time.time()
+    for sig in signals:
+        kill_job(job, sig)
+    job.wait(timeout=GRACE + 30)
+    return time.time() - signaled, gone_within(processes, 10)
+
+
+def end_all(pids):
+    """SIGKILL whatever a test started and left running (a failing test must not leave orphans training on)."""
+    for pid in alive(pids):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def rank_tracebacks(log, script):
+    """Lines of a training process's traceback (the launcher's own traceback is its business)."""
+    return [line for line in log.splitlines() if f'{script}", line' in line or "killed by signal" in line]
 
 
 def alive(pids):

@@ -4,14 +4,12 @@ import os
 import re
 import shutil
 import signal
-import time
 
 import pytest
-from conftest import (ELASTIC, TORCHRUN, assert_group_restarted, assert_same_curve, assert_same_weights, descendants,
-                      free_port, gone_within, kill_job, launch, launch_cmd, read_json, run_here, run_on, start,
-                      wait_for, workers)
+from conftest import (ELASTIC, GRACE, TORCHRUN, assert_group_restarted, assert_same_curve, assert_same_weights,
+                      descendants, end_all, free_port, kill_job, launch, launch_cmd, rank_tracebacks, read_json,
+                      run_here, run_on, start, stop_job, wait_for, workers)
 from safetensors.torch import load_file
-from test_stops import GRACE, end_all, rank_tracebacks
 
 SCRIPT = "train_bert_cls.py"
 STEPS = 60  # 800 samples / 16 = 50 steps per epoch: checkpoints every 10 steps fall mid-epoch, and a resume crosses
@@ -111,12 +109,9 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, t
         assert second.returncode == 2 and refusal, second.stderr[-2000:]
         processes = [job.pid, *descendants(job.pid)]
         assert int(refusal.group(1)) in processes and job.poll() is None  # the job's main process holds it
-        signaled = time.time()
-        kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
-        kill_job(job, signal.SIGCONT)  # the SIGTERM, pending while paused, arrives as the job goes on
-        job.wait(timeout=GRACE + 30)
-        seconds = time.time() - signaled
-        ended = gone_within(processes, 10)
+        # Slurm and cloud preemption signal every process of the job; the SIGTERM, pending while the job is paused,
+        # arrives as it goes on
+        seconds, ended = stop_job(job, processes, signal.SIGTERM, signal.SIGCONT)
     finally:
         end_all([job.pid, *processes])
     log = (tmp_path / "preempted.log").read_text()

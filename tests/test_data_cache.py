@@ -8,10 +8,9 @@ import shutil
 
 import pytest
 from conftest import launch, needs_whole_windows, read_json, run_here
-from test_edges import entries
 
 SCRIPT = "train_bert_cls.py"
-BUILT = "tokenising the data into"
+BUILT = "tokenising the data into"  # said by the process that fills the data cache
 
 
 def small_args(data, out, cache, *extra):
@@ -20,6 +19,11 @@ def small_args(data, out, cache, *extra):
             "--train_batch_size", "16", "--eval_batch_size", "16", "--max_train_steps", "2", "--checkpointing_steps",
             "2", "--do_train", "--do_eval", "--data_cache_dir", cache, "--output_dir", out, "--overwrite_output_dir",
             *extra]
+
+
+def entries(cache):
+    """The data cache's entries (one per tokenised input), without the hidden temporary ones."""
+    return sorted(path.name for path in cache.iterdir() if not path.name.startswith("."))
 
 
 def arrow_times(cache):

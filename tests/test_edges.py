@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, kill_job, launch, read_json, read_jsonl, run, run_here
 from safetensors.torch import load_file
+from test_data_cache import BUILT, entries
 from test_resnet import main_here
 
 from utils.checkpoint import check_precision
@@ -19,7 +20,6 @@ from utils.demo_data import write_digits_imagefolder, write_text_classification_
 from utils.runtime import UserError
 
 SCRIPT = "train_bert_cls.py"
-TOKENISED = "tokenising the data into"  # said by the process that fills the data cache (utils/text_cache.py)
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
 
@@ -35,11 +35,6 @@ def bert_args(data, out, *extra):
             "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0", "--max_seq_len", "32",
             "--train_batch_size", "16", "--eval_batch_size", "16", "--learning_rate", "1e-3", "--logging_steps", "1",
             "--output_dir", out, *extra]
-
-
-def entries(cache):
-    """The data cache's entries (one per tokenised input), without the hidden temporary ones."""
-    return sorted(path.name for path in cache.iterdir() if not path.name.startswith("."))
 
 
 def two_machines(node_args, timeout=120):
@@ -69,7 +64,7 @@ def test_nodes_with_their_own_disks_tokenise_train_resume_and_refuse_a_missing_c
                                           "4") for out, cache in zip(outs, caches)])
     assert codes == [0, 0], logs[1][-3000:]
     assert "--output_dir is not shared between the nodes" in logs[0]
-    assert [log.count(TOKENISED) for log in logs] == [1, 1]  # once per node
+    assert [log.count(BUILT) for log in logs] == [1, 1]  # once per node
     assert entries(caches[0]) == entries(caches[1]) and len(entries(caches[0])) == 1  # the same entry on each
     for rank, out in enumerate(outs):  # each node can resume on its own
         step = out / "checkpoints" / "step_4"
@@ -83,7 +78,7 @@ def test_nodes_with_their_own_disks_tokenise_train_resume_and_refuse_a_missing_c
                                 for out, cache in zip(outs, caches)])
     assert codes == [0, 0], logs[1][-3000:]
     assert f"Resumed from {outs[0] / 'checkpoints' / 'step_4'}" in logs[0]
-    assert not any(TOKENISED in log for log in logs)  # each node read its own cache
+    assert not any(BUILT in log for log in logs)  # each node read its own cache
     assert read_json(outs[0] / "all_results.json")["train_steps"] == 6
 
     shutil.rmtree(outs[1] / "checkpoints" / "step_6")  # node 1's disk lost the newest checkpoint
@@ -206,7 +201,7 @@ def test_short_accumulation_window_and_padded_batch_take_a_full_mean_step(accumu
 def test_two_processes_tokenise_once(accumulated):
     """The BERT data cache (utils/text_cache.py) filled by one process of a 2-process job, the other waiting for it
     and reading it: one entry, no temporary directory left."""
-    assert accumulated["micro", "log"].count(TOKENISED) == 1
+    assert accumulated["micro", "log"].count(BUILT) == 1
     assert len(entries(accumulated["cache"])) == 1 and not list(accumulated["cache"].glob(".*tmp*"))
 
 

@@ -3,7 +3,6 @@ import json
 import os
 import shutil
 import signal
-import time
 import urllib.error
 from pathlib import Path
 
@@ -11,13 +10,12 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, assert_group_restarted,
-                      assert_one_line_error, assert_same_curve, assert_same_weights, descendants, free_port,
-                      gone_within, kill_job, launch, launch_cmd, one_thread, read_json, read_jsonl, run_here,
-                      run_on, start, wait_for, workers)
+from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, GRACE, assert_group_restarted,
+                      assert_one_line_error, assert_same_curve, assert_same_weights, descendants, end_all, free_port,
+                      launch, launch_cmd, one_thread, rank_tracebacks, read_json, read_jsonl, run_here, run_on, start,
+                      stop_job, wait_for, workers)
 from PIL import Image
 from shared_image_runs import card_command
-from test_stops import GRACE, end_all, rank_tracebacks
 
 import train_resnet
 from utils.demo_data import write_digits_imagefolder
@@ -227,11 +225,7 @@ def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, few_
         wait_for(lambda: (out / "checkpoints" / "step_9" / "training_state.json").exists(), job)
         wait_for(lambda: len(workers(job, out)) >= 2 + 2 * 2, job)  # the ranks and each one's 2 loader workers
         processes = [job.pid, *descendants(job.pid)]
-        signaled = time.time()
-        kill_job(job, signal.SIGTERM)  # Slurm and cloud preemption signal every process of the job
-        job.wait(timeout=GRACE + 30)
-        seconds = time.time() - signaled
-        ended = gone_within(processes, 10)
+        seconds, ended = stop_job(job, processes, signal.SIGTERM)  # Slurm and cloud preemption: every process
     finally:
         end_all([job.pid, *processes])
     log = (tmp_path / "job.log").read_text()

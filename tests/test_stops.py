@@ -13,12 +13,11 @@ from pathlib import Path
 import psutil
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from conftest import (FEW_DIGITS_TRAIN, alive, descendants, gone_within, kill_job, launch_cmd, read_json, read_jsonl,
-                      run_here, start, wait_for, workers)
+from conftest import (FEW_DIGITS_TRAIN, GRACE, descendants, end_all, gone_within, kill_job, launch_cmd, rank_tracebacks,
+                      read_json, read_jsonl, run_here, start, stop_job, wait_for, workers)
 
 from utils.runtime import loader_settings
 
-GRACE = 30  # seconds torch's elastic agent (accelerate launch, torchrun) waits between its SIGTERM and its SIGKILL
 RESNET_STEPS_PER_EPOCH = FEW_DIGITS_TRAIN // 64  # the few digits' training images, -b 64, drop_last
 
 
@@ -46,21 +45,6 @@ def complete(out, step):
 
 def checkpoint_steps(out):
     return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
-
-
-def end_all(pids):
-    """SIGKILL whatever a test started and left running (a failing test must not leave orphans training on)."""
-    for pid in alive(pids):
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-def rank_tracebacks(log, script):
-    """Lines of a training process's traceback (the launcher's own traceback is its business)."""
-    return [line for line in log.splitlines() if f'{script}", line' in line or "killed by signal" in line]
 
 
 def test_loader_workers_leave_on_their_parents_sigterm_alone():
@@ -217,12 +201,7 @@ def test_sigterm_to_every_process_of_a_prediction_run_stops_it_at_once_with_one_
         wait_for(lambda: (out / ".lock").exists(), job, timeout=240)  # the run's main() holds its directory
         kill_job(job, signal.SIGSTOP)
         processes = [job.pid, *descendants(job.pid)]
-        kill_job(job, signal.SIGTERM)
-        signaled = time.time()
-        kill_job(job, signal.SIGCONT)
-        job.wait(timeout=GRACE + 30)
-        seconds = time.time() - signaled
-        ended = gone_within(processes, 10)
+        seconds, ended = stop_job(job, processes, signal.SIGTERM, signal.SIGCONT)
     finally:
         end_all([job.pid, *processes])
     log = (tmp_path / "job.log").read_text()
