@@ -27,6 +27,7 @@ load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.js
 import argparse
 import difflib
 import functools
+import gc
 import importlib.util
 import json
 import math
@@ -34,6 +35,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+# Start-up creates about half a million long-lived objects (torch, transformers, torchvision) and little garbage; at
+# Python's default thresholds the collector walks all of them several times meanwhile, about 1 s of CPU per process
+# (a fifth of its start-up). Full collections become rare; young objects are collected as before.
+gc.set_threshold(700, 10, 1000)
 
 import torch
 import torch.nn.functional as F
