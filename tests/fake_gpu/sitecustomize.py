@@ -4,9 +4,14 @@ Like real CUDA, the device count is decided once, the first time anything asks, 
 moment: "" means no GPU, anything else one GPU. Code that then tries to use CUDA (set_device, lazy init, .cuda())
 raises, so a `--cpu` run that touches CUDA in any way fails loudly instead of passing because there is no GPU.
 """
+import gc
 import os
 
-import torch
+# This file imports torch before the script does: it first sets the collector's thresholds as both scripts do before
+# their imports (train_bert_cls.py, train_resnet.py), so that torch's import costs what it costs in a script's process.
+gc.set_threshold(700, 10, 1000)
+
+import torch  # noqa: E402
 
 _count = []
 
