@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Start-up creates about half a million long-lived objects (torch, transformers, torchvision) and little garbage; at
+# Start-up creates about half a million long-lived objects (torch, transformers, scikit-learn) and little garbage; at
 # Python's default thresholds the collector walks all of them several times meanwhile, about 1 s of CPU per process
 # (a fifth of its start-up). Full collections become rare; young objects are collected as before.
 gc.set_threshold(700, 10, 1000)
