@@ -399,6 +399,14 @@ def rank_tracebacks(log, script):
     return [line for line in log.splitlines() if f'{script}", line' in line or "killed by signal" in line]
 
 
+def assert_job_left_in_grace(log, script, seconds, ended):
+    """What stop_job's figures must show after a stop of every process: no training process's traceback, the launcher
+    gone before its grace ended (the ranks left by themselves, not by its SIGKILL), no process of the job left."""
+    assert not rank_tracebacks(log, script), log[-3000:]
+    assert seconds < GRACE, f"{seconds:.1f} s: the launcher's SIGKILL ended the ranks"
+    assert ended, "a process of the job outlived it"
+
+
 def alive(pids):
     """The processes of `pids` still running (a zombie has ended)."""
     running = []
