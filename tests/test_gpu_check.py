@@ -48,7 +48,6 @@ def test_dry_mode_runs_every_check_on_cpu(tmp_path):
     assert "| device decode vs CPU loader, mean abs difference | 0 | levels |" in text
 
 
-
 def test_only_the_named_checks_run_and_one_the_budget_cuts_is_skipped(tmp_path):
     """--only runs just the checks it names, and a check that the run's --budget ends before it finishes is reported
     skipped, with the budget named; the run exits 0, since nothing failed (`run` fails on any other exit status). The

@@ -17,6 +17,7 @@ Without a visible GPU (and without --device cpu) it says so and exits 0.
 """
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
@@ -202,7 +203,9 @@ class Harness:
         deadline = time.monotonic() + self.remaining(limit)
         while not (killed / "checkpoints" / f"step_{kill_after}" / "training_state.json").exists():
             if job.poll() is not None or time.monotonic() > deadline:
-                os.killpg(job.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # an ended launcher may have left none of its session
+                    os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
                 raise RuntimeError(f"the run to interrupt ended or stalled before step {kill_after} "
                                    f"(exit {job.poll()})")
             time.sleep(0.02)
