@@ -39,7 +39,8 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(OFFLINE) $(PY) demo.py
 
-# Two pytest workers (pytest-xdist), one test file each at a time (module fixtures train once), files in name order:
+# Two pytest workers (pytest-xdist), one test file each at a time (module fixtures train once), the longest files
+# first (LONGEST_FIRST in tests/conftest.py), then name order:
 # most of a test is one process starting or one thread training, so a 2-core machine's second core would idle.
 # `make test` leaves out the learning checks that need many steps (marked `long`); `make test-long` runs only those.
 # The 15 slowest tests are listed at the end, so a slow one is seen the day it lands.
