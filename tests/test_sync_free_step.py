@@ -25,7 +25,7 @@ from conftest import FEW_DIGITS_TRAIN, ROOT, launch, pythonpath, run
 PROBE = ROOT / "tools" / "step_probe"
 BERT_STEPS, BERT_LOG_EVERY = 10, 5  # steady: 3, 4 and 7 to 9
 RESNET_BATCH, RESNET_WINDOW = 16, 2  # batches per optimizer step: the stop is agreed after each batch
-RESNET_STEPS = math.ceil(FEW_DIGITS_TRAIN // RESNET_BATCH / RESNET_WINDOW)  # 21 batches: 11 steps, the last of one batch
+RESNET_STEPS = math.ceil(FEW_DIGITS_TRAIN // RESNET_BATCH / RESNET_WINDOW)  # 21 batches: 11 steps (the last: 1 batch)
 
 
 def bert_args(data, out):
@@ -56,7 +56,7 @@ def probed(text_data, few_digits, tmp_path_factory):
     for name, (script, args, processes, device_agreement) in RUNS.items():
         out = tmp_path_factory.mktemp(name)
         env = {**pythonpath(PROBE, ROOT / "tests" / "fake_gpu"), "STEP_PROBE": "count",
-               "STEP_PROBE_OUT": str(out / "probe"), **({"STEP_PROBE_DEVICE_AGREEMENT": "1"} if device_agreement else {})}
+               "STEP_PROBE_OUT": str(out / "probe"), "STEP_PROBE_DEVICE_AGREEMENT": str(int(device_agreement))}
         data = text_data if script == "train_bert_cls.py" else few_digits
         if processes == 1:  # the script alone: a launcher's start-up is seconds of CPU that prove nothing here
             run(["python", script, "--cpu", *args(data, out / "run")], env=env)

@@ -39,14 +39,14 @@ before this one, or null), "steps": [one object per step, in order]}, and each s
   group (utils/runtime.py HostChannel), any other. DDP's gradient all-reduce runs in C++ from autograd hooks and is
   not seen here;
 - "collective_sites": {"GROUP NAME SITE": count}: where those calls were made;
-- "syncs": {name: count} and "sync_sites": {SITE: count}: the Python-level calls that read a tensor on
-  the training device back to the host (Tensor.item, Tensor.cpu, Tensor.tolist, Tensor.numpy, bool(tensor),
-  int(tensor), float(tensor), index(tensor)). A SITE is "file:line function" of the frame that made the call, then
-  " < " and those of its first two callers outside installed packages (paths relative to the working directory).
-  On a CPU run every
-  tensor lives on the training device, so two kinds of host tensor are told apart by where they are read: inside a
-  DataLoader's fetch (the batch is made on the host, in workers on a real run) and inside HostChannel.any (its flag
-  is a CPU tensor by construction, replaced under STEP_PROBE_DEVICE_AGREEMENT); calls there are not counted.
+- "syncs": {name: count} and "sync_sites": {SITE: count}: the Python-level calls that read a tensor on the training
+  device back to the host (Tensor.item, Tensor.cpu, Tensor.tolist, Tensor.numpy, bool(tensor), int(tensor),
+  float(tensor), index(tensor)); on a GPU run, a CUDA tensor's (reading a CPU tensor waits for nothing). A SITE is
+  "file:line function" of the frame that made the call, then " < " and those of its first two callers outside
+  installed packages (paths relative to the working directory). On a CPU run every tensor lives on the training
+  device, so two kinds of host tensor are told apart by where they are read: inside a DataLoader's fetch (the batch
+  is made on the host, in workers on a real run) and inside HostChannel.any (its flag is a CPU tensor by
+  construction; replaced under STEP_PROBE_DEVICE_AGREEMENT); calls there are not counted.
 """
 import importlib.abc
 import importlib.machinery
