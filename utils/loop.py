@@ -712,7 +712,7 @@ class OutOfMemoryRetry:
                             "pass runs collectives (an out-of-memory error on one process cannot be agreed on); pass "
                             "a smaller batch or --gradient_checkpointing")
         self.accelerator, self.model, self.enabled = accelerator, model, enabled
-        self.channel = HostChannel.of(accelerator)
+        self.channel = HostChannel.of(accelerator) if enabled else None  # where the forward hook agrees
         self.per_device_batch, self.accumulation_steps = per_device_batch, accumulation_steps
         self.checkpoint_dir = checkpoint_dir
         self.micro_batch_size, self.retries = per_device_batch, 0
