@@ -544,12 +544,12 @@ class HostChannel:
     could not queue the next one meanwhile.
 
     `any` blocks until every rank has contributed; it does not start the all-reduce in one step to read it in the
-    next. What it waits for is the other ranks' hosts, which run ahead of their devices and meet again in every step's
-    gradient all-reduce anyway: tens of microseconds on one machine, a network round trip across machines. The answer
-    then holds at the step where it was asked: a stop saves the step every rank stands at, and the out-of-memory
-    agreement, which must come before the backward pass, is the same call. An all-reduce read a step late would make
-    every caller carry one in flight across steps, evaluations and retries, to save a wait that does not hold up the
-    device.
+    next. What it waits for is the other ranks' hosts, not any device: hosts that run ahead of their devices and meet
+    again in every step's gradient all-reduce anyway, over loopback on one machine or a network round trip or two
+    across machines. The answer then holds at the step where it was asked: a stop saves the step every rank stands at,
+    and the out-of-memory agreement, which must come before the backward pass, is the same call. An all-reduce read a
+    step late would make every caller carry one in flight across steps, evaluations and retries, to save a wait that
+    does not hold up the device.
 
     Opened once per run by build_accelerator, on every rank at the same point (creating a group is a collective), with
     the run's --ddp_timeout: a rank that stops answering ends the job here as it would in the training group
