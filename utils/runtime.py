@@ -545,11 +545,12 @@ class HostChannel:
 
     `any` blocks until every rank has contributed; it does not start the all-reduce in one step to read it in the
     next. What it waits for is the other ranks' hosts, not any device: hosts that run ahead of their devices and meet
-    again in every step's gradient all-reduce anyway, over loopback on one machine or a network round trip or two
-    across machines. The answer then holds at the step where it was asked: a stop saves the step every rank stands at,
-    and the out-of-memory agreement, which must come before the backward pass, is the same call. An all-reduce read a
-    step late would make every caller carry one in flight across steps, evaluations and retries, to save a wait that
-    does not hold up the device.
+    again in every step's gradient all-reduce anyway, over loopback on one machine, over the network across machines
+    (gloo's small all-reduce takes longer the more processes there are). It delays only the host, and a device whose
+    step takes longer than the host's work plus this wait never waits for it. The answer then holds at the step where
+    it was asked: a stop saves the step every rank stands at, and the out-of-memory agreement, which must come before
+    the backward pass, is the same call. An all-reduce read a step late would hide the wait too, but every caller
+    would carry one in flight across steps, evaluations and retries.
 
     Opened once per run by build_accelerator, on every rank at the same point (creating a group is a collective), with
     the run's --ddp_timeout: a rank that stops answering ends the job here as it would in the training group
