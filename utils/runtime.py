@@ -147,7 +147,7 @@ def run_cli(main, args):
         op = nondeterministic_op(err) if getattr(args, "use_deterministic_algorithms", False) else None
         if op is None and not is_lost_peer(err):
             raise
-        if op is not None:  # every rank runs the same model, and meets the op at the same step
+        if op is not None:  # printed once per machine, as a UserError is: every rank meets the op at the same step
             line = f"error: {nondeterministic_op_line(op)}"
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 tqdm.write(line, file=sys.stderr)
@@ -576,9 +576,11 @@ def hide_gpus_under_cpu(args):
               file=sys.stderr, flush=True)
 
 
-# The cuBLAS workspace settings torch counts as deterministic (a fixed set of buffers per stream, instead of buffers
-# taken as they come). The first is 8 buffers of 4 MiB, about 24 MiB more GPU memory; the second's 16 KiB buffers may
-# slow the matrix products, so a setting of the user's that is one of these is kept, and the first is the default.
+# The cuBLAS workspace settings torch counts as deterministic: a workspace of fixed size for each stream, so that cuBLAS
+# computes a product the same way every time, with other streams active too (without one it may pick another
+# implementation). The first is 8 buffers of 4 MiB, about 24 MiB more GPU memory than cuBLAS's default; the second's
+# 16 KiB buffers may slow the matrix products. A setting of the user's that is one of these is kept; the first is the
+# default.
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
