@@ -321,6 +321,9 @@ FLAG_ROLES = {
     **this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
                   "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
                   "--auto_find_batch_size"),
+    # which kernels compute each step, not what is trained: a resume may add or drop it (bitwise equality with an
+    # uninterrupted run needs it in every launch of both, on a GPU)
+    "--use_deterministic_algorithms": THIS_LAUNCH,
     # the Chinese BERT tutorial's: a check of the label count, and two flags taken and ignored (said at start)
     **this_launch("--num_tags", "--data_name", "--log_dir"),
 }

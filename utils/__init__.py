@@ -6,11 +6,12 @@ top-k) are computed where the script's evaluate calls them. The module map:
 
 both scripts
   runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
-                 an output directory: its lock), DataLoader settings, the --help look and the parser's number
-                 checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on one rank
-                 stopping all of them (a failure to write: a full disk), stops that reach every process (loader
-                 workers leave them to their parent, ranks stop with their launcher, a rank that stopped answering
-                 is named: RollCall)
+                 an output directory: its lock), how kernels are chosen (cuDNN's autotuner, or deterministic
+                 kernels with --use_deterministic_algorithms), DataLoader settings, the --help look and the
+                 parser's number checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on
+                 one rank stopping all of them (a failure to write: a full disk), stops that reach every process
+                 (loader workers leave them to their parent, ranks stop with their launcher, a rank that stopped
+                 answering is named: RollCall)
   flags.py       the command line: the parser (a refused flag or value costs one line, with what replaces it or
                  the closest flag), the peers' spellings (Trainer, run_classification, accelerate's examples, the
                  Chinese BERT tutorial, main.py, torchvision, timm) read with their meaning and said once

@@ -46,7 +46,6 @@ MAIN_PY_FLAGS = {
 TORCHVISION_FLAGS = {
     "--device": "the launcher and accelerate_configs/*.yaml choose the device (--cpu forces the CPU)",
     "--cache-dataset": "nothing: the ImageFolder is scanned in seconds; drop the flag",
-    "--use-deterministic-algorithms": "nothing: runs are already reproducible per (seed, epoch, image); drop it",
     "--backend": "nothing: images are always decoded to tensors (torchvision's --backend tensor); drop it",
     "--use-v2": "nothing: transforms are always torchvision.transforms.v2; drop it",
     "--transformer-embedding-decay": "no separate decay of the position embeddings and class token of swin/vit "
