@@ -18,7 +18,9 @@ One optimizer step, as both scripts' `train()` take it:
    on every rank, then a clean stop; Ctrl-C stops at once, with one line per process naming the last checkpoint.
 After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
 EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
-the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
+the run stops early; its counters live in the loop's `state`, which every checkpoint keeps. The metric it may name
+is any number the script's `evaluate` returns: `validation_names` learns them before training from one evaluation of
+one validation batch (`OneBatch`), which `resolve_selection` checks the flag against.
 Every method that reduces over ranks is a collective: every rank calls it at the same points.
 
 Out of device memory (--auto_find_batch_size, `OutOfMemoryRetry`): the run is not over. Every process drops what the
