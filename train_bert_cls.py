@@ -51,9 +51,9 @@ from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS
                          steps_or_epoch, whole_epochs)
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
-                         check_selection_args, epoch_batches, load_class_weights, resolve_selection)
+                         check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import RunLog, check_output_dir, format_step_line, progress
+from utils.outputs import RunLog, check_output_dir, format_numbers, format_step_line, progress
 from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
@@ -66,9 +66,9 @@ from utils.text_data import (DATASET_ROLES, LONG_TEXT_ROLES, PADDING_ROLES, TEXT
                              read_dataset_splits, read_file_splits, read_predict_file, resolve_padding,
                              select_examples, split_files, text_format, token_lengths, tokenize_examples,
                              write_labels_file)
-from utils.text_metrics import (SELECTION_HELP, StreamedWindows, check_task_args, compute_metrics, default_metric,
-                          evaluation_metrics, flat_metrics, headline_scores, load_metrics, pool_windows,
-                          prediction_rows, save_confusion_matrix, selectable_metrics, training_loss)
+from utils.text_metrics import (StreamedWindows, check_task_args, compute_metrics, default_metric, evaluation_metrics,
+                                flat_metrics, load_metrics, pool_windows, prediction_rows, recorded,
+                                save_confusion_matrix, training_loss)
 from utils.text_model import (MODEL_SOURCE_ROLES, OPTIMIZERS, TRAINED_WITH, add_model_source_args, build_optimizer,
                               check_custom_code, check_hub_ids_or_paths, check_model_source_args,
                               check_problem_type, check_scheduler_args, check_starting_weights, check_unk_rate,
@@ -94,10 +94,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 #                            optimizer step, so a term added here stays right under DDP, gradient accumulation, short
 #                            last batches and --auto_find_batch_size's micro-batches
 #   evaluate                 the evaluation's numbers: a dict of {name: number} (names without a prefix; `samples`:
-#                            how many were evaluated) that becomes metrics.jsonl's `eval` events, the trackers' values,
-#                            all_results.json's and the model card's `eval_NAME`/`test_NAME`, and the choices of
-#                            --metric_for_best_model; beside them "report", "confusion_matrix" (None where they do
-#                            not apply) and "extra" (--metric's numbers), which report() writes as files
+#                            how many were evaluated), each printed in the console's eval lines, logged (metrics.jsonl's
+#                            `eval` events, the trackers), recorded (all_results.json's and the model card's
+#                            `eval_NAME`/`test_NAME`) and a choice of --metric_for_best_model: a number added here is
+#                            all of that, with no other list to edit (a run that trains calls evaluate once on one
+#                            validation batch before its first step to learn the names: utils/loop.py
+#                            validation_names); beside them "report" and "confusion_matrix" (None where they do not
+#                            apply), which report() writes as files, and --metric's lists of numbers, recorded too
 # ---------------------------------------------------------------------------------------------------------------------
 def new_model(config, trust_remote_code=False):
     """The classifier for `config` (its labels included), randomly initialised."""
@@ -148,12 +151,12 @@ def predict_logits(accelerator, model, dataloader, desc, pool="mean", guard=None
 
 
 def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=(), guard=None):
-    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
-    `extra`: --metric's results (under their own keys too, which never collide with these)."""
+    """Mean loss per sample, accuracy (exact match if multi-label), macro/micro F1 (regression: mse, rmse, mae,
+    pearson, spearmanr), samples, report, confusion matrix; then --metric's results (a key these have gets its
+    module's name in front)."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc, args.pool, guard)
     metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
-    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
-    return {**metrics["extra"], **metrics}
+    return {**metrics, **compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)}
 # --------------------------------------------------------------------------- end of the adaptation section -----------
 
 
@@ -259,7 +262,7 @@ def build_parser():
     output.add_argument("--metric", "--metric_name", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")
-    add_selection_args(parser, None, SELECTION_HELP)
+    add_selection_args(parser, "macro_f1, for regression mse")
     add_onnx_args(parser)
     add_runtime_args(parser)
     return parser
@@ -578,6 +581,19 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card
             replace_dir_atomically(tmp, best_dir)
 
 
+def best_model_selection(accelerator, args, model, validation_loader, labels, metric_modules):
+    """Which validation metric selects the best model: --metric_for_best_model (default: default_metric), one of the
+    numbers evaluate() returns, whose names one evaluation of a validation batch gives before training (a mistyped one
+    stops the run there, in one line naming them). A run that validates nothing (no validation set, or no training)
+    keeps the default."""
+    names = None
+    if args.do_train and validation_loader is not None:
+        names = validation_names(accelerator, model, validation_loader, lambda batches: evaluate(
+            accelerator, model, batches, labels, "validation", args, metric_modules))
+    resolve_selection(args, names, default=default_metric(args.do_regression))
+    return Selection.from_args(args, position="step")
+
+
 @dataclass
 class Task:
     """What main resolved before training that the loop needs."""
@@ -642,11 +658,11 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
 
 
 def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
-    """A validation during training: its `eval` event in metrics.jsonl and one console line."""
-    scores = {**headline_scores(metrics), **metrics["extra"]}
-    log.log("eval", completed_steps, {**scores, "eval_seconds": eval_seconds, "train_seconds": train_seconds})
-    log.console(f"eval step {completed_steps} | "
-                + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples"))
+    """A validation during training: its `eval` event in metrics.jsonl and one console line, with every number
+    evaluate() returned."""
+    log.log("eval", completed_steps,
+            {**recorded(metrics), "eval_seconds": eval_seconds, "train_seconds": train_seconds})
+    log.console(f"eval step {completed_steps} | {format_numbers(metrics)}")
 
 
 @dataclass
@@ -819,9 +835,7 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
         accelerator.on_main_process(save_confusion_matrix)(
             metrics["confusion_matrix"], labels, output_dir / f"{prefix}_confusion_matrix.csv",
             output_dir / f"{prefix}_confusion_matrix.png", title=f"{prefix} confusion matrix")
-    scores = headline_scores(metrics)
-    accelerator.print(f"{prefix}: " + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples")
-                      + f" | {metrics['samples']} samples")
+    accelerator.print(f"{prefix}: {format_numbers(metrics)}")
     return flat_metrics(metrics, prefix)
 
 
@@ -838,7 +852,7 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
             metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir),
                            **{f"{prefix}_settings": trained_with(args)})
-            log.log(f"best_model_{prefix}", step, {**headline_scores(metrics), **metrics["extra"]})
+            log.log(f"best_model_{prefix}", step, recorded(metrics))
     return results
 
 
@@ -941,14 +955,14 @@ def main(args):
         raise UserError(f"--num_tags {args.num_tags}: the data has {len(labels)} labels ({', '.join(labels[:5])}"
                         f"{', ...' if len(labels) > 5 else ''})")
     metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
-    resolve_selection(args, selectable_metrics(metric_modules, len(labels), args.do_regression),
-                      validation="validation" in splits, default=default_metric(args.do_regression))
-    selection = Selection.from_args(args, position="step")
     train_ids = splits["train"].with_format("numpy")["labels"] if args.class_weights else None
     class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
     if class_weights:
         accelerator.print(class_weights.line())
     tokenizer, model = build_model(args, labels, accelerator.print, tokenizer)
+    padding = resolve_padding(args, accelerator)
+    loaders = build_dataloaders(args, tokenizer, splits, data.predict, padding)
+    selection = best_model_selection(accelerator, args, model, loaders.get("validation"), labels, metric_modules)
     # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
     # MUST_KEEP flags' values (FLAG_ROLES)
     must_match = flag_roles().must_match(args, {
@@ -959,8 +973,6 @@ def main(args):
     model = maybe_data_parallel(model, args)
     retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
                              args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
-    padding = resolve_padding(args, accelerator)
-    loaders = build_dataloaders(args, tokenizer, splits, data.predict, padding)
     stats = long_text_stats(args, splits)
     if data.unk_rate is not None:
         stats["train_unk_rate"] = check_unk_rate(data.unk_rate, args.tokenizer_name or args.model_name_or_path)

@@ -34,6 +34,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 # Start-up creates nearly 400,000 long-lived objects (torch, torchvision, matplotlib) and little garbage; at
@@ -57,9 +58,9 @@ from utils.export import load_torch_checkpoint, load_weights, on_meta_device, st
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
-                         check_selection_args, epoch_batches, load_class_weights)
+                         check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import RunLog, check_output_dir, plot_training_curves, progress
+from utils.outputs import RunLog, check_output_dir, format_numbers, number_entries, plot_training_curves, progress
 from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
@@ -81,7 +82,7 @@ from utils.image_references import (BATCH_RULE, MAIN_PY_FLAGS, TIMM_FLAGS, TORCH
                                     selection_from_file, start_epoch_of)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
-TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
+TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric spellings of evaluate()'s names
 
 
 def unknown_arch(arch):
@@ -108,13 +109,15 @@ def unknown_arch(arch):
 #                               random step resumes exactly; --decode_on_device replays the steps on the device and
 #                               refuses at start-up, in one line, a step it cannot replay (utils/image_device_decode.py)
 #   training_loss               the loss of one (micro-)batch: a mean over its readable images
-#   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted):
-#                               metrics.jsonl's `eval` events, the trackers' values, all_results.json's and
-#                               model_card.md's `eval_NAME`, `ema_NAME` for the EMA's; VALIDATION_METRICS may select
-#                               model_best.pth and CURVES are plotted
+#   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted), each
+#                               printed in the console's line after each epoch, logged (metrics.jsonl's `eval`
+#                               events, the trackers), recorded (all_results.json's and model_card.md's `eval_NAME`,
+#                               `ema_NAME` for the EMA's; model_best.pth's and checkpoint.pth's NAME), a choice of
+#                               --metric_for_best_model / --eval-metric that selects model_best.pth, and, a fraction,
+#                               plotted in training_curves.png: a number added here is all of that, with no other list
+#                               to edit (a run that trains calls evaluate once on one validation batch before its first
+#                               step to learn the names: utils/loop.py validation_names)
 # ---------------------------------------------------------------------------------------------------------------------
-VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
-CURVES = (("loss", "loss"), ("acc1", "top-1 accuracy (%)"))  # training_curves.png: (metrics.jsonl key, axis label)
 CHECKPOINTED_BLOCKS = (BasicBlock, Bottleneck)  # --gradient_checkpointing recomputes each (timm models: their own)
 
 
@@ -276,7 +279,8 @@ def build_parser():
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_onnx_args,
                       add_runtime_args):
         add_group(parser)
-    add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
+    add_selection_args(parser, "acc1, main.py's (timm's top1 and top5 name acc1 and acc5)",
+                       ("--eval-metric", "--eval_metric"))
     return parser
 
 
@@ -316,7 +320,7 @@ def parse_args(argv=None):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
     if args.evaluate and args.class_weights:
         parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
-    check_selection_args(parser, args, not args.evaluate, VALIDATION_METRICS, TIMM_METRIC_NAMES)  # val/ always there
+    check_selection_args(parser, args, not args.evaluate)
     return args
 
 
@@ -405,6 +409,16 @@ def build_dataloaders(accelerator, args):
     return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
 
 
+def best_model_selection(accelerator, args, model, val_loader):
+    """Which validation metric selects model_best.pth: --metric_for_best_model or timm's --eval-metric (default acc1,
+    main.py's best_acc1), one of the numbers evaluate() returns, whose names one evaluation of a validation batch
+    gives before training (a mistyped one stops the run there, in one line naming them); -e selects nothing."""
+    names = None if args.evaluate else validation_names(accelerator, model, val_loader, lambda batches: evaluate(
+        accelerator, model, batches, args))
+    resolve_selection(args, names, TIMM_METRIC_NAMES, default="acc1")
+    return Selection.from_args(args, position="epoch")
+
+
 def place_model(model, args):
     """What main.py did by hand before DDP, done before accelerator.prepare."""
     if args.sync_bn:
@@ -485,8 +499,9 @@ def train_line(epoch, batch, num_batches, v):
 
 def export_weights(accelerator, model, args, fields, is_best, ema_state=None, suffix=""):
     """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision, with
-    `fields` beside the state dict (arch, class_to_idx, epoch, acc1, best_acc1). checkpoint.pth also holds the EMA's
-    weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
+    `fields` beside the state dict (arch, class_to_idx, epoch, the epoch's validation numbers: acc1, ..., and
+    best_<metric>: best_acc1 by default). checkpoint.pth also holds the EMA's weights (torchvision's `model_ema` key);
+    suffix "_ema": the EMA's own files."""
     fresh = empty_model(args, len(fields["class_to_idx"]))
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
@@ -512,27 +527,32 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     ema_best = ema and selection.update_ema(state, metrics)
     log.log("eval", completed_steps,
             {"epoch": epoch, **metrics, "train_seconds": time.perf_counter() - state["start_time"]})
-    ema_text = f" | EMA Acc@1 {metrics['ema_acc1']:.3f} Acc@5 {metrics['ema_acc5']:.3f}" if ema else ""
-    log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
-                f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best {selection.metric} "
-                f"{selection.best(state) if state['best_epoch'] else float('nan'):.3f} (epoch {state['best_epoch']})"
-                f"{ema_text}")
+    best = selection.best(state) if state["best_epoch"] else float("nan")
+    log.console(f" * Epoch {epoch} | {format_numbers(metrics)} | best {selection.metric} {best:.4f} "
+                f"(epoch {state['best_epoch']})")
+    own, averaged = split_ema(metrics)
     # best_epoch: a run continued from the file (--resume checkpoint.pth) knows which epoch model_best.pth holds
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, step=completed_steps,
                   best_epoch=state["best_epoch"], **image_settings(args))
     best_key = selection.best_key
-    export_weights(accelerator, training.model, args,
-                   {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
+    export_weights(accelerator, training.model, args, {**own, **fields, best_key: selection.best(state)}, is_best,
                    ema.module.state_dict() if ema else None)
     if is_best:  # model_card.md describes model_best.pth
-        card_metrics = {f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}
         log.write_model_card(args.output_dir / "model_card.md", {
-            **selection.results(state), **card_metrics, "launches": training.checkpoints.launches})
+            **selection.results(state), **{f"eval_{k}": v for k, v in own.items()},
+            "launches": training.checkpoints.launches})
     if ema:
         export_weights(accelerator, ema.module, args,
-                       {**fields, "acc1": metrics["ema_acc1"], best_key: state.get(f"best_ema_{selection.metric}")},
-                       ema_best, suffix="_ema")
+                       {**averaged, **fields, best_key: state.get(f"best_ema_{selection.metric}")}, ema_best,
+                       suffix="_ema")
     return metrics
+
+
+def split_ema(metrics):
+    """validate()'s numbers as (the model's, the EMA's without their `ema_` prefix)."""
+    numbers = number_entries(metrics)
+    return ({k: v for k, v in numbers.items() if not k.startswith("ema_")},
+            {k[len("ema_"):]: v for k, v in numbers.items() if k.startswith("ema_")})
 
 
 def export_selected_onnx(accelerator, args, model, val_loader):
@@ -569,15 +589,17 @@ def validate_and_stop(accelerator, training, args, log, task, guard, epoch, comp
     except EvaluationAbandoned as abandoned:
         accelerator.print(f"{abandoned}: the checkpoint keeps it due, and the resumed run validates first")
         return None, None, True
-    accelerator.on_main_process(plot_curves)(log, args, training.cadence.steps_per_epoch)
+    accelerator.on_main_process(plot_curves)(log, args, training.cadence.steps_per_epoch, split_ema(metrics)[0])
     stopped_at = completed_steps if training.selection.should_stop(training.state) else None
     return metrics, stopped_at, guard.should_stop(completed_steps) and stopped_at is None  # an early stop: no resume
 
 
-def plot_curves(log, args, steps_per_epoch):
-    """training_curves.png from metrics.jsonl: loss and top-1 per epoch (main process)."""
+def plot_curves(log, args, steps_per_epoch, numbers):
+    """training_curves.png from metrics.jsonl: per epoch, each fraction among the validation's `numbers` (acc1,
+    loss, ...: not the counts), beside training's where its log lines measure it too (main process)."""
+    curves = [(name, name) for name, value in numbers.items() if not isinstance(value, Integral)]
     plot_training_curves(log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
-                         steps_per_epoch, CURVES, title=f"{args.arch} on {args.data or 'dummy data'}")
+                         steps_per_epoch, curves, title=f"{args.arch} on {args.data or 'dummy data'}")
 
 
 @dataclass
@@ -787,7 +809,6 @@ def main(args):
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
     if args.resume not in (None, "latest") and not Path(args.resume).exists():
         raise UserError(f"--resume {args.resume}: no such file or directory")
-    selection = Selection.from_args(args, position="epoch")
     legacy_file = args.resume is not None and Path(args.resume).is_file()
     resume_dir = None if legacy_file else agree_on_resume(accelerator, args.resume, args.output_dir / "checkpoints",
                                                           modules=["ema"] if args.model_ema else [])
@@ -808,6 +829,7 @@ def main(args):
     if class_weights:
         accelerator.print(class_weights.line())
     model = build_model(args, len(class_to_idx), accelerator.print, class_to_idx)
+    selection = best_model_selection(accelerator, args, model, data.val_loader)
     # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
     # MUST_KEEP flags' values (FLAG_ROLES)
     must_match = flag_roles().must_match(args, {

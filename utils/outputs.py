@@ -14,6 +14,8 @@ models).
 """
 import importlib.metadata
 import json
+import math
+import numbers
 import os
 import platform
 import secrets
@@ -365,6 +367,20 @@ def _version(name):
         return None
 
 
+def number_entries(values):
+    """The entries of `values` that are numbers (a bool is not one), in its order: of what an `evaluate` of the
+    scripts returns, what --metric_for_best_model may name and the console's evaluation lines print (a report or a
+    confusion matrix beside them is written as a file)."""
+    return {key: value for key, value in values.items()
+            if isinstance(value, numbers.Real) and not isinstance(value, bool)}
+
+
+def format_numbers(values):
+    """`loss 0.4123 | accuracy 0.9100 | samples 99` of `values`' numbers: a fraction to 4 decimals, a count whole."""
+    return " | ".join(f"{key} {value}" if isinstance(value, numbers.Integral) else f"{key} {value:.4f}"
+                      for key, value in number_entries(values).items())
+
+
 def format_step_line(epoch, step, total_steps, values):
     """`epoch 1 step 120/900 | loss 0.4123 | lr 2.0e-05 | 41.2 ms/step | 1,550 samples/s | eval 3.1 s`."""
     parts = [f"epoch {epoch} step {step}/{total_steps}"]
@@ -392,8 +408,8 @@ def progress(accelerator, iterable=None, **kwargs):
 def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, panels, title="training curves"):
     """One plot per panel against epochs: training at each log line, validation after each epoch.
 
-    panels: (metrics.jsonl key, axis label) each, e.g. ("loss", "loss"); train_events: dicts with step and those keys;
-    eval_events: dicts with epoch and those keys.
+    panels: (metrics.jsonl key, axis label) each, e.g. ("loss", "loss"); train_events: dicts with step, and those keys
+    that training measures too (the others have a validation curve alone); eval_events: dicts with epoch and those keys.
     """
     import matplotlib  # imported where used: it adds about half a second to every process start
 
@@ -404,8 +420,10 @@ def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, p
     train_x = [e["step"] / steps_per_epoch for e in train_events]
     eval_x = [e["epoch"] for e in eval_events]
     for ax, (key, label) in zip(axes[0], panels):
-        ax.plot(train_x, [e[key] for e in train_events], label="train", alpha=0.7)
-        ax.plot(eval_x, [e[key] for e in eval_events], "o-", label="validation")
+        # a gap (NaN) where an event lacks the key: a run resumed after its evaluate() changed
+        if any(key in e for e in train_events):
+            ax.plot(train_x, [e.get(key, math.nan) for e in train_events], label="train", alpha=0.7)
+        ax.plot(eval_x, [e.get(key, math.nan) for e in eval_events], "o-", label="validation")
         ax.set_xlabel("epoch")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
