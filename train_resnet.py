@@ -53,7 +53,7 @@ from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS
                                FlagRoles, add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
                                load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
                                this_launch)
-from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
+from utils.export import load_torch_checkpoint, load_weights, on_meta_device
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
@@ -481,9 +481,10 @@ def train_line(epoch, batch, num_batches, v):
 
 
 def export_weights(accelerator, model, args, fields, is_best, ema_state=None, suffix=""):
-    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision, with
-    `fields` beside the state dict (arch, class_to_idx, epoch, acc1, best_acc1). checkpoint.pth also holds the EMA's
-    weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
+    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout with torchvision's keys, loadable by
+    plain torchvision, with `fields` beside the state dict (arch, class_to_idx, epoch, acc1, best_acc1, what the model
+    was trained with). checkpoint.pth also holds the EMA's state (torchvision's `model_ema` key); suffix "_ema": the
+    EMA's own files."""
     fresh = empty_model(args, len(fields["class_to_idx"]))
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
@@ -520,7 +521,7 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     best_key = selection.best_key
     export_weights(accelerator, training.model, args,
                    {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
-                   ema.module.state_dict() if ema else None)
+                   ema.state_dict() if ema else None)
     if is_best:  # model_card.md describes model_best.pth
         card_metrics = {f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}
         log.write_model_card(args.output_dir / "model_card.md", {
@@ -620,7 +621,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
                                             scheduler.get_last_lr()[0]))
     ema = build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
     if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
-        load_weights(ema.module, strip_module_prefix(legacy["model_ema"]), args.resume)
+        load_weights(ema.module, legacy["model_ema"], args.resume)  # load_torch_checkpoint's averaged weights
         ema.n_averaged.fill_(1)  # an average, not a fresh copy: the next update moves it
     mixer = build_mixer(args, len(must_match["class_to_idx"]), args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(

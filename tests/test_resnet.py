@@ -115,17 +115,47 @@ def test_learns_and_counts_exactly(trained_long, digits_data, n):
     assert evals[-1]["ema_acc1"] > 20
 
 
+def torchvision_test_only(path, num_classes, with_ema=False):
+    """What torchvision's references/classification/train.py does with `--resume PATH --test-only` (and
+    `--model-ema`), its lines as it reads the file: its model, its ExponentialMovingAverage (an AveragedModel of the
+    buffers too). Returns (model, EMA or None, its start epoch)."""
+    model = torchvision.models.get_model("resnet18", num_classes=num_classes)
+    model_without_ddp = model
+    model_ema = torch.optim.swa_utils.AveragedModel(model_without_ddp, use_buffers=True) if with_ema else None
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    model_without_ddp.load_state_dict(checkpoint["model"])
+    start_epoch = checkpoint["epoch"] + 1
+    if model_ema:
+        model_ema.load_state_dict(checkpoint["model_ema"])
+    return model, model_ema, start_epoch
+
+
+def top1_top5(model, data, class_to_idx):
+    """Top-1/top-5 (%) on the validation digits with nothing from this project: PIL, torchvision transforms,
+    argsort."""
+    to_tensor = torchvision.transforms.Compose([
+        torchvision.transforms.Resize(16), torchvision.transforms.CenterCrop(16), torchvision.transforms.ToTensor(),
+        torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    paths = val_images(data)
+    images = torch.stack([to_tensor(Image.open(p).convert("RGB")) for p in paths])
+    targets = torch.tensor([class_to_idx[p.parent.name] for p in paths])
+    with torch.no_grad():
+        ranking = model.eval()(images).argsort(dim=1, descending=True)  # (N, 10)
+    rank_of_target = (ranking == targets[:, None]).float().argmax(dim=1)  # 0 = top-1
+    return 100 * (rank_of_target == 0).float().mean().item(), 100 * (rank_of_target < 5).float().mean().item()
+
+
 @pytest.mark.parametrize("suffix", ["", "_ema"])
-def test_exports_load_into_plain_torchvision(trained, few_digits, suffix):
+def test_exports_load_into_plain_torchvision(trained, few_digits, suffix, tmp_path):
+    """model_best.pth and checkpoint.pth load into plain torchvision as main.py's files (`state_dict`) and as
+    torchvision's references read theirs (`model`, `epoch`, `model_ema`), and score what the run reported."""
     out = trained[2]
     results = read_json(out / "all_results.json")
+    evals = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
     if suffix:  # the EMA's own files: the same layout and checks, against its own validation results
-        ema_evals = [{k[4:]: v for k, v in e.items() if k.startswith("ema_")} | {"epoch": e["epoch"]}
-                     for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
+        ema_evals = [{k[4:]: v for k, v in e.items() if k.startswith("ema_")} | {"epoch": e["epoch"]} for e in evals]
         results = {"best_acc1": results["best_ema_acc1"], "eval_acc1": results["eval_ema_acc1"],
                    "best_epoch": max(ema_evals, key=lambda e: e["acc1"])["epoch"]}
-        assert_same_weights(torch.load(out / "checkpoint_ema.pth", weights_only=True)["state_dict"],
-                            torch.load(out / "checkpoint.pth", weights_only=True)["model_ema"])  # torchvision's key
     best = torch.load(out / f"model_best{suffix}.pth", weights_only=True)
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(best["state_dict"])  # strict: no `module.` prefix, nothing missing
@@ -135,21 +165,32 @@ def test_exports_load_into_plain_torchvision(trained, few_digits, suffix):
     assert best["best_acc1"] == best["acc1"] == results["best_acc1"] and best["epoch"] == results["best_epoch"]
     last = torch.load(out / f"checkpoint{suffix}.pth", weights_only=True)
     assert last["epoch"] == EPOCHS and last["acc1"] == results["eval_acc1"]
+    # torchvision's `model` is the same dict as `state_dict`, pickled once: the file is the weights' size, not twice
+    for name, checkpoint in ((f"model_best{suffix}.pth", best), (f"checkpoint{suffix}.pth", last)):
+        assert checkpoint["model"] is checkpoint["state_dict"]
+        weights_alone = tmp_size(checkpoint["state_dict"], tmp_path)
+        extra = tmp_size(checkpoint["model_ema"], tmp_path) if "model_ema" in checkpoint else 0
+        assert (out / name).stat().st_size < 1.01 * (weights_alone + extra), name
 
-    # Recompute top-1/top-5 with nothing from this project: PIL, torchvision transforms, argsort.
-    to_tensor = torchvision.transforms.Compose([
-        torchvision.transforms.Resize(16), torchvision.transforms.CenterCrop(16), torchvision.transforms.ToTensor(),
-        torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-    paths = val_images(few_digits)
-    images = torch.stack([to_tensor(Image.open(p).convert("RGB")) for p in paths])
-    targets = torch.tensor([best["class_to_idx"][p.parent.name] for p in paths])
-    with torch.no_grad():
-        ranking = model.eval()(images).argsort(dim=1, descending=True)  # (N, 10)
-    rank_of_target = (ranking == targets[:, None]).float().argmax(dim=1)  # 0 = top-1
-    assert 100 * (rank_of_target == 0).float().mean().item() == pytest.approx(best["acc1"], abs=1e-4)
-    evals = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
-    assert 100 * (rank_of_target < 5).float().mean().item() == pytest.approx(
-        evals[best["epoch"] - 1][f"{suffix[1:]}_acc5".lstrip("_")], abs=1e-4)
+    # torchvision's `--resume model_best.pth --test-only`: the accuracy the run reported for that epoch
+    model, _, start_epoch = torchvision_test_only(out / f"model_best{suffix}.pth", 10)
+    assert start_epoch == best["epoch"] + 1  # torchvision's epoch is the last one's index: it counts one more
+    top1, top5 = top1_top5(model, few_digits, best["class_to_idx"])
+    assert top1 == pytest.approx(best["acc1"], abs=1e-4)
+    assert top5 == pytest.approx(evals[best["epoch"] - 1][f"{suffix[1:]}_acc5".lstrip("_")], abs=1e-4)
+    if not suffix:  # `--resume checkpoint.pth --test-only --model-ema`: the EMA checkpoint_ema.pth also holds
+        _, model_ema, _ = torchvision_test_only(out / "checkpoint.pth", 10, with_ema=True)
+        assert_same_weights(model_ema.module.state_dict(),
+                            torch.load(out / "checkpoint_ema.pth", weights_only=True)["state_dict"])
+        assert top1_top5(model_ema.module, few_digits, best["class_to_idx"])[0] == pytest.approx(
+            evals[-1]["ema_acc1"], abs=1e-4)
+
+
+def tmp_size(state_dict, folder):
+    """The bytes torch.save writes for `state_dict` alone."""
+    path = folder / "size_probe.pth"
+    torch.save(state_dict, path)
+    return path.stat().st_size
 
 
 def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_model_evaluated, digits_data,
