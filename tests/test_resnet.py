@@ -238,6 +238,74 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_mod
                                                                                               abs=1e-9)
 
 
+def script_with_a_head_flag(folder):
+    """train_resnet.py as a user adapts it: a --head_hidden flag in build_parser, its role line in FLAG_ROLES (a
+    shape the exports record), and build_model putting a hidden layer into the head. Returns its path."""
+    text = (Path(train_resnet.__file__)).read_text(encoding="utf-8")
+    edits = {
+        "    add_model_args(model)  #": "    model.add_argument(\"--head_hidden\", type=positive_int, default=None, "
+                                      "help=\"a hidden layer of this width in the head\")\n    add_model_args(model)  #",
+        '    "-a": keep_as("arch"),': '    "--head_hidden": MUST_KEEP.recorded(0),\n    "-a": keep_as("arch"),',
+        "    return build_image_model(args, num_classes, print_fn, class_to_idx)\n":
+            "    model = build_image_model(args, num_classes, print_fn, class_to_idx)\n"
+            "    if args.head_hidden:\n"
+            "        model.fc = torch.nn.Sequential(torch.nn.Linear(model.fc.in_features, args.head_hidden), "
+            "torch.nn.ReLU(), torch.nn.Linear(args.head_hidden, num_classes))\n"
+            "    return model\n"}
+    for old, new in edits.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    script = folder / "my_resnet.py"
+    script.write_text(text, encoding="utf-8")
+    return script
+
+
+def test_a_users_head_flag_is_recorded_and_rebuilt_from_the_export(few_digits, digits_model, digits_data, tmp_path,
+                                                                  monkeypatch):
+    """A user adds a head flag with a `.recorded()` role: model_best.pth records it, and -e, --predict, the model
+    card's snippet and its command rebuild the model from the file alone; an export made before the flag existed
+    still evaluates, with the flag's default, said once."""
+    script = str(script_with_a_head_flag(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))  # run_here imports the script by name, as the card's snippet does
+    out = tmp_path / "out"
+    run_here(script, ["--cpu", few_digits, *FAST, "--head_hidden", "64", "--epochs", "1", "--output_dir", out])
+    export = torch.load(out / "model_best.pth", weights_only=True)
+    assert export["head_hidden"] == 64 and export["model"]["fc.0.weight"].shape == (64, 512)
+    best_acc1 = read_json(out / "all_results.json")["best_acc1"]
+
+    command = card_command(out)  # -e --resume model_best.pth, without --head_hidden
+    assert command[1] == script and "--head_hidden" not in command
+    proc = run_here(script, [*command[2:], "--cpu", "-j", "0", "-b", "64", "--output_dir", tmp_path / "eval"])
+    assert f"{out / 'model_best.pth'} was trained with --image_size 16, --val_resize 16, --interpolation bilinear, " \
+           "--head_hidden 64: evaluating with the same" in proc.stdout
+    assert read_json(tmp_path / "eval" / "eval_results.json")["eval_acc1"] == pytest.approx(best_acc1, abs=1e-9)
+
+    run_here(script, ["--cpu", "--predict", few_digits / "val", "--resume", out / "model_best.pth", "-j", "0",
+                      "--output_dir", tmp_path / "predicted"])
+    predicted = read_jsonl(tmp_path / "predicted" / "predictions.jsonl")
+    targets = [Path(row["file"]).parent.name for row in predicted]
+    assert len(predicted) == FEW_DIGITS_VAL
+    assert 100 * sum(row["label"] == t for row, t in zip(predicted, targets)) / len(targets) == pytest.approx(
+        best_acc1, abs=1e-9)
+
+    # the card's snippet, as a user runs it: the model rebuilt by the script from the file, and its top-1
+    card = (out / "model_card.md").read_text(encoding="utf-8")
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert "from my_resnet import exported_model" in snippet and "--head_hidden 64" in snippet
+    namespace = {}
+    exec(snippet, namespace)
+    assert top1_top5(namespace["model"], few_digits, export["class_to_idx"])[0] == pytest.approx(best_acc1, abs=1e-4)
+
+    # an export of the script before it had the flag: the default (no hidden layer), said once
+    proc = run_here(script, ["--cpu", digits_data, "-j", "0", "-b", "64", "-e", "--resume",
+                             digits_model / "model_best.pth", "--output_dir", tmp_path / "older"])
+    said = [line for line in proc.stdout.splitlines() if "records no" in line]
+    assert said == [f"{digits_model / 'model_best.pth'} records no --head_hidden (exported before the script "
+                    "recorded it): using the default, --head_hidden 0"], said
+    assert read_json(tmp_path / "older" / "eval_results.json")["eval_acc1"] == pytest.approx(
+        read_json(digits_model / "all_results.json")["best_acc1"], abs=1e-9)
+
+
 def same_run(reference, resumed, stopped_at=None):
     """Bitwise-identical weights and EMA weights at the end, and the same curve (timings aside), no step twice."""
     for key in ("state_dict", "model_ema"):

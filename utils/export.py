@@ -197,7 +197,7 @@ def load_torch_checkpoint(path):
     return checkpoint
 
 
-# torchvision's train.py arguments that are image settings here (utils/image_augment.py recorded_image_settings)
+# torchvision's train.py arguments that are recorded image settings here (utils/image_augment.py AUGMENT_ROLES)
 TORCHVISION_IMAGE_ARGS = {"train_crop_size": "train_crop_size", "val_resize_size": "val_resize",
                           "val_crop_size": "val_crop_size", "interpolation": "interpolation"}
 

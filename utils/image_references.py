@@ -167,38 +167,47 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
                                                                   **(extra if name == "checkpoint" else {}))
 
 
-def model_card(args, class_to_idx, train_set, val_set, run):
+def model_card(args, class_to_idx, train_set, val_set, run, script, model_flags):
     """model_card.md's fixed part (utils/outputs.py ModelCard) for model_best.pth: the classes, the key settings
     (`run`: run_info's), the image folders, and how to load the file: into a plain torchvision (or timm) model with
-    the validation transform of the training, or evaluated by this script (`-e --resume`)."""
+    the validation transform of the training, or, when `model_flags` ({flag: value}, recorded beside the image sizes)
+    shaped the model, through `script`'s exported_model, which rebuilds it from the file alone; and evaluated by
+    `script` (`-e --resume`), which takes those settings from the file too."""
     best = Path(args.output_dir) / "model_best.pth"
     timm_name = args.arch[len("timm:"):] if args.arch.startswith("timm:") else None
     build = (f"timm.create_model({timm_name!r}, num_classes={len(class_to_idx)})" if timm_name else
              f"torchvision.models.get_model({args.arch!r}, num_classes={len(class_to_idx)})")
     data = str(args.data) if args.data else f"--dummy {args.dummy}"
+    script = Path(script).resolve()
+    shown = script.name if script.parent == Path.cwd().resolve() else str(script)  # as a command line would give it
+    flags = " ".join(f"{flag} {value}" for flag, value in model_flags.items())
+    load = (["import sys", "", "import torch", "from torchvision.transforms import v2", "",
+             f"sys.path.insert(0, {str(script.parent)!r})  # the folder of {script.name}",
+             f"from {script.stem} import exported_model", "",
+             f"# {script.name}'s build_model, with what the file records ({flags})",
+             f"model, export = exported_model({str(best)!r})"] if model_flags else
+            ["import torch", "import torchvision" if not timm_name else "import timm",
+             "from torchvision.transforms import v2", "", f"model = {build}",
+             f"model.load_state_dict(torch.load({str(best)!r}, weights_only=True)[\"state_dict\"])"])
     usage = "\n".join([
-        "```python", "import torch", "import torchvision" if not timm_name else "import timm",
-        "from torchvision.transforms import v2", "",
-        f"model = {build}",
-        f"model.load_state_dict(torch.load({str(best)!r}, weights_only=True)[\"state_dict\"])",
-        "model.eval()",
+        "```python", *load, "model.eval()",
         "# the validation transform of the training, for an RGB PIL image or a (3, H, W) uint8 tensor",
         f"preprocess = v2.Compose([v2.ToImage(), v2.Resize({args.val_resize}, interpolation=v2.InterpolationMode."
         f"{args.interpolation.upper()}, antialias=True), v2.CenterCrop({args.val_crop_size}), "
         f"v2.ToDtype(torch.float32, scale=True), v2.Normalize({list(IMAGENET_MEAN)}, {list(IMAGENET_STD)})])",
-        "```", "", "Evaluated on the validation images by this script, at the image settings the file records:", "",
-        "```bash", f"python train_resnet.py {data} -a {args.arch} -e --resume {best} --output_dir "
+        "```", "", "Evaluated on the validation images by this script, at the settings the file records:", "",
+        "```bash", f"python {shown} {data} -a {args.arch} -e --resume {best} --output_dir "
         f"{Path(args.output_dir) / 'model_best_eval'}", "```"])
     settings = {"arch": args.arch, "weights": args.weights, "train_crop_size": args.train_crop_size,
                 "val_resize": args.val_resize, "val_crop_size": args.val_crop_size, "interpolation": args.interpolation,
                 "batch_size (global)": args.batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps, "lr": args.lr, "epochs": args.epochs,
                 "seed": args.seed, "model_ema": args.model_ema, "mixed_precision": run["mixed_precision"],
-                "processes": run["num_processes"]}
+                "processes": run["num_processes"], **model_flags}
     folders = (Path(data) / "train", Path(data) / "val") if args.data else (data, data)
     return ModelCard(
         title=str(best), labels=sorted(class_to_idx, key=class_to_idx.get), settings=settings, usage=usage,
         metadata={"library_name": "timm" if timm_name else "pytorch", "pipeline_tag": "image-classification",
-                  "tags": ["image-classification", "torchvision", "train_resnet.py"], "model_name": args.arch},
+                  "tags": ["image-classification", "torchvision", script.name], "model_name": args.arch},
         command=command_line(),
         data_files={"train": (folders[0], len(train_set)), "validation": (folders[1], len(val_set))})
