@@ -106,7 +106,8 @@ def unknown_arch(arch):
 #   train_transform /           the training and validation pipelines, torchvision transforms.v2 steps on a (3, H, W)
 #   val_transform               uint8 image: each image's random draws are seeded by (seed, epoch, image), so a new
 #                               random step resumes exactly; --decode_on_device replays the steps on the device and
-#                               refuses at start-up, in one line, a step it cannot replay (utils/image_device_decode.py)
+#                               refuses at start-up, in one line, a step it cannot replay, saying how to make it
+#                               replayable (utils/image_device_decode.py; v2.RandomApply: its ReplayableRandomApply)
 #   training_loss               the loss of one (micro-)batch: a mean over its readable images
 #   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted):
 #                               metrics.jsonl's `eval` events, the trackers' values, all_results.json's and
