@@ -910,17 +910,18 @@ def export_selected_onnx(accelerator, args, model, tokenizer, loaders):
 
 
 def write_results(log, args, results, results_tag):
-    """A training run's all_results.json (and the model card, now with the test results); an evaluation of a trained
-    output_dir writes its own {eval,test}{results_tag}_results.json and adds to all_results.json, never replacing
-    numbers measured with other settings (results_tag: use_model_settings's)."""
+    """A training run's all_results.json, flat, its settings and launches in all_results_settings.json (and the model
+    card, now with the test results); an evaluation of a trained output_dir writes its own
+    {eval,test}{results_tag}_results.json (and _settings.json) and adds to all_results.json, never replacing numbers
+    measured with other settings (results_tag: use_model_settings's)."""
     if args.do_train:
-        log.write_json("all_results.json", results)
+        log.write_results("all_results.json", results)
         log.write_model_card(args.output_dir / "best_model" / "README.md", results)
         return
     prefixes = [mode + results_tag for mode in ("eval", "test") if getattr(args, f"do_{mode}")]
     for prefix in prefixes:
-        log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
-                                                  if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
+        log.write_results(f"{prefix}_results.json", {k: v for k, v in results.items()
+                                                     if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
     log.merge_results(results, tuple(f"{prefix}_" for prefix in prefixes))
 
 
@@ -991,7 +992,7 @@ def main(args):
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
                               "--resume_from_checkpoint latest")
-            log.write_json("all_results.json", {**results, "preempted": True})
+            log.write_results("all_results.json", {**results, "preempted": True})
             log.end()
             return results
         model = trained.model

@@ -883,7 +883,7 @@ def main(args):
         if args.export_onnx:
             results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), data.val_loader,
                                                 class_to_idx))
-        log.write_json(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
+        log.write_results(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
         log.merge_results(results, (f"{prefix}_",))
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not (resuming or continues_run),
@@ -899,13 +899,13 @@ def main(args):
                               f"{results['stopped_early_reason']}")
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
-            log.write_json("all_results.json", {**results, "preempted": True})
+            log.write_results("all_results.json", {**results, "preempted": True})
             log.end()
             return results
         results.update({f"eval_{k}": v for k, v in trained.metrics.items()}, eval_settings=evaluation_settings(args))
         if args.export_onnx:
             results.update(export_selected_onnx(accelerator, args, None, data.val_loader, class_to_idx))
-        log.write_json("all_results.json", results)
+        log.write_results("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2))
     log.end()
     return results

@@ -6,6 +6,7 @@ import signal
 import urllib.error
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torchvision
@@ -93,6 +94,12 @@ def assert_counts_exactly(out, data, n, steps):
     assert evals[-1]["ema_samples"] == val  # the EMA is validated beside the model
     assert results["best_ema_acc1"] == max(e["ema_acc1"] for e in evals)
     assert (out / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+    # all_results.json is a table of single values, as the Trainer's is: pandas reads it as it reads theirs
+    table = pd.read_json(out / "all_results.json", typ="series")
+    assert table.index.tolist() == list(results) and table["eval_acc1"] == pytest.approx(results["eval_acc1"])
+    settings = read_json(out / "all_results_settings.json")
+    assert settings == {"eval_settings": {"val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"},
+                        "launches": [{"processes": n, "mixed_precision": "no", "resume_step": None}]}
     return results, train, evals
 
 
@@ -209,7 +216,8 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_mod
     assert evaluated["eval_samples"] == len(val_images(digits_data)) and evaluated["eval_samples"] % 2 == 1
     assert evaluated["eval_acc1"] == pytest.approx(read_json(digits_model / "all_results.json")["best_acc1"],
                                                    abs=1e-9)
-    assert evaluated["eval_settings"] == {"val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
+    assert read_json(digits_model_evaluated / "eval_results_settings.json")["eval_settings"] == {
+        "val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
     out = trained[1]
     # our own checkpoints evaluate too: `latest` is the run's last step, written beside its all_results.json, and
     # scores what the run's last validation scored
@@ -225,9 +233,12 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_mod
                "--output_dir", out])
     assert "--val_resize 20 differs from the model's 16 (trained with): evaluating with 20" in capsys.readouterr().out
     merged = read_json(out / "all_results.json")
-    assert {k: merged[k] for k in training} == training  # the training's numbers and their eval_settings
+    assert {k: merged[k] for k in training} == training  # the training's numbers, and their eval_settings:
+    assert read_json(out / "all_results_settings.json")["eval_settings"] == {
+        "val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
+    assert read_json(out / "eval_val_resize_20_results_settings.json")["eval_val_resize_20_settings"] == {
+        "val_crop_size": 16, "val_resize": 20, "interpolation": "bilinear"}
     other = read_json(out / "eval_val_resize_20_results.json")
-    assert other["eval_val_resize_20_settings"] == {"val_crop_size": 16, "val_resize": 20, "interpolation": "bilinear"}
     assert merged["eval_val_resize_20_acc1"] == other["eval_val_resize_20_acc1"]
     # the export as starting weights (--weights PATH) of an evaluation: the same sizes, the same number
     main_here(["--cpu", few_digits, "-j", "0", "-e", "--weights", out / "model_best.pth", "--output_dir",
