@@ -20,9 +20,10 @@ ADAPTATION SECTION, right below the imports: nothing else names a model class, a
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
 torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
-Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), model_card.md (how to
-load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.jsonl, all_results.json
-(eval_results.json with -e), training_curves.png; with --predict, predictions.jsonl alone (docs/resnet.md).
+Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict, torchvision's references'
+keys, the recorded flags), model_card.md (how to load model_best.pth, its metrics), checkpoints/step_N (exact
+resume), metrics.jsonl, all_results.json and all_results_settings.json (eval_results*.json with -e),
+training_curves.png; with --predict, predictions.jsonl alone (docs/resnet.md).
 """
 import argparse
 import difflib
@@ -101,8 +102,9 @@ def unknown_arch(arch):
 # name a model class, a transform or a metric's computation.
 #   build_model / empty_model   the model (-a, its starting weights, a head for the data's classes), and its twin on
 #                               the meta device whose parameter names the exports must have; a trained one is loaded
-#                               back strictly into build_model's model (-e, --resume FILE) or by accelerate's
-#                               load_state (checkpoints/step_N)
+#                               back strictly into build_model's model (-e, --predict, --resume FILE, exported_model)
+#                               or by accelerate's load_state (checkpoints/step_N). A flag that shapes the model gets
+#                               a `.recorded()` role in FLAG_ROLES: the exports record it and those rebuild with it
 #   train_transform /           the training and validation pipelines, torchvision transforms.v2 steps on a (3, H, W)
 #   val_transform               uint8 image: each image's random draws are seeded by (seed, epoch, image), so a new
 #                               random step resumes exactly; --decode_on_device replays the steps on the device and
