@@ -566,19 +566,25 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card
     (README.md, from `card_results`) and the selected `step` (best_step.json), swapped in atomically; a full disk
     stops every rank with one line and keeps the previous best_model/. `remote`: --trust_remote_code."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
-    tokenizer.model_max_length = settings["max_seq_len"]
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: new_model(bare.config, remote)))
     with writing(accelerator, best_dir.parent, unfinished=tmp):
         if accelerator.is_main_process:
             # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
             bare.save_pretrained(tmp, state_dict=state_dict, save_original_format=False)
-            tokenizer.save_pretrained(tmp)
-            (tmp / TRAINED_WITH).write_text(json.dumps(settings, indent=2) + "\n")
+            save_tokenizer_and_settings(tokenizer, settings, tmp)
             log.write_model_card(tmp / "README.md", card_results)
             if step is not None:
                 mark_selection(tmp, step)
             replace_dir_atomically(tmp, best_dir)
+
+
+def save_tokenizer_and_settings(tokenizer, settings, folder):
+    """The tokenizer, truncating at max_seq_len (in pipeline() too), and TRAINED_WITH, the `settings` an evaluation
+    of the model must repeat: beside the weights in best_model/, beside model.onnx in onnx/."""
+    tokenizer.model_max_length = settings["max_seq_len"]
+    tokenizer.save_pretrained(folder)
+    (Path(folder) / TRAINED_WITH).write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def best_model_selection(accelerator, args, model, validation_loader, labels, metric_modules):
@@ -898,11 +904,12 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
 ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # in the order of BERT's forward arguments
 
 
-def export_selected_onnx(accelerator, args, model, loaders):
+def export_selected_onnx(accelerator, args, model, tokenizer, loaders):
     """--export_onnx: the selected model as OUT/onnx/model.onnx (dynamic batch and sequence axes), checked on the
     first --onnx_check_samples texts of the validation set (else test, training, or the texts to predict, which have
-    no labels to measure accuracy on) in their padded batches
-    (utils/onnx_export.py); its onnx_* results. Every rank calls it; the main process exports."""
+    no labels to measure accuracy on) in their padded batches (utils/onnx_export.py); beside it what loads it with
+    nothing else, as optimum's ORTModelForSequenceClassification folders hold it: config.json (id2label), the tokenizer
+    and TRAINED_WITH. Its onnx_* results. Every rank calls it; the main process exports."""
     split = next(name for name in ("validation", "test", "train", "predict") if name in loaders)
     results = {}
     with writing(accelerator, args.output_dir / "onnx"):
@@ -914,21 +921,24 @@ def export_selected_onnx(accelerator, args, model, loaders):
             accelerator.print(f"ONNX export checked on the {split} texts")
             results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
                                        sequence_axis=True, say=accelerator.print)
+            model.config.save_pretrained(args.output_dir / "onnx")
+            save_tokenizer_and_settings(tokenizer, trained_with(args), args.output_dir / "onnx")
     return results
 
 
 def write_results(log, args, results, results_tag):
-    """A training run's all_results.json (and the model card, now with the test results); an evaluation of a trained
-    output_dir writes its own {eval,test}{results_tag}_results.json and adds to all_results.json, never replacing
-    numbers measured with other settings (results_tag: use_model_settings's)."""
+    """A training run's all_results.json, flat, its settings and launches in all_results_settings.json (and the model
+    card, now with the test results); an evaluation of a trained output_dir writes its own
+    {eval,test}{results_tag}_results.json (and _settings.json) and adds to all_results.json, never replacing numbers
+    measured with other settings (results_tag: use_model_settings's)."""
     if args.do_train:
-        log.write_json("all_results.json", results)
+        log.write_results("all_results.json", results)
         log.write_model_card(args.output_dir / "best_model" / "README.md", results)
         return
     prefixes = [mode + results_tag for mode in ("eval", "test") if getattr(args, f"do_{mode}")]
     for prefix in prefixes:
-        log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
-                                                  if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
+        log.write_results(f"{prefix}_results.json", {k: v for k, v in results.items()
+                                                     if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
     log.merge_results(results, tuple(f"{prefix}_" for prefix in prefixes))
 
 
@@ -997,7 +1007,7 @@ def main(args):
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
                               "--resume_from_checkpoint latest")
-            log.write_json("all_results.json", {**results, "preempted": True})
+            log.write_results("all_results.json", {**results, "preempted": True})
             log.end()
             return results
         model = trained.model
@@ -1008,7 +1018,7 @@ def main(args):
     results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained,
                                            results_tag))
     if args.export_onnx:
-        results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), loaders))
+        results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), tokenizer, loaders))
     if args.do_predict:
         write_predictions(accelerator, log, model, prepared["predict"], data.predict, labels, args)
     write_results(log, args, results, results_tag)

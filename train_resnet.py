@@ -20,9 +20,10 @@ ADAPTATION SECTION, right below the imports: nothing else names a model class, a
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
 torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
-Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), model_card.md (how to
-load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.jsonl, all_results.json
-(eval_results.json with -e), training_curves.png; with --predict, predictions.jsonl alone (docs/resnet.md).
+Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict, torchvision's references'
+keys, the recorded flags), model_card.md (how to load model_best.pth, its metrics), checkpoints/step_N (exact
+resume), metrics.jsonl, all_results.json and all_results_settings.json (eval_results*.json with -e),
+training_curves.png; with --predict, predictions.jsonl alone (docs/resnet.md).
 """
 import argparse
 import difflib
@@ -54,7 +55,7 @@ from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS
                                FlagRoles, add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
                                load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
                                this_launch)
-from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
+from utils.export import load_torch_checkpoint, load_weights, on_meta_device
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
@@ -65,10 +66,10 @@ from utils.runtime import (UserError, add_runtime_args, build_accelerator, check
                             hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
                             writing)
-from utils.image_augment import (AUGMENT_ROLES, AUTO_AUGMENT, MIXING_ROLES, RepeatedAugmentationSampler,
-                                 add_augment_args, add_mixing_args, build_mixer, dominant_labels, eval_image_settings,
-                                 image_settings, random_erasing, recorded_image_settings, resolve_augment_args,
-                                 resolve_image_sizes, resolve_mixup_mode, soft_cross_entropy, timm_auto_augment)
+from utils.image_augment import (AUGMENT_ROLES, AUTO_AUGMENT, IMAGE_DEFAULTS, MIXING_ROLES, RepeatedAugmentationSampler,
+                                 add_augment_args, add_mixing_args, build_mixer, dominant_labels, random_erasing,
+                                 resolve_augment_args, resolve_mixup_mode, soft_cross_entropy, timm_auto_augment,
+                                 use_recorded_settings)
 from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, PredictImages,
                               RGBImageFolder, bad_image_error, build_datasets, build_dummy_datasets, files_to_predict,
                               fingerprint_images, prediction_rows, topk_hits)
@@ -102,12 +103,14 @@ def unknown_arch(arch):
 # name a model class, a transform or a metric's computation.
 #   build_model / empty_model   the model (-a, its starting weights, a head for the data's classes), and its twin on
 #                               the meta device whose parameter names the exports must have; a trained one is loaded
-#                               back strictly into build_model's model (-e, --resume FILE) or by accelerate's
-#                               load_state (checkpoints/step_N)
+#                               back strictly into build_model's model (-e, --predict, --resume FILE, exported_model)
+#                               or by accelerate's load_state (checkpoints/step_N). A flag that shapes the model gets
+#                               a `.recorded()` role in FLAG_ROLES: the exports record it and those rebuild with it
 #   train_transform /           the training and validation pipelines, torchvision transforms.v2 steps on a (3, H, W)
 #   val_transform               uint8 image: each image's random draws are seeded by (seed, epoch, image), so a new
 #                               random step resumes exactly; --decode_on_device replays the steps on the device and
-#                               refuses at start-up, in one line, a step it cannot replay (utils/image_device_decode.py)
+#                               refuses at start-up, in one line, a step it cannot replay, saying how to make it
+#                               replayable (utils/image_device_decode.py; v2.RandomApply: its ReplayableRandomApply)
 #   training_loss               the loss of one (micro-)batch: a mean over its readable images
 #   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted), each
 #                               printed in the console's line after each epoch, logged (metrics.jsonl's `eval`
@@ -307,6 +310,9 @@ def parse_args(argv=None):
         resolve_mixup_mode(args)
     except UserError as err:
         parser.error(str(err))
+    if not (args.evaluate or args.predict):  # -e and --predict take the recorded flags from the model, in main
+        for dest, default in flag_roles().exported().items():
+            setattr(args, dest, default if getattr(args, dest) is None else getattr(args, dest))
     if args.predict:  # the architecture, when not given, and the sizes come from the export
         return args
     args.arch = args.arch or "resnet18"
@@ -374,6 +380,43 @@ FLAG_ROLES = {
 def flag_roles():
     """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
     return FlagRoles(build_parser(), FLAG_ROLES)
+
+
+def trained_with(args):
+    """What the exports record beside the weights: every flag FLAG_ROLES marks .recorded() (image sizes, a head's
+    shape), which -e, --predict and exported_model rebuild and evaluate the model with."""
+    return flag_roles().exported_settings(args)
+
+
+def evaluation_settings(args):
+    """The recorded settings a validation's numbers depend on, recorded with them (`eval_settings`)."""
+    return {dest: getattr(args, dest) for dest in flag_roles().evaluation().values()}
+
+
+def model_flags(args):
+    """{flag: value} of the recorded flags beyond the image settings: how build_model shaped the model (none in this
+    script as it ships; a flag a user adds for a head, say), which plain torchvision cannot rebuild (model_card)."""
+    roles = flag_roles()
+    return {flag: getattr(args, roles.dests[flag]) for flag, role in roles.table.items()
+            if role.exported and roles.dests[flag] not in IMAGE_DEFAULTS}
+
+
+def exported_model(path, args=None, say=print):
+    """(model, export): build_model's model with the weights of this script's export `path` (model_best.pth,
+    checkpoint.pth), rebuilt from the file alone: its architecture, classes and recorded flags (trained_with), where
+    `args` (a parsed command line; None: the parser's defaults) does not give them; the image sizes end up in `args`."""
+    args = args or build_parser().parse_args([])
+    export = load_torch_checkpoint(path)
+    class_to_idx = export.get("class_to_idx")
+    if not class_to_idx:
+        raise UserError(f"{path}: records no class names (a main.py or torchvision file?); the model is rebuilt from "
+                        "this script's export, model_best.pth or checkpoint.pth")
+    check_legacy_compatible(export, {"arch": args.arch} if args.arch else {}, path)
+    args.arch = args.arch or export.get("arch", "resnet18")
+    use_recorded_settings(args, flag_roles(), export, path, say)
+    model = build_model(args, len(class_to_idx), say)
+    load_weights(model, export["state_dict"], path)
+    return model, export
 
 
 @dataclass
@@ -455,18 +498,10 @@ def predict_images(accelerator, args):
     if not Path(args.resume).is_file():
         raise UserError(f"--resume {args.resume}: no such file; --predict needs the trained model's export (an "
                         "output directory's model_best.pth or checkpoint.pth)")
-    export = load_torch_checkpoint(args.resume)
-    class_to_idx = export.get("class_to_idx")
-    if not class_to_idx:
-        raise UserError(f"--resume {args.resume}: records no class names (a main.py or torchvision file?); --predict "
-                        "needs this script's export, model_best.pth or checkpoint.pth")
-    check_legacy_compatible(export, {"arch": args.arch} if args.arch else {}, args.resume)
-    args.arch = args.arch or export.get("arch", "resnet18")
-    resolve_image_sizes(args, recorded_image_settings(export), args.resume, accelerator.print)
+    model, export = exported_model(args.resume, args, accelerator.print)  # and the image sizes into args
+    class_to_idx = export["class_to_idx"]
     dataset = PredictImages(files_to_predict(args.predict), val_transform(args), args.val_crop_size)
     loader = DataLoader(dataset, batch_size=args.batch_size, **loader_settings(args.workers))
-    model = build_model(args, len(class_to_idx), accelerator.print)
-    load_weights(model, export["state_dict"], args.resume)
     model, loader = accelerator.prepare(model, loader)
     labels = sorted(class_to_idx, key=class_to_idx.get)
     log = RunLog(accelerator, args.output_dir)
@@ -498,10 +533,10 @@ def train_line(epoch, batch, num_batches, v):
 
 
 def export_weights(accelerator, model, args, fields, is_best, ema_state=None, suffix=""):
-    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision, with
-    `fields` beside the state dict (arch, class_to_idx, epoch, the epoch's validation numbers: acc1, ..., and
-    best_<metric>: best_acc1 by default). checkpoint.pth also holds the EMA's weights (torchvision's `model_ema` key);
-    suffix "_ema": the EMA's own files."""
+    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout with torchvision's keys, loadable by
+    plain torchvision, with `fields` beside the state dict (arch, class_to_idx, epoch, the epoch's validation numbers:
+    acc1, ..., best_<metric>: best_acc1 by default, what the model was trained with). checkpoint.pth also holds the
+    EMA's state (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
     fresh = empty_model(args, len(fields["class_to_idx"]))
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
@@ -533,10 +568,10 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     own, averaged = split_ema(metrics)
     # best_epoch: a run continued from the file (--resume checkpoint.pth) knows which epoch model_best.pth holds
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, step=completed_steps,
-                  best_epoch=state["best_epoch"], **image_settings(args))
+                  best_epoch=state["best_epoch"], **trained_with(args))
     best_key = selection.best_key
     export_weights(accelerator, training.model, args, {**own, **fields, best_key: selection.best(state)}, is_best,
-                   ema.module.state_dict() if ema else None)
+                   ema.state_dict() if ema else None)
     if is_best:  # model_card.md describes model_best.pth
         log.write_model_card(args.output_dir / "model_card.md", {
             **selection.results(state), **{f"eval_{k}": v for k, v in own.items()},
@@ -555,10 +590,10 @@ def split_ema(metrics):
             {k[len("ema_"):]: v for k, v in numbers.items() if k.startswith("ema_")})
 
 
-def export_selected_onnx(accelerator, args, model, val_loader):
+def export_selected_onnx(accelerator, args, model, val_loader, class_to_idx):
     """--export_onnx: `model` (-e's evaluated one; None after training: model_best.pth's weights) as
-    OUT/onnx/model.onnx, checked on the first --onnx_check_samples validation images (utils/onnx_export.py); its
-    onnx_* results. Every rank calls it; the main process exports."""
+    OUT/onnx/model.onnx, checked on the first --onnx_check_samples validation images (utils/onnx_export.py), with
+    config.json beside it (onnx_config); its onnx_* results. Every rank calls it; the main process exports."""
     results = {}
     with writing(accelerator, args.output_dir / "onnx"):
         if accelerator.is_main_process:
@@ -567,7 +602,22 @@ def export_selected_onnx(accelerator, args, model, val_loader):
             batches = check_batches(images, args.onnx_check_samples)
             results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
                                        sequence_axis=False, say=accelerator.print)
+            (args.output_dir / "onnx" / "config.json").write_text(json.dumps(onnx_config(args, class_to_idx),
+                                                                             indent=2, ensure_ascii=False) + "\n")
     return results
+
+
+def onnx_config(args, class_to_idx):
+    """config.json beside model.onnx, what running it needs with nothing else: the class of each output (id2label,
+    label2id, as transformers' configs name them), the input's preprocessing (val_transform's: shorter side resized
+    to val_resize, center crop, scaled to [0, 1], normalised) and what the model was trained with."""
+    labels = sorted(class_to_idx, key=class_to_idx.get)
+    return {"arch": args.arch, "num_labels": len(labels), "id2label": dict(enumerate(labels)),
+            "label2id": {label: index for index, label in enumerate(labels)},
+            "preprocessing": {"input": "pixel_values (batch, 3, height, width), RGB", "resize": args.val_resize,
+                              "center_crop": args.val_crop_size, "interpolation": args.interpolation,
+                              "rescale_factor": 1 / 255, "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
+            "output": "logits (batch, num_labels)", "trained_with": trained_with(args)}
 
 
 def load_best_model(args):
@@ -645,7 +695,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
                                             scheduler.get_last_lr()[0]))
     ema = build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
     if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
-        load_weights(ema.module, strip_module_prefix(legacy["model_ema"]), args.resume)
+        load_weights(ema.module, legacy["model_ema"], args.resume)  # load_torch_checkpoint's averaged weights
         ema.n_averaged.fill_(1)  # an average, not a fresh copy: the next update moves it
     mixer = build_mixer(args, len(must_match["class_to_idx"]), args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
@@ -821,8 +871,8 @@ def main(args):
     legacy = load_torch_checkpoint(args.resume) if legacy_file else None
     if args.evaluate:  # at the sizes the model was trained with, unless given; the tag names other ones
         fields = legacy or (read_training_state(resume_dir) if resume_dir else weights_file_fields(args.weights))
-        results_tag = resolve_image_sizes(args, recorded_image_settings(fields),
-                                          args.resume if legacy_file else resume_dir or args.weights, accelerator.print)
+        results_tag = use_recorded_settings(args, flag_roles(), fields, args.resume if legacy_file else
+                                            resume_dir or args.weights, accelerator.print)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
     class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
@@ -855,14 +905,16 @@ def main(args):
         metrics = evaluate(accelerator, model, val_loader, args)
         prefix = "eval" + results_tag
         results.update({f"{prefix}_{k}": v for k, v in metrics.items()},
-                       **{f"{prefix}_settings": eval_image_settings(args)})
+                       **{f"{prefix}_settings": evaluation_settings(args)})
         if args.export_onnx:
-            results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), data.val_loader))
-        log.write_json(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
+            results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), data.val_loader,
+                                                class_to_idx))
+        log.write_results(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
         log.merge_results(results, (f"{prefix}_",))
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not (resuming or continues_run),
-                  card=model_card(args, class_to_idx, data.train_set, data.val_set, results))
+                  card=model_card(args, class_to_idx, data.train_set, data.val_set, results, Path(__file__),
+                                  model_flags(args)))
         task = Task(must_match, selection, class_weights and class_weights.tensor(accelerator.device), legacy,
                     continues_run)
         trained = retry.run(lambda attempt: train(args, accelerator, model, data, log, task, attempt),
@@ -873,13 +925,13 @@ def main(args):
                               f"{results['stopped_early_reason']}")
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
-            log.write_json("all_results.json", {**results, "preempted": True})
+            log.write_results("all_results.json", {**results, "preempted": True})
             log.end()
             return results
-        results.update({f"eval_{k}": v for k, v in trained.metrics.items()}, eval_settings=eval_image_settings(args))
+        results.update({f"eval_{k}": v for k, v in trained.metrics.items()}, eval_settings=evaluation_settings(args))
         if args.export_onnx:
-            results.update(export_selected_onnx(accelerator, args, None, data.val_loader))
-        log.write_json("all_results.json", results)
+            results.update(export_selected_onnx(accelerator, args, None, data.val_loader, class_to_idx))
+        log.write_results("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2))
     log.end()
     return results

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 from conftest import ENV, ROOT, launch, one_thread, read_json, read_jsonl, run_here, run_on
 
@@ -56,6 +57,13 @@ def test_learns_and_counts_exactly(trained, n):
     assert train_losses[-1] < 0.5 * train_losses[0], train_losses
     steps = [e["step"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"]
     assert steps == sorted(set(steps))  # one line per logging step, no repeats
+    # flat, as the Trainer's all_results.json: pandas reads it as a table; what each group was measured with and the
+    # launches are in all_results_settings.json
+    table = pd.read_json(out / "all_results.json", typ="series")
+    assert table.index.tolist() == list(results) and table["test_accuracy"] == pytest.approx(results["test_accuracy"])
+    settings = read_json(out / "all_results_settings.json")
+    assert sorted(settings) == ["eval_settings", "launches", "test_settings"]
+    assert settings["launches"] == [{"processes": n, "mixed_precision": "no", "resume_step": None}]
 
 
 def test_selected_model_is_the_best_on_validation(trained):
@@ -217,14 +225,17 @@ def test_evaluation_with_other_settings_keeps_the_training_numbers(trained, text
     out = tmp_path / "out"
     shutil.copytree(trained[1][0], out, ignore=shutil.ignore_patterns("checkpoints"))
     training, report = read_json(out / "all_results.json"), (out / "test_report.json").read_text()
+    settings = read_json(out / "all_results_settings.json")
     proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--data_dir", text_data,
                              "--do_test", "--max_seq_len", "8", "--output_dir", out])
     assert "--max_seq_len 8 differs from the model's 16 (trained with): evaluating with 8" in proc.stdout
-    merged = read_json(out / "all_results.json")
-    assert {k: merged[k] for k in training} == training and training["test_settings"] == {
-        "max_seq_len": 16, "multi_label": False, **HEAD_CUT}
-    other = read_json(out / "test_max_seq_len_8_results.json")
+    merged, merged_settings = read_json(out / "all_results.json"), read_json(out / "all_results_settings.json")
+    assert {k: merged[k] for k in training} == training and {k: merged_settings[k] for k in settings} == settings
+    assert settings["test_settings"] == {"max_seq_len": 16, "multi_label": False, **HEAD_CUT}
+    other = read_json(out / "test_max_seq_len_8_results_settings.json")
     assert other["test_max_seq_len_8_settings"] == {"max_seq_len": 8, "multi_label": False, **HEAD_CUT}
+    assert merged_settings["test_max_seq_len_8_settings"] == other["test_max_seq_len_8_settings"]
+    other = read_json(out / "test_max_seq_len_8_results.json")
     assert merged["test_max_seq_len_8_accuracy"] == other["test_max_seq_len_8_accuracy"]
     assert (out / "test_report.json").read_text() == report and (out / "test_max_seq_len_8_report.json").is_file()
 

@@ -195,8 +195,8 @@ def test_bert_best_model_from_after_the_checkpoint_goes_aside(bert_two_processes
 # ---- a resume on another number of processes or in another precision ----
 
 def assert_launches_named(proc, out, per_process, precision):
-    """The lines of a resume from 2 fp32 processes on 1 in `precision`, and all_results.json's record of both
-    launches."""
+    """The lines of a resume from 2 fp32 processes on 1 in `precision`, and all_results_settings.json's record of
+    both launches."""
     assert ("resumed on 1 process from a checkpoint of 2 processes: the global batch and the sample order are the "
             f"same; {per_process}; sums over the processes add up in another order: training goes on as on 1 process, "
             "not bit for bit as on 2") in proc.stdout
@@ -204,7 +204,7 @@ def assert_launches_named(proc, out, per_process, precision):
     expected = f"resumed in {precision} from a checkpoint trained in fp32: the steps from here compute in {precision}"
     changed = [line for line in proc.stdout.splitlines() if line.startswith("resumed in ")]
     assert changed == ([] if precision == "fp32" else [expected]), changed
-    assert read_json(out / "all_results.json")["launches"] == [
+    assert read_json(out / "all_results_settings.json")["launches"] == [
         {"processes": 2, "mixed_precision": "no", "resume_step": None},
         {"processes": 1, "mixed_precision": "no" if precision == "fp32" else precision,
          "resume_step": 20 if "dropout" in per_process else 3}]

@@ -11,7 +11,7 @@ import pytest
 
 import train_bert_cls
 import train_resnet
-from utils.checkpoint import MAY_CHANGE, THIS_LAUNCH, FlagRoles, RoleError
+from utils.checkpoint import MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, FlagRoles, RoleError
 from utils.image_augment import EVAL_IMAGE_FLAGS, IMAGE_DEFAULTS
 
 SCRIPTS = [train_bert_cls, train_resnet]
@@ -53,6 +53,24 @@ def test_the_script_refuses_to_start_with_a_flag_without_a_role(script, monkeypa
             script.parse_args(["--help"])
     finally:
         script.flag_roles.cache_clear()
+
+
+def test_a_recorded_flag_with_a_parser_default_is_an_error():
+    """A .recorded() flag's default lives in its role: with one in the parser, an evaluation could never tell that
+    the command line left it out, and would rebuild the model with that value instead of the trained model's."""
+    parser = train_resnet.build_parser()
+    parser.add_argument("--head_hidden", type=int, default=0)
+    with pytest.raises(RoleError, match=r"--head_hidden \(default=0\): a .recorded\(\) flag is default=None in the "
+                                        r"parser, its default in .recorded\(DEFAULT\)"):
+        FlagRoles(parser, {**train_resnet.FLAG_ROLES, "--head_hidden": MUST_KEEP.recorded(0)})
+    parser = train_resnet.build_parser()
+    parser.add_argument("--head_hidden", type=int, default=None)
+    roles = FlagRoles(parser, {**train_resnet.FLAG_ROLES, "--head_hidden": MUST_KEEP.recorded(0)})
+    assert roles.exported()["head_hidden"] == 0
+    # read back from an export's fields and from a checkpoint's training_state.json (KEEP: under the flag)
+    assert roles.recorded_in({"head_hidden": 64, "val_resize": 20})["head_hidden"] == 64
+    assert roles.recorded_in({"--head_hidden": 64, "settings": {"--val_resize": 20}}) == {"head_hidden": 64,
+                                                                                        "val_resize": 20}
 
 
 def test_a_kept_by_entry_that_main_does_not_compute_is_an_error():

@@ -510,6 +510,7 @@ class FlagRoles:
         self.table = dict(table)
         self.dests = {}  # flag: args attribute
         undeclared = []
+        supplied = []  # recorded flags with a parser default, which a trained model's value could never replace
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
@@ -519,12 +520,18 @@ class FlagRoles:
                 undeclared.append(" / ".join(names) + (" (declared twice)" if declared else ""))
             for name in declared:
                 self.dests[name] = action.dest
+                if self.table[name].exported and action.default is not None:
+                    supplied.append(f"{name} (default={action.default!r})")
         unknown = [flag for flag in self.table if flag not in self.dests]
         if undeclared or unknown:
             raise RoleError("flag roles: " + "; ".join(
                 ([f"no role declared for {', '.join(undeclared)}"] if undeclared else [])
                 + ([f"a role for no option: {', '.join(unknown)}"] if unknown else []))
                 + " (declare each flag's role in the script's FLAG_ROLES: utils/checkpoint.py ROLE_MEANINGS)")
+        if supplied:
+            raise RoleError(f"flag roles: {', '.join(supplied)}: a .recorded() flag is default=None in the parser, "
+                            "its default in .recorded(DEFAULT), so that an evaluation takes the trained model's value "
+                            "where the command line gives none")
 
     @classmethod
     def of(cls, add_args, table):
@@ -557,6 +564,19 @@ class FlagRoles:
         """{args attribute: default} of the flags the exported model records, whose defaults a trained model
         supplies to an evaluation of it."""
         return {self.dests[flag]: role.default for flag, role in self.table.items() if role.exported}
+
+    def recorded_in(self, record):
+        """{args attribute: value} of the flags the exported model records, as `record` holds them: an export's
+        fields (under the args attribute), or a checkpoint's training_state.json (a KEEP flag under its flag or
+        `key`, a MAY_CHANGE flag in its `settings`); the flags it does not hold left out."""
+        settings = record.get("settings") or {}
+        found = {}
+        for flag, role in self.table.items():
+            dest = self.dests[flag]
+            value = record.get(dest, record.get(role.key or flag, settings.get(flag)))
+            if role.exported and value is not None:
+                found[dest] = value
+        return found
 
     def exported_settings(self, args):
         """{args attribute: value} the exported model records (a flag `only_with` another left out without it)."""
