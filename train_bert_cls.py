@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               FlagRoles, add_allow_data_change, agree_on_resume, keep_as, kept_by,
+                               add_allow_data_change, agree_on_resume, keep_as, kept_by,
                                per_process_differences, replace_dir_atomically, resume_settings, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference, selected_step)
@@ -160,7 +160,7 @@ def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=
 def build_parser():
     """Every flag (utils/flags.py Parser: one-line errors, the other tools' spellings); each one's role for a resume
     and the export is declared in FLAG_ROLES below."""
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
     parser.refuse("the Chinese BERT tutorial", TUTORIAL_FLAGS)
     parser.refuse("accelerate's examples", ACCELERATE_EXAMPLE_FLAGS)
     parser.refuse("transformers' text-classification examples", TRANSFORMERS_EXAMPLE_FLAGS)
@@ -267,8 +267,7 @@ def build_parser():
 
 def parse_args(argv=None):
     parser = build_parser()
-    roles = flag_roles()  # a flag without a declared role stops every launch here, before anything starts
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a flag without a role (FLAG_ROLES) stops here in one line, before anything starts
     check_onnx_args(parser, args)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
@@ -280,7 +279,7 @@ def parse_args(argv=None):
             parser.error(str(err))
     check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
-        use_model_settings(args, print, roles.exported())
+        use_model_settings(args, print, flag_roles().exported())
     return args
 
 
@@ -288,7 +287,8 @@ def parse_args(argv=None):
 # MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
 # kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START; `.recorded()`: the
 # exported model records it (best_model/trained_with.json) and evaluation results carry it. Every option of
-# build_parser() has exactly one entry: parse_args refuses to start otherwise.
+# build_parser() has exactly one entry (a shared helper's, in its *_ROLES spread here): otherwise every command stops
+# with one line naming the flag; --help shows each flag's role.
 FLAG_ROLES = {
     # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
     "--data_dir": kept_by(DATA_KEY), "--train_file": kept_by(DATA_KEY), "--validation_file": MAY_CHANGE,
@@ -332,7 +332,7 @@ FLAG_ROLES = {
 @functools.cache
 def flag_roles():
     """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
-    return FlagRoles(build_parser(), FLAG_ROLES)
+    return build_parser().flag_roles()
 
 
 def trained_with(args):

@@ -50,7 +50,7 @@ import torch
 from accelerate.utils import DistributedType, find_batch_size, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
+from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by, roles_beside
 from .runtime import Interrupted, UserError, forget_a_dead_launcher, hf_bool, stop_outside_training
 
 
@@ -493,6 +493,7 @@ SELECTION_ROLES = {"--metric_for_best_model": kept_by("metric_for_best_model"),
                    "--early_stopping_patience": MAY_CHANGE, "--early_stopping_threshold": MAY_CHANGE}
 
 
+@roles_beside("SELECTION_ROLES")
 def add_selection_args(parser, default_metric, choices_help, aliases=()):
     """transformers Trainer's flags for choosing the best model and stopping early (`aliases`: other spellings of
     --metric_for_best_model, such as timm's --eval-metric)."""

@@ -83,7 +83,7 @@ from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
 from utils.checkpoint import (DATA_KEY, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, DataFingerprint, data_fingerprint,
-                              keep_as, kept_by, this_launch)
+                              keep_as, kept_by, roles_beside, this_launch)
 from utils.runtime import UserError, hf_bool, nonnegative_int, positive_int
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
@@ -156,6 +156,7 @@ TEXT_FORMAT_ROLES = {**dict.fromkeys(("--text_column", "--text_column_names", "-
                      "--do_regression": keep_as("regression")}
 
 
+@roles_beside("TEXT_FORMAT_ROLES")
 def add_text_format_args(group):
     """The flags of `TextFormat` (transformers' run_classification names where it has them)."""
     group.add_argument("--text_column", default="text", help="csv/json field of the text")
@@ -875,6 +876,7 @@ DATASET_ROLES = {**dict.fromkeys(("--dataset_name", "--dataset_config_name", "--
                  "--shuffle_train_dataset": MUST_KEEP, "--shuffle_seed": MUST_KEEP}
 
 
+@roles_beside("DATASET_ROLES")
 def add_dataset_args(group):
     """run_classification.py's dataset flags: a `datasets` dataset instead of files, and the quick-try cuts."""
     group.add_argument("--dataset_name", default=None,
@@ -1013,6 +1015,7 @@ COMPILE_PAD_MULTIPLE = 32  # at 512 tokens: at most 16 lengths per batch size to
 PADDING_ROLES = this_launch("--pad_to_multiple_of", "--pad_to_max_length")
 
 
+@roles_beside("PADDING_ROLES")
 def add_padding_args(group):
     padding = group.add_mutually_exclusive_group()
     padding.add_argument("--pad_to_multiple_of", type=positive_int, default=None,
@@ -1030,6 +1033,7 @@ LONG_TEXT_ROLES = {"--truncation": MUST_KEEP.recorded("head"), "--head_tokens": 
                    "--doc_stride": MUST_KEEP.recorded(None), "--pool": MAY_CHANGE.recorded("mean", only_with="doc_stride")}
 
 
+@roles_beside("LONG_TEXT_ROLES")
 def add_long_text_args(group):
     group.add_argument("--truncation", choices=TRUNCATION, default=None,
                        help="which tokens of a text longer than --max_seq_len are kept: the first (head), the last "

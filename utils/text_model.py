@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 import torch
 from transformers import Adafactor, get_scheduler
 
-from utils.checkpoint import MUST_KEEP, kept_by, this_launch
+from utils.checkpoint import MUST_KEEP, kept_by, roles_beside, this_launch
 from utils.export import load_torch_checkpoint, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, hf_bool
@@ -57,6 +57,7 @@ MODEL_SOURCE_ROLES = {"--config_name": kept_by("model"), "--tokenizer_name": MUS
                       **this_launch("--cache_dir", "--model_revision", "--token", "--use_fast_tokenizer")}
 
 
+@roles_beside("MODEL_SOURCE_ROLES")
 def add_model_source_args(group):
     """Where the config, tokenizer and weights come from, with run_classification.py's flags."""
     group.add_argument("--config_name", default=None,
