@@ -63,7 +63,8 @@ from utils.text_data import (DATASET_ROLES, LONG_TEXT_ROLES, PADDING_ROLES, TEXT
                              TextData, add_dataset_args, add_long_text_args, add_padding_args, add_text_format_args,
                              build_collator, build_label_list, check_dataset_args, check_known_labels,
                              check_text_format_args, fingerprint_examples, label_targets, long_text,
-                             read_dataset_splits, read_file_splits, read_predict_file, resolve_padding,
+                             read_dataset_splits, read_file_splits, read_predict_file, resolve_head_tokens,
+                             resolve_padding,
                              select_examples, split_files, text_format, token_lengths, tokenize_examples,
                              write_labels_file)
 from utils.text_metrics import (SELECTION_HELP, StreamedWindows, check_task_args, compute_metrics, default_metric,
@@ -279,7 +280,7 @@ def parse_args(argv=None):
             parser.error(str(err))
     check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
-        use_model_settings(args, print, flag_roles().exported())
+        use_model_settings(args, print, flag_roles())
     return args
 
 
@@ -385,7 +386,8 @@ def check_model_files(args):
 
 def tokenizer_and_length(args, say=print):
     """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with the
-    labels its config has: the positions do not depend on them): both decide the tokenised data."""
+    labels its config has: the positions do not depend on them), then --head_tokens' default: they decide the
+    tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
     with loading(source, "tokenizer"):
@@ -393,6 +395,7 @@ def tokenizer_and_length(args, say=print):
     empty_model = on_meta_device(lambda: new_model(model_config(args), args.trust_remote_code))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
                                        say)
+    resolve_head_tokens(args, say)  # its default is a share of --max_seq_len
     return tokenizer
 
 
@@ -925,7 +928,7 @@ def main(args):
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
     # "" unless evaluating with other settings than trained
-    results_tag = use_model_settings(args, accelerator.print, flag_roles().exported())
+    results_tag = use_model_settings(args, accelerator.print, flag_roles())
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")

@@ -81,10 +81,14 @@ def check_a_flag_a_resume_must_keep_is_matched(script):
 
 
 def check_a_recorded_flag_is_exported(script):
+    """Every recorded flag is in the export, one recorded `only_with` another where that holds only."""
     roles, args = script.flag_roles(), parsed(script)
-    for role in roles.table.values():
-        if role.only_with:
-            setattr(args, role.only_with, True)
+    conditions = {role.only_with.partition("=")[::2] for role in roles.table.values() if role.only_with}
+    if all(not role.applies(vars(args)) for role in roles.table.values() if role.only_with):
+        unconditional = {roles.dests[flag] for flag, role in roles.table.items() if role.exported and not role.only_with}
+        assert set(roles.exported_settings(args)) == unconditional
+    for dest, value in conditions:
+        setattr(args, dest, value or True)
     assert set(roles.exported_settings(args)) == set(roles.exported())
     assert set(roles.evaluation()) <= {flag for flag, role in roles.table.items() if role.exported}
 
@@ -116,7 +120,7 @@ def test_each_shared_helpers_table_is_its_flags_and_spread_whole(script):
 def test_the_lists_the_scripts_use_are_those_derived():
     bert = train_bert_cls.flag_roles()
     args = parsed(train_bert_cls)
-    args.multi_label, args.doc_stride = True, 32
+    args.multi_label, args.doc_stride, args.truncation = True, 32, "head_tail"
     assert train_bert_cls.trained_with(args) == bert.exported_settings(args)
     assert train_bert_cls.trained_with(args).keys() == bert.exported().keys()
     resnet = train_resnet.flag_roles()

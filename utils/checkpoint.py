@@ -472,16 +472,25 @@ class Role:
     exported: bool = False  # the exported model records it; an evaluation of that model uses it unless given
     evaluation: bool = False  # results record it beside the numbers measured with it
     default: object = None  # exported: the value where neither the command line nor a trained model gives one
-    only_with: str | None = None  # exported: recorded only when this args attribute is true
+    # exported: recorded only when this args attribute is true ("dest"), or has this value ("dest=value")
+    only_with: str | None = None
 
     def recorded(self, default=None, evaluation=True, only_with=None):
         """The same role, and the exported model records the flag (and, with `evaluation`, results record it)."""
         return replace(self, exported=True, evaluation=evaluation, default=default, only_with=only_with)
 
+    def applies(self, values):
+        """Whether an exported flag is recorded beside the settings `values` ({args attribute: value}: a run's, or
+        what a trained model recorded): `only_with` holds there."""
+        if self.only_with is None:
+            return True
+        dest, _, value = self.only_with.partition("=")
+        return values.get(dest) == value if value else bool(values.get(dest))
+
     def help(self):
         """The role as --help shows it after the flag's own help."""
-        exported = f"; {EXPORTED_HELP}" + (f" (with --{self.only_with})" if self.only_with else "")
-        return ROLE_HELP[self.kind] + (exported if self.exported else "")
+        condition = f" (with --{self.only_with.replace('=', ' ')})" if self.only_with else ""
+        return ROLE_HELP[self.kind] + (f"; {EXPORTED_HELP}{condition}" if self.exported else "")
 
 
 MAY_CHANGE = Role(CHANGE)
@@ -608,7 +617,14 @@ class FlagRoles:
     def exported_settings(self, args):
         """{args attribute: value} the exported model records (a flag `only_with` another left out without it)."""
         return {self.dests[flag]: getattr(args, self.dests[flag]) for flag, role in self.table.items()
-                if role.exported and (role.only_with is None or getattr(args, role.only_with))}
+                if role.exported and role.applies(vars(args))}
+
+    def model_settings(self, recorded):
+        """What a trained model recorded ({args attribute: value}) that applies to it: a flag `only_with` another is
+        left out where the model's own settings do not have that (--head_tokens beside a cut other than head_tail,
+        which exports recorded before they left it out)."""
+        roles = {self.dests[flag]: role for flag, role in self.table.items() if role.exported}
+        return {dest: value for dest, value in recorded.items() if dest not in roles or roles[dest].applies(recorded)}
 
     def evaluation(self):
         """{flag: args attribute} of the settings results record beside their numbers."""

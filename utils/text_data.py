@@ -43,7 +43,8 @@ instead of a uniform random draw; the batches' order is shuffled again, so long 
 
 Long texts (`--truncation`, `--doc_stride`; `LongText`): a text longer than --max_seq_len keeps its first tokens
 (head, the default), its last ones (tail), or --head_tokens first and the rest last (head_tail; Sun et al., How to
-Fine-Tune BERT for Text Classification, 2019: 128 + 382 of 512 best); or it becomes sliding windows of --max_seq_len
+Fine-Tune BERT for Text Classification, 2019: 128 + 382 of 512 best, so the head is a quarter of the text tokens by
+default, at any --max_seq_len: `resolve_head_tokens`); or it becomes sliding windows of --max_seq_len
 tokens overlapping by --doc_stride tokens (the tokenizer's own `stride` and `return_overflowing_tokens`). Each window
 of a training text is a training sample with the text's label; an evaluated or predicted text's windows carry its
 index (`doc`), gathered with the logits, so that its windows are pooled into one prediction (utils/text_metrics.py
@@ -1028,8 +1029,10 @@ def add_padding_args(group):
 TRUNCATION = ("head", "tail", "head_tail")
 POOLING = ("mean", "max")
 # the cut changes the training inputs (a resume keeps it); the pooling, an evaluation's, may change; the export records
-# them all, so an evaluation of the model cuts and pools as its training did (the defaults: where none is recorded)
-LONG_TEXT_ROLES = {"--truncation": MUST_KEEP.recorded("head"), "--head_tokens": MUST_KEEP.recorded(128),
+# what applies, so an evaluation of the model cuts and pools as its training did (the defaults: where none is
+# recorded; --head_tokens': resolve_head_tokens, from --max_seq_len)
+LONG_TEXT_ROLES = {"--truncation": MUST_KEEP.recorded("head"),
+                   "--head_tokens": MUST_KEEP.recorded(None, only_with="truncation=head_tail"),
                    "--doc_stride": MUST_KEEP.recorded(None), "--pool": MAY_CHANGE.recorded("mean", only_with="doc_stride")}
 
 
@@ -1040,7 +1043,8 @@ def add_long_text_args(group):
                             "(tail), or --head_tokens first and the rest last (head_tail) (default: head; without "
                             "--do_train: the model's)")
     group.add_argument("--head_tokens", type=positive_int, default=None,
-                       help="--truncation head_tail: tokens kept from the head (default: 128, Sun et al. 2019)")
+                       help="--truncation head_tail: tokens kept from the head (default: a quarter of --max_seq_len's "
+                            "text tokens, as Sun et al. 2019's 128 of 510; without --do_train: the model's)")
     group.add_argument("--doc_stride", type=nonnegative_int, default=None,
                        help="tokens: a longer text becomes windows of --max_seq_len tokens overlapping by this many; "
                             "each window trains with its text's label, evaluation and prediction pool a text's windows "
@@ -1064,6 +1068,29 @@ class LongText:
                 "head_tail": f"the first {self.head_tokens} tokens and the last ones"}[self.truncation]
 
 
+def default_head_tokens(max_seq_len):
+    """--head_tokens' default: a quarter of the text tokens of `max_seq_len` (all but [CLS] and [SEP]), rounded up:
+    128 of 510 at 512, Sun et al.'s head; the rest, the tail, is three quarters."""
+    return math.ceil((max_seq_len - 2) / 4)
+
+
+def resolve_head_tokens(args, say=print):
+    """--head_tokens where neither the command line nor the trained model gives one, once --max_seq_len is resolved:
+    with --truncation head_tail, default_head_tokens (said once); with the other cuts it cuts nothing (the export
+    leaves it out) and keeps LongText's 128, the value their checkpoints have always recorded, so that they resume."""
+    if args.head_tokens is not None:
+        return
+    if args.truncation != "head_tail":
+        args.head_tokens = LongText.head_tokens
+        return
+    args.head_tokens = default_head_tokens(args.max_seq_len)
+    room = args.max_seq_len - 2
+    if args.head_tokens < room:
+        say(f"--head_tokens {args.head_tokens}: --truncation head_tail keeps the first {args.head_tokens} and the "
+            f"last {room - args.head_tokens} of the {room} text tokens of --max_seq_len {args.max_seq_len} (a "
+            "quarter from the head, as Sun et al.'s 128 of 510)")
+
+
 def long_text(args, max_seq_len, paired):
     """The LongText of the resolved flags, checked against max_seq_len and the data (one line each)."""
     settings = LongText(args.truncation, args.head_tokens, args.doc_stride, args.pool)
@@ -1076,6 +1103,9 @@ def long_text(args, max_seq_len, paired):
     if settings.doc_stride is not None and settings.doc_stride >= max_seq_len - 2:
         raise UserError(f"--doc_stride {settings.doc_stride}: windows of --max_seq_len {max_seq_len} tokens hold "
                         f"{max_seq_len - 2} text tokens; the overlap must be smaller")
+    if settings.truncation == "head_tail" and max_seq_len - 2 < 2:
+        raise UserError(f"--truncation head_tail: --max_seq_len {max_seq_len} holds {max_seq_len - 2} text tokens; "
+                        "a head and a tail need 2 or more")
     if settings.truncation == "head_tail" and settings.head_tokens >= max_seq_len - 2:
         raise UserError(f"--head_tokens {settings.head_tokens}: --max_seq_len {max_seq_len} holds {max_seq_len - 2} "
                         "text tokens; leave some for the tail")
