@@ -63,8 +63,8 @@ from utils.text_data import (DATASET_ROLES, LONG_TEXT_ROLES, PADDING_ROLES, TEXT
                              TextData, add_dataset_args, add_long_text_args, add_padding_args, add_text_format_args,
                              build_collator, build_label_list, check_dataset_args, check_known_labels,
                              check_text_format_args, fingerprint_examples, label_targets, long_text,
-                             read_dataset_splits, read_file_splits, read_predict_file, resolve_head_tokens,
-                             resolve_padding,
+                             read_dataset_splits, read_file_splits, read_predict_file, resolve_file_text_column,
+                             resolve_head_tokens, resolve_padding,
                              select_examples, split_files, text_format, token_lengths, tokenize_examples,
                              write_labels_file)
 from utils.text_metrics import (SELECTION_HELP, StreamedWindows, check_task_args, compute_metrics, default_metric,
@@ -345,8 +345,12 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True, tables=No
     """Read and validate every input (files or --dataset_name) before anything is written; say what was read for
     what; return (labels, {split: examples}), "predict" among the splits with --do_predict (and `with_predict`).
     With `tables` (a directory), files stream into ExampleTables there instead of lists."""
+    if args.dataset_name:
+        data = read_dataset_splits(args)
+    else:
+        resolve_file_text_column(args, say)
+        data = read_file_splits(args, text_format(args), say, tables)
     fmt = text_format(args)
-    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say, tables)
     examples = data.examples
     if args.do_regression:  # one output, named after what it predicts
         labels = checkpoint_labels if checkpoint_labels and not args.do_train else [args.label_column]
@@ -454,6 +458,7 @@ def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
         check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
     if args.dataset_name:
         return tokenised_data(args, tokenizer, checkpoint_labels, say)
+    resolve_file_text_column(args, say)  # before the cache key, which holds it
     cache = DataCache(accelerator, args.data_cache_dir or default_cache_dir())
     key = cache.key(lambda: cache_inputs(args, tokenizer, checkpoint_labels))
 

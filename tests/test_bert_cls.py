@@ -185,8 +185,9 @@ def test_predictions_are_made_and_written_a_batch_at_a_time(trained, text_data, 
 
 
 def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
-    """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE): dev.json validates; the unlabelled
-    test.json cannot be a --do_test file, and is a --predict_file."""
+    """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE), read without a column flag as
+    run_classification.py reads them (said once): dev.json validates; the unlabelled test.json cannot be a --do_test
+    file, and is a --predict_file."""
     clue = tmp_path / "clue"
     clue.mkdir()
     for source, name, count in (("train.txt", "train.json", 64), ("val.txt", "dev.json", 16), ("test.txt", "test.json", 5)):
@@ -194,9 +195,11 @@ def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
         records = [{"sentence": text} if name == "test.json" else {"label": label, "sentence": text}
                    for label, text in rows]
         (clue / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    common = ["--cpu", "--data_dir", clue, "--text_column", "sentence"]
+    common = ["--cpu", "--data_dir", clue]
     proc = run_here(SCRIPT, [*common, *bert_args(text_data, tmp_path / "out", "--do_train", "--do_eval")[2:],
                              "--max_train_steps", "2"])
+    assert proc.stdout.count(f"--text_column sentence: {clue / 'train.json'} has a 'sentence' field and no 'text' "
+                             "(run_classification.py's default text column)") == 1
     assert f"--data_dir {clue}: train {clue / 'train.json'}, validation {clue / 'dev.json'}, test {clue / 'test.json'}" \
         in proc.stdout
     results = read_json(tmp_path / "out" / "all_results.json")

@@ -160,7 +160,9 @@ TEXT_FORMAT_ROLES = {**dict.fromkeys(("--text_column", "--text_column_names", "-
 @roles_beside("TEXT_FORMAT_ROLES")
 def add_text_format_args(group):
     """The flags of `TextFormat` (transformers' run_classification names where it has them)."""
-    group.add_argument("--text_column", default="text", help="csv/json field of the text")
+    group.add_argument("--text_column", default=None,
+                       help="csv/json field of the text (default: text; where the data have a 'sentence' field and no "
+                            "'text', sentence, run_classification.py's default, said once)")
     group.add_argument("--text_column_names", "--text_column_name", default=None,
                        help="run_classification.py's: one field (= --text_column), or several, comma-separated, "
                             "joined into one text by --text_column_delimiter")
@@ -183,7 +185,7 @@ def add_text_format_args(group):
 
 def check_text_format_args(args):
     """The flag combinations `text_format` cannot take, found while parsing the command line."""
-    if args.text_column_names and args.text_column != "text":
+    if args.text_column_names and args.text_column is not None:
         raise UserError("--text_column and --text_column_names name the same thing: pass one")
     if args.text_column_delimiter is not None and len((args.text_column_names or "").split(",")) < 2:
         raise UserError("--text_column_delimiter joins several --text_column_names (comma-separated); here there "
@@ -193,15 +195,63 @@ def check_text_format_args(args):
 
 
 def text_format(args):
+    """The TextFormat of the flags (--text_column: `text` until resolve_text_column has looked at the data)."""
     check_encoding(args.encoding)
     if args.multi_label and not args.label_separator:
         raise UserError("--label_separator: must not be empty")
     names = [name.strip() for name in (args.text_column_names or "").split(",") if name.strip()]
     joined = tuple(names) if len(names) > 1 else ()
-    text_column = names[0] if len(names) == 1 else args.text_column
+    text_column = names[0] if len(names) == 1 else args.text_column or DEFAULT_FORMAT.text_column
     return TextFormat(text_column, args.text_pair_column, args.label_column,
                       args.label_separator if args.multi_label else None, args.encoding, joined,
                       " " if args.text_column_delimiter is None else args.text_column_delimiter, args.do_regression)
+
+
+def resolve_text_column(args, columns, source, say=print):
+    """--text_column where neither it nor --text_column_names is given: `text`, or `sentence` where the data
+    (`columns`, the fields of `source`) have that and no `text`, as run_classification.py reads them by default (said
+    once). It is then set on args like a given one: the cache key, the training data's fingerprint and
+    run_config.json hold it."""
+    if args.text_column is not None or args.text_column_names:
+        return
+    sentence = "sentence" in columns and DEFAULT_FORMAT.text_column not in columns
+    args.text_column = "sentence" if sentence else DEFAULT_FORMAT.text_column
+    if sentence:
+        say(f"--text_column sentence: {source} has a 'sentence' field and no 'text' (run_classification.py's default "
+            "text column)")
+
+
+def resolve_file_text_column(args, say=print):
+    """resolve_text_column from the fields of the first file of the run (--train_file, --validation_file,
+    --test_file or --data_dir's, --predict_file)."""
+    if args.text_column is not None or args.text_column_names:
+        return
+    files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
+                                        "test": args.test_file}, say=lambda line: None)
+    first = next((Path(path) for path in (*files.values(), args.predict_file) if path is not None), None)
+    resolve_text_column(args, file_fields(first, text_format(args)) if first else (), first, say)
+
+
+def file_fields(path, fmt):
+    """The field names of a file's first record: a .csv's header, a .txt/.tsv's header row, the keys of a JSON
+    file's first object; none for label<TAB>text lines. Only the first line is read, but from a JSON array."""
+    suffix = path.suffix.lower()
+    if suffix in CSV_SUFFIXES:
+        return next((fields for _, fields in _table_records(path, check_encoding(fmt.encoding), ",") if fields), [])
+    if suffix in JSON_SUFFIXES:
+        first = next((line for _, line in _decoded_lines(path, fmt.encoding) if line.strip()), "")
+        rows = _json_rows(path, fmt) if first.lstrip().startswith("[") else [(1, _json_line(path, first))]
+        row = next((row for _, row in rows if row is not None), None)
+        return list(row) if isinstance(row, dict) else []
+    header = _header_row(path, fmt) if suffix in TEXT_SUFFIXES else None
+    return header[1] if header else []
+
+
+def _json_line(path, line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None  # read as the file is read, later, where the error names its line
 
 
 def label_set(example):
@@ -814,8 +864,9 @@ def _label_names(ids, class_label, where):
     return class_label.names[ids]
 
 
-def read_dataset_splits(args, fmt):
-    """--dataset_name's splits this run needs, as Examples, and its test split to predict without --predict_file."""
+def read_dataset_splits(args):
+    """--dataset_name's splits this run needs, as Examples, and its test split to predict without --predict_file; the
+    text column resolved from the first one's columns (resolve_text_column)."""
     dataset_dict = load_dataset_dict(args.dataset_name, args.dataset_config_name, args.cache_dir, args.token)
     dataset_dict = removed_splits(dataset_dict, args.remove_splits, args.dataset_name)
     roles = {role: dataset_split(dataset_dict, role, getattr(args, f"{role}_split_name"), args.dataset_name)
@@ -831,6 +882,11 @@ def read_dataset_splits(args, fmt):
         raise UserError(f"--do_predict needs --predict_file or a test split: {args.dataset_name} has "
                         f"{', '.join(dataset_dict)} (--test_split_name NAME)")
     where = {role: f"{args.dataset_name} split '{key}'" for role, key in roles.items()}
+    first = next(role for role, need in needed.items() if need) if any(needed.values()) else "test"
+    column_notes = []
+    if roles[first] is not None:
+        resolve_text_column(args, dataset_dict[roles[first]].column_names, where[first], column_notes.append)
+    fmt = text_format(args)
     labels, labels_note = (dataset_labels(dataset_dict[roles["train"]], fmt, where["train"]) if needed["train"]
                            else (None, None))
     used = [f"{role} <- split '{roles[role]}' ({len(dataset_dict[roles[role]]):,} rows)"
@@ -839,7 +895,8 @@ def read_dataset_splits(args, fmt):
         used.append(f"predict <- split '{roles['test']}' (its labels unused)")
     splits = Splits({role: dataset_examples(dataset_dict[roles[role]], fmt, where[role])
                      for role, need in needed.items() if need}, labels,
-                    [note for note in (f"--dataset_name {args.dataset_name}: {', '.join(used)}", labels_note) if note])
+                    [note for note in (*column_notes, f"--dataset_name {args.dataset_name}: {', '.join(used)}",
+                                       labels_note) if note])
     if args.do_predict and not args.predict_file:
         splits.examples["predict"] = dataset_examples(dataset_dict[roles["test"]], fmt, where["test"], False)
     return splits
