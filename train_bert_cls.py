@@ -42,8 +42,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               add_allow_data_change, agree_on_resume, keep_as, kept_by,
-                               per_process_differences, replace_dir_atomically, resume_settings, this_launch)
+                               add_allow_data_change, agree_on_resume, keep_as, kept_by, per_process_differences,
+                               replace_dir_atomically, resume_settings, say_processes, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference, selected_step)
 from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
@@ -645,6 +645,7 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
         "resume_step": state["completed_steps"],
     })
+    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence,
                     task.selection)
 

@@ -52,7 +52,7 @@ from torchvision.transforms import v2
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
                                add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
                                load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
-                               this_launch)
+                               say_processes, this_launch)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
@@ -652,6 +652,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
         "start_step": state["completed_steps"],
         "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
         "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
+    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
     cadence = Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
                       checkpoint_every=args.checkpointing_steps)

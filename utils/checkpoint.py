@@ -756,6 +756,10 @@ def _apply_hyperparameters(optimizer, scheduler, groups):
             inner._last_lr = lrs
 
 
+PER_PROCESS_BATCH_NORM = "BatchNorm statistics are computed per process, over its share of each batch"
+PER_PROCESS_DROPOUT = "dropout masks are drawn from each process's own random stream"
+
+
 def per_process_differences(model):
     """What each process of `model` computes on its own (Checkpoints' `per_process`): BatchNorm statistics over its
     share of the batch (SyncBatchNorm aside), dropout and drop-path masks from its own random stream."""
@@ -763,10 +767,28 @@ def per_process_differences(model):
     found = []
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
            for m in modules):
-        found.append("BatchNorm statistics are computed per process, over its share of each batch")
+        found.append(PER_PROCESS_BATCH_NORM)
     if any(_drop_rate(m) > 0 for m in modules):
-        found.append("dropout masks are drawn from each process's own random stream")
+        found.append(PER_PROCESS_DROPOUT)
     return found
+
+
+def say_processes(say, num_processes, per_process):
+    """One line at the start of a training on several processes: what it gives compared with 1 process, whose
+    global batches and sample order it shares (`per_process`: per_process_differences of the model). Nothing on 1
+    process: it is what the others are compared with."""
+    if num_processes == 1:
+        return
+    on = f"on {num_processes} processes"
+    if not per_process:
+        say(f"{on}: the same weights as on 1 process up to float rounding (the order of sums over processes): the "
+            "model has no dropout, drop path or per-process BatchNorm")
+    elif PER_PROCESS_BATCH_NORM in per_process:
+        say(f"{on}: not the training of 1 process: {'; '.join(per_process)} (SyncBatchNorm computes them over the "
+            "global batch)")
+    else:
+        say(f"{on}: the same training as on 1 process in distribution, not bitwise: {'; '.join(per_process)} (the "
+            "same weights need a model without dropout or drop path)")
 
 
 def _drop_rate(module):
