@@ -527,7 +527,10 @@ class RoleTable:
     module: str
 
     def entries(self):
-        return getattr(sys.modules[self.module], self.name)
+        table = getattr(sys.modules[self.module], self.name, None)
+        if table is None:
+            raise RoleError(f"roles_beside(\"{self.name}\"): no such table in {self.module.replace('.', '/')}.py")
+        return table
 
     def __str__(self):
         return f"{self.name} in {self.module.replace('.', '/')}.py"
