@@ -42,8 +42,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               FlagRoles, add_allow_data_change, agree_on_resume, keep_as, kept_by,
-                               per_process_differences, replace_dir_atomically, resume_settings, this_launch)
+                               add_allow_data_change, agree_on_resume, keep_as, kept_by, per_process_differences,
+                               replace_dir_atomically, resume_settings, say_processes, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference, selected_step)
 from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
@@ -63,7 +63,8 @@ from utils.text_data import (DATASET_ROLES, LONG_TEXT_ROLES, PADDING_ROLES, TEXT
                              TextData, add_dataset_args, add_long_text_args, add_padding_args, add_text_format_args,
                              build_collator, build_label_list, check_dataset_args, check_known_labels,
                              check_text_format_args, fingerprint_examples, label_targets, long_text,
-                             read_dataset_splits, read_file_splits, read_predict_file, resolve_padding,
+                             read_dataset_splits, read_file_splits, read_predict_file, resolve_file_text_column,
+                             resolve_head_tokens, resolve_padding,
                              select_examples, split_files, text_format, token_lengths, tokenize_examples,
                              write_labels_file)
 from utils.text_metrics import (StreamedWindows, check_task_args, compute_metrics, default_metric, evaluation_metrics,
@@ -163,7 +164,7 @@ def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=
 def build_parser():
     """Every flag (utils/flags.py Parser: one-line errors, the other tools' spellings); each one's role for a resume
     and the export is declared in FLAG_ROLES below."""
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
     parser.refuse("the Chinese BERT tutorial", TUTORIAL_FLAGS)
     parser.refuse("accelerate's examples", ACCELERATE_EXAMPLE_FLAGS)
     parser.refuse("transformers' text-classification examples", TRANSFORMERS_EXAMPLE_FLAGS)
@@ -270,8 +271,7 @@ def build_parser():
 
 def parse_args(argv=None):
     parser = build_parser()
-    roles = flag_roles()  # a flag without a declared role stops every launch here, before anything starts
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a flag without a role (FLAG_ROLES) stops here in one line, before anything starts
     check_onnx_args(parser, args)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
@@ -283,7 +283,7 @@ def parse_args(argv=None):
             parser.error(str(err))
     check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
-        use_model_settings(args, print, roles.exported())
+        use_model_settings(args, print, flag_roles())
     return args
 
 
@@ -291,7 +291,8 @@ def parse_args(argv=None):
 # MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
 # kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START; `.recorded()`: the
 # exported model records it (best_model/trained_with.json) and evaluation results carry it. Every option of
-# build_parser() has exactly one entry: parse_args refuses to start otherwise.
+# build_parser() has exactly one entry (a shared helper's, in its *_ROLES spread here): otherwise every command stops
+# with one line naming the flag; --help shows each flag's role.
 FLAG_ROLES = {
     # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
     "--data_dir": kept_by(DATA_KEY), "--train_file": kept_by(DATA_KEY), "--validation_file": MAY_CHANGE,
@@ -335,7 +336,7 @@ FLAG_ROLES = {
 @functools.cache
 def flag_roles():
     """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
-    return FlagRoles(build_parser(), FLAG_ROLES)
+    return build_parser().flag_roles()
 
 
 def trained_with(args):
@@ -347,8 +348,12 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True, tables=No
     """Read and validate every input (files or --dataset_name) before anything is written; say what was read for
     what; return (labels, {split: examples}), "predict" among the splits with --do_predict (and `with_predict`).
     With `tables` (a directory), files stream into ExampleTables there instead of lists."""
+    if args.dataset_name:
+        data = read_dataset_splits(args)
+    else:
+        resolve_file_text_column(args, say)
+        data = read_file_splits(args, text_format(args), say, tables)
     fmt = text_format(args)
-    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say, tables)
     examples = data.examples
     if args.do_regression:  # one output, named after what it predicts
         labels = checkpoint_labels if checkpoint_labels and not args.do_train else [args.label_column]
@@ -388,7 +393,8 @@ def check_model_files(args):
 
 def tokenizer_and_length(args, say=print):
     """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with the
-    labels its config has: the positions do not depend on them): both decide the tokenised data."""
+    labels its config has: the positions do not depend on them), then --head_tokens' default: they decide the
+    tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
     with loading(source, "tokenizer"):
@@ -396,6 +402,7 @@ def tokenizer_and_length(args, say=print):
     empty_model = on_meta_device(lambda: new_model(model_config(args), args.trust_remote_code))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
                                        say)
+    resolve_head_tokens(args, say)  # its default is a share of --max_seq_len
     return tokenizer
 
 
@@ -454,6 +461,7 @@ def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
         check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
     if args.dataset_name:
         return tokenised_data(args, tokenizer, checkpoint_labels, say)
+    resolve_file_text_column(args, say)  # before the cache key, which holds it
     cache = DataCache(accelerator, args.data_cache_dir or default_cache_dir())
     key = cache.key(lambda: cache_inputs(args, tokenizer, checkpoint_labels))
 
@@ -659,6 +667,7 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
         "resume_step": state["completed_steps"],
     })
+    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence,
                     task.selection)
 
@@ -949,7 +958,7 @@ def main(args):
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
     # "" unless evaluating with other settings than trained
-    results_tag = use_model_settings(args, accelerator.print, flag_roles().exported())
+    results_tag = use_model_settings(args, accelerator.print, flag_roles())
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")

@@ -52,9 +52,9 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.transforms import v2
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               FlagRoles, add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
+                               add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
                                load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
-                               this_launch)
+                               say_processes, this_launch)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
@@ -225,7 +225,7 @@ def evaluate(accelerator, model, loader, args, guard=None):
 def build_parser():
     """Every flag (utils/flags.py Parser: one-line errors, the other tools' spellings); each one's role for a resume
     and the export is declared in FLAG_ROLES below."""
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
     parser.refuse("pytorch/examples imagenet/main.py", MAIN_PY_FLAGS)
     parser.refuse("torchvision's references/classification/train.py", TORCHVISION_FLAGS)
     parser.refuse("timm's train.py", TIMM_FLAGS)
@@ -289,8 +289,7 @@ def build_parser():
 
 def parse_args(argv=None):
     parser = build_parser()
-    flag_roles()  # a flag without a declared role stops every launch here, before anything starts
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a flag without a role (FLAG_ROLES) stops here in one line, before anything starts
     if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
             and not is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data
         args.data, args.pretrained = Path(args.pretrained), "DEFAULT"
@@ -348,8 +347,9 @@ def check_predict_args(parser, args):
 # MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
 # kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START;
 # `.recorded()`: the exports record it (model_best.pth's image settings). Every option of build_parser() has exactly
-# one entry: parse_args refuses to start otherwise. The optimizer's flags come first: the order of the "resumed with
-# changed settings" line.
+# one entry (a shared helper's, in its *_ROLES spread here): otherwise every command stops with one line naming the
+# flag; --help shows each flag's role. The optimizer's flags come first: the order of the "resumed with changed
+# settings" line.
 FLAG_ROLES = {
     **OPTIM_ROLES, "--epochs": MAY_CHANGE,  # the schedule is recomputed at the restored step
     # data: the training images are part of the checkpoint (their list's fingerprint)
@@ -379,7 +379,7 @@ FLAG_ROLES = {
 @functools.cache
 def flag_roles():
     """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
-    return FlagRoles(build_parser(), FLAG_ROLES)
+    return build_parser().flag_roles()
 
 
 def trained_with(args):
@@ -724,6 +724,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
         "start_step": state["completed_steps"],
         "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
         "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
+    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
     cadence = Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
                       checkpoint_every=args.checkpointing_steps)

@@ -14,7 +14,7 @@ from conftest import ENV, ROOT, launch, one_thread, read_json, read_jsonl, run_h
 
 SCRIPT = "train_bert_cls.py"
 
-HEAD_CUT = {"truncation": "head", "head_tokens": 128, "doc_stride": None}  # long texts: the first tokens (the default)
+HEAD_CUT = {"truncation": "head", "doc_stride": None}  # long texts: the first tokens (the default; no head to record)
 
 
 def bert_args(data, out, *extra, epochs=3):
@@ -139,7 +139,7 @@ def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):
     proc = launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--data_dir", text_data, "--do_test",
                            "--do_predict", "--predict_file", predict_file, "--eval_batch_size", "16",
                            "--output_dir", pred_out], num_processes=2)
-    assert (f"{out / 'best_model'} was trained with --max_seq_len 16, --truncation head, --head_tokens 128: "
+    assert (f"{out / 'best_model'} was trained with --max_seq_len 16, --truncation head: "
             "evaluating with the same") in proc.stdout
     rows = read_jsonl(pred_out / "predictions.jsonl")
     assert [(r["line"], r["text"]) for r in rows] == list(enumerate(lines, start=1))
@@ -193,8 +193,9 @@ def test_predictions_are_made_and_written_a_batch_at_a_time(trained, text_data, 
 
 
 def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
-    """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE): dev.json validates; the unlabelled
-    test.json cannot be a --do_test file, and is a --predict_file."""
+    """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE), read without a column flag as
+    run_classification.py reads them (said once): dev.json validates; the unlabelled test.json cannot be a --do_test
+    file, and is a --predict_file."""
     clue = tmp_path / "clue"
     clue.mkdir()
     for source, name, count in (("train.txt", "train.json", 64), ("val.txt", "dev.json", 16), ("test.txt", "test.json", 5)):
@@ -202,9 +203,11 @@ def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
         records = [{"sentence": text} if name == "test.json" else {"label": label, "sentence": text}
                    for label, text in rows]
         (clue / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    common = ["--cpu", "--data_dir", clue, "--text_column", "sentence"]
+    common = ["--cpu", "--data_dir", clue]
     proc = run_here(SCRIPT, [*common, *bert_args(text_data, tmp_path / "out", "--do_train", "--do_eval")[2:],
                              "--max_train_steps", "2"])
+    assert proc.stdout.count(f"--text_column sentence: {clue / 'train.json'} has a 'sentence' field and no 'text' "
+                             "(run_classification.py's default text column)") == 1
     assert f"--data_dir {clue}: train {clue / 'train.json'}, validation {clue / 'dev.json'}, test {clue / 'test.json'}" \
         in proc.stdout
     results = read_json(tmp_path / "out" / "all_results.json")

@@ -64,7 +64,8 @@ CHECKPOINTED = ["--checkpointing_steps", "3", "--save_total_limit", "0"]  # step
 def resnet_two_processes(digits, tmp_path_factory):
     """A finished 2-epoch run on 2 processes with a checkpoint each epoch, copied by each test that resumes it."""
     out = tmp_path_factory.mktemp("resnet_two_processes") / "run"
-    launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED), num_processes=2)
+    proc = launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED), num_processes=2)
+    out.with_suffix(".stdout").write_text(proc.stdout)  # what the launch printed, beside its output directory
     return out
 
 
@@ -163,7 +164,8 @@ def bert_args(data, out, *extra):
 def bert_two_processes(text_data, tmp_path_factory):
     """A finished 30-step run on 2 processes (checkpoints step_10 to step_30), copied by each test that resumes it."""
     out = tmp_path_factory.mktemp("bert_two_processes") / "run"
-    launch(BERT, bert_args(text_data, out)[1:], num_processes=2)
+    proc = launch(BERT, bert_args(text_data, out)[1:], num_processes=2)
+    out.with_suffix(".stdout").write_text(proc.stdout)  # what the launch printed, beside its output directory
     return out
 
 
@@ -193,6 +195,20 @@ def test_bert_best_model_from_after_the_checkpoint_goes_aside(bert_two_processes
 
 
 # ---- a resume on another number of processes or in another precision ----
+
+@pytest.mark.parametrize("run, line", [
+    ("bert_two_processes", "on 2 processes: the same training as on 1 process in distribution, not bitwise: dropout "
+                           "masks are drawn from each process's own random stream (the same weights need a model "
+                           "without dropout or drop path)"),
+    ("resnet_two_processes", "on 2 processes: not the training of 1 process: BatchNorm statistics are computed per "
+                             "process, over its share of each batch (SyncBatchNorm computes them over the global "
+                             "batch)")])
+def test_a_launch_on_two_processes_says_what_it_trains_compared_with_one(request, run, line):
+    """A model that draws dropout masks or BatchNorm statistics per process does not end with the weights of 1
+    process, and the launch says which in one line (BERT's fixture keeps its dropout of 0.1)."""
+    printed = request.getfixturevalue(run).with_suffix(".stdout").read_text().splitlines()
+    assert [said for said in printed if said.startswith("on 2 processes:")] == [line]
+
 
 def assert_launches_named(proc, out, per_process, precision):
     """The lines of a resume from 2 fp32 processes on 1 in `precision`, and all_results_settings.json's record of

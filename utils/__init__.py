@@ -21,8 +21,8 @@ both scripts
                  after an out-of-memory error (--auto_find_batch_size: Attempt, OutOfMemoryRetry)
   checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest; modules such as the EMA as
                  safetensors), agreeing on the one to resume from and checking its files, what a resume must match
-                 (the training data's fingerprint too) and may change: each flag's role (Role, FlagRoles; the
-                 scripts' FLAG_ROLES)
+                 (the training data's fingerprint too) and may change: each flag's role (Role, FlagRoles,
+                 roles_beside; the scripts' FLAG_ROLES), which --help shows
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
                  on every rank, PyTorch files read without running code and checked whole, the settings an export
                  carries

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
-from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by
+from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by, roles_beside
 from utils.export import settings_from_model
 from utils.image_data import IMAGENET_MEAN
 from utils.runtime import UserError, nonnegative_float, positive_int
@@ -60,6 +60,7 @@ class TimmErasing(argparse.Action):
         namespace.timm_erasing = option_string
 
 
+@roles_beside("AUGMENT_ROLES")
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
     group = parser.add_argument_group("augmentation (torchvision's presets; timm's names in docs/resnet_recipes.md)")
@@ -291,6 +292,7 @@ MIXING_ROLES = {"--mixup_alpha": MAY_CHANGE, "--cutmix_alpha": MAY_CHANGE, "--mi
                 "--mixup_mode": MAY_CHANGE}
 
 
+@roles_beside("MIXING_ROLES")
 def add_mixing_args(parser):
     group = parser.add_argument_group("batch mixing (torchvision's MixUp/CutMix; timm's names in the docs)")
     group.add_argument("--mixup_alpha", "--mixup-alpha", type=nonnegative_float, default=0.0,

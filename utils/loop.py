@@ -52,7 +52,7 @@ import torch
 from accelerate.utils import DistributedType, find_batch_size, send_to_device, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
+from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by, roles_beside
 from .outputs import number_entries
 from .runtime import Interrupted, UserError, forget_a_dead_launcher, hf_bool, stop_outside_training
 
@@ -496,6 +496,7 @@ SELECTION_ROLES = {"--metric_for_best_model": kept_by("metric_for_best_model"),
                    "--early_stopping_patience": MAY_CHANGE, "--early_stopping_threshold": MAY_CHANGE}
 
 
+@roles_beside("SELECTION_ROLES")
 def add_selection_args(parser, default_help, aliases=()):
     """transformers Trainer's flags for choosing the best model and stopping early (`aliases`: other spellings of
     --metric_for_best_model, such as timm's --eval-metric; `default_help`: the script's default metric, in words).

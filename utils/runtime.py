@@ -58,6 +58,7 @@ utils/outputs.py.
 """
 import argparse
 import atexit
+import copy
 import ctypes
 import datetime
 import importlib.util
@@ -384,10 +385,19 @@ def record_for_launcher(line):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help keeps the module docstring's layout (its commands) and shows every flag's default; a flag whose default
-    is None (decided later: by the device, the data or the trained model) says in its own help what it will be."""
+    is None (decided later: by the device, the data or the trained model) says in its own help what it will be. A
+    flag with a role (`role_help`, set by utils/checkpoint.py FlagRoles) ends with it in brackets."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
+
+    def _format_action(self, action):
+        role = getattr(action, "role_help", None)
+        if role and action.help is not argparse.SUPPRESS:
+            action = copy.copy(action)  # the parser's own action keeps its help
+            # the default's placeholder is in the text now, so it is not added twice
+            action.help = f"{self._get_help_string(action) or ''} [{role}]".lstrip()
+        return super()._format_action(action)
 
 
 def _number(text, kind, accept, what):
