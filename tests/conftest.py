@@ -97,8 +97,9 @@ def run_here(script, args, check=True):
     in this process: a 1-process run that stops at bad input (or trains a few steps) then costs no start-up, which
     (importing torch and transformers in a fresh interpreter) is most of such a run. Returns what `run` returns: the
     exit status and what went to stdout and stderr. Puts back what the run changes in this process: the SIGTERM
-    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the
-    directory; and ends W&B's service, as the process's exit would. The run has one torch thread (one_thread), as a
+    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), torch's choice of
+    kernels (--use_deterministic_algorithms, cuDNN's autotuner), sys.argv and the directory; and ends W&B's service,
+    as the process's exit would. The run has one torch thread (one_thread), as a
     launched process has."""
     import importlib
     import io
@@ -113,6 +114,7 @@ def run_here(script, args, check=True):
     stdout, stderr = io.StringIO(), io.StringIO()
     sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     environ, sys_argv = dict(os.environ), sys.argv
+    deterministic, benchmark = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
     returncode = 0
     try:
         sys.argv = [script, *argv]  # argparse's usage and error lines name the script, as on the command line
@@ -131,6 +133,8 @@ def run_here(script, args, check=True):
         GradientState._reset_state()  # the accumulation count and the active loaders: a new process starts without them
         os.environ.clear()
         os.environ.update(environ)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.backends.cudnn.benchmark = benchmark
     proc = subprocess.CompletedProcess([script, *argv], returncode, stdout.getvalue(), stderr.getvalue())
     if check and returncode != 0:
         raise AssertionError(f"exit {returncode}: {script} {' '.join(argv)}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
