@@ -354,11 +354,13 @@ class BatchMixer:
         mixed_inputs, mixed_targets = inputs.clone(), soft
         for start in range(0, inputs.shape[0], size):
             group = slice(start, start + size)
-            if (targets[group] < 0).any():
-                continue
             with torch.random.fork_rng(devices=[]):  # v2's Beta, randint and choice draw from the CPU generator
                 torch.default_generator.manual_seed(hash((self.seed, epoch, batch, offset + start)))
-                mixed_inputs[group], mixed_targets[group] = self.mix(inputs[group], targets[group])
+                images, labels = self.mix(inputs[group], targets[group].clamp(min=0))
+            # a group holding an unreadable image stays unmixed, chosen on the device: no read of the targets here
+            readable = (targets[group] >= 0).all()  # ()
+            mixed_inputs[group] = torch.where(readable, images, inputs[group])
+            mixed_targets[group] = torch.where(readable, labels, soft[group])
         return mixed_inputs, mixed_targets
 
 
