@@ -131,3 +131,23 @@ def test_the_probe_refuses_an_unknown_mode_in_one_line(tmp_path):
                                                           "STEP_PROBE_OUT": str(tmp_path)})
     assert proc.returncode == 2 and proc.stderr == "error: STEP_PROBE=count,everything: the modes are count and " \
                                                    "sync_debug\n", proc.stderr
+
+
+def test_a_host_channel_that_cannot_connect_is_one_line_naming_the_setting(monkeypatch):
+    """Machines whose names resolve to a loopback address, or several interfaces with only NCCL told which: gloo
+    cannot connect its group, and the run says which variable to set instead of a gloo traceback."""
+    import types
+
+    import torch
+
+    from utils.runtime import HostChannel, UserError
+
+    def unreachable(**kwargs):
+        raise RuntimeError("[enforce fail at gloo/transport/tcp/pair.cc:446] Gloo connectFullMesh failed with ...\n"
+                           "more lines of gloo's")
+
+    monkeypatch.setattr(torch.distributed, "new_group", unreachable)
+    with pytest.raises(UserError, match=r"\(\[enforce fail at gloo/transport/tcp/pair.cc:446\] Gloo connectFullMesh "
+                                        r"failed with \.\.\.\): set GLOO_SOCKET_IFNAME to the network interface"):
+        HostChannel.open(types.SimpleNamespace(num_processes=2), timeout=None)
+    assert HostChannel.open(types.SimpleNamespace(num_processes=1), timeout=None).any(True)

@@ -619,9 +619,19 @@ class HostChannel:
 
     @classmethod
     def open(cls, accelerator, timeout):
-        """The run's channel: a collective on several processes, which every rank calls once, at the same point."""
-        several = accelerator.num_processes > 1
-        cls._run = cls(torch.distributed.new_group(backend="gloo", timeout=timeout) if several else None)
+        """The run's channel: a collective on several processes, which every rank calls once, at the same point. A
+        gloo group that cannot connect (machines whose names resolve to a loopback address, or several network
+        interfaces, with NCCL told which one and gloo not) is one line naming the setting."""
+        if accelerator.num_processes == 1:
+            cls._run = cls()
+            return cls._run
+        try:
+            cls._run = cls(torch.distributed.new_group(backend="gloo", timeout=timeout))
+        except RuntimeError as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"the processes could not open the small gloo group they agree on stops in ({reason}): "
+                            "set GLOO_SOCKET_IFNAME to the network interface the machines share, as NCCL_SOCKET_IFNAME "
+                            "(docs/launching.md)") from None
         return cls._run
 
     @classmethod
