@@ -58,6 +58,14 @@ def require_data(data_root, *relative_paths):
                         "or put the data there as docs/data.md says (python prepare_data.py ...)")
 
 
+def free_port():
+    """A TCP port free on 127.0.0.1 now, for a launch's rendezvous."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def set_threads(threads):
     import torch
     torch.set_num_threads(threads)
