@@ -75,7 +75,7 @@ from utils.text_model import (MODEL_SOURCE_ROLES, OPTIMIZERS, TRAINED_WITH, add_
                               check_weight_files, enable_gradient_checkpointing, fit_max_seq_len, head_by_name,
                               hub_options,
                               load_legacy_bert, loading, model_card, new_weight_names, optimizer_groups, problem_type,
-                              saved_labels, unk_rate, use_model_settings)
+                              saved_labels, sync_free_attention, unk_rate, use_model_settings)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -516,6 +516,7 @@ def build_model(args, labels, say=print, tokenizer=None):
         load_legacy_bert(args.init_from_legacy, model)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model, args.model_name_or_path)
+    sync_free_attention(model)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
     if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
         raise UserError(f"{args.tokenizer_name or path}: tokenizer has {len(tokenizer)} tokens but the model expects "
@@ -916,7 +917,9 @@ def write_results(log, args, results, results_tag):
 
 
 def main(args):
-    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    # BERT's buffers (position and token type ids) are constants: DDP's broadcast of them before every forward pass
+    # would be a collective each step for nothing. A model whose buffers training changes (BatchNorm) needs it.
+    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps, broadcast_buffers=False)
     say_command(accelerator.print, args, batch_line("--train_batch_size", args.train_batch_size,
                                                     accelerator.num_processes, BERT_BATCH_RULE))
     hold_output_dir(accelerator, args.output_dir)

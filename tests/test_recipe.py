@@ -6,7 +6,9 @@ import types
 import pytest
 import torch
 import torchvision
+from conftest import assert_same_weights
 from PIL import Image
+from torch.optim.swa_utils import AveragedModel
 
 import train_resnet
 from train_resnet import train_transform, val_transform
@@ -138,6 +140,24 @@ def test_ema_equals_the_hand_computed_average_and_follows_torchvision():
     alpha = min(1.0, (1 - 0.99998) * 8 * 128 * 32 / 600)
     assert adjusted_decay(0.99998, 1024, 32, 600) == pytest.approx(1 - alpha) and alpha == pytest.approx(1.0923e-3,
                                                                                                         rel=1e-3)
+
+
+def test_ema_updates_as_averaged_model_does_without_reading_its_count_on_the_host(monkeypatch):
+    """ExponentialMovingAverage.update_parameters: bitwise AveragedModel's (copy first, then average; buffers too, the
+    integer batch count included), and no `bool(tensor)` on the count, which is a device sync on a GPU."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    ours, reference = ExponentialMovingAverage(model, decay=0.9), ExponentialMovingAverage(model, decay=0.9)
+    for _ in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model(torch.randn(4, 3))
+        AveragedModel.update_parameters(reference, model)
+        with monkeypatch.context() as no_host_reads:
+            no_host_reads.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("a tensor read on the host"))
+            ours.update_parameters(model)
+        assert_same_weights(ours.state_dict(), reference.state_dict())
+    assert ours.n_averaged.item() == 4 and ours.module[1].num_batches_tracked.item() > 0
 
 
 def test_weight_decay_groups_like_torchvisions_set_weight_decay():

@@ -11,6 +11,7 @@ epochs it copies the weights instead. world_size * batch_size_per_gpu is our glo
 Neighbours: utils/image_augment.py, utils/image_references.py.
 """
 import importlib.util
+import itertools
 import math
 
 import torch
@@ -168,6 +169,18 @@ class ExponentialMovingAverage(AveragedModel):
 
         super().__init__(model, device, ema_avg, use_buffers=True)
         self.decay = decay
+
+    @torch.no_grad()
+    def update_parameters(self, model):
+        """AveragedModel's update with the same arithmetic, without reading its count on the host (its
+        `if self.n_averaged == 0` is a device sync at every update): the first update copies the weights and buffers,
+        each later one averages them, chosen on the device."""
+        first = self.n_averaged == 0  # () bool, on the average's device
+        for averaged, current in zip(itertools.chain(self.module.parameters(), self.module.buffers()),
+                                     itertools.chain(model.parameters(), model.buffers()), strict=True):
+            current = current.detach().to(averaged.device)
+            averaged.copy_(torch.where(first, current, self.avg_fn(averaged, current, self.n_averaged)))
+        self.n_averaged += 1
 
 
 def adjusted_decay(decay, images_per_step, ema_steps, epochs):

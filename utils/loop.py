@@ -16,6 +16,12 @@ One optimizer step, as both scripts' `train()` take it:
    `HealthCheck.check` stopped a run whose loss became NaN/inf), a validation, a checkpoint.
 5. `PreemptionGuard.should_stop`: a SIGTERM on any rank (Slurm, a cloud preemption) becomes a checkpoint at this step
    on every rank, then a clean stop; Ctrl-C stops at once, with one line per process naming the last checkpoint.
+Outside the steps that log, validate or save, a step never waits for the device: no `.item()` or other read of a
+device tensor, and no collective of ours on the training group. The decisions every rank must share (the stop above,
+the out-of-memory agreement below) travel on utils/runtime.py HostChannel, a gloo group beside the training group
+whose all-reduce of a flag stays in host memory; what remains on the training group is DDP's own: its gradient
+all-reduce and, for a model whose buffers training changes (ResNet's BatchNorm), its broadcast of rank 0's buffers
+before each forward pass (utils/runtime.py build_accelerator). tests/test_sync_free_step.py counts both per step.
 After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
 EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
 the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
@@ -51,7 +57,7 @@ from accelerate.utils import DistributedType, find_batch_size, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
-from .runtime import Interrupted, UserError, forget_a_dead_launcher, hf_bool, stop_outside_training
+from .runtime import HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, stop_outside_training
 
 
 class Due(NamedTuple):
@@ -386,9 +392,9 @@ class PreemptionGuard:
     utils/runtime.py stop_with_launcher) becomes "checkpoint at the next step boundary, then exit"; Ctrl-C (SIGINT)
     stops at once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
 
-    The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one tiny
-    all-reduce per optimizer step, and a device sync with it: skipped when there is a single process), so every
-    rank saves the same checkpoint and none hangs. An evaluation iterates `batches`, which checks the same way
+    The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one all-reduce of
+    a flag per optimizer step on the host channel, utils/runtime.py HostChannel, which never waits for the device;
+    none on a single process), so every rank saves the same checkpoint, at the same step, and none hangs. An evaluation iterates `batches`, which checks the same way
     before each batch and abandons the evaluation (EvaluationAbandoned) once the ranks agreed: the launcher's grace
     between its SIGTERM and its SIGKILL (30 s under torchrun and accelerate launch) is spent saving, not evaluating.
     DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C saves nothing: a save it
@@ -399,6 +405,7 @@ class PreemptionGuard:
 
     def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
         self.accelerator, self.last_checkpoint, self.resume = accelerator, last_checkpoint, resume
+        self.channel = HostChannel.of(accelerator)
         self.received = None
         self.step = None  # the last optimizer step taken, as of the last should_stop
         signal.signal(signal.SIGTERM, self._handler)
@@ -430,13 +437,10 @@ class PreemptionGuard:
                 f"{self.resume}")
 
     def should_stop(self, completed_steps=None):
-        """True on every rank once any rank has received the signal. Call on all ranks at the same points."""
+        """True on every rank once any rank has received the signal (an all-reduce on the host channel). Call on all
+        ranks at the same points."""
         self.step = completed_steps
-        if self.accelerator.num_processes == 1:  # nothing to agree on: no all-reduce, no `.item()` device sync
-            return self.received is not None
-        if self.received:
-            self.accelerator.set_trigger()
-        return self.accelerator.check_trigger()
+        return self.channel.any(self.received is not None)
 
     def start_window(self, batches_in_epoch, model):
         """Where an accumulation window begins (--gradient_accumulation_steps): its first batch's index in the epoch,
@@ -692,9 +696,10 @@ class OutOfMemoryRetry:
     process's share, not the loader's.
 
     Several processes: the error may hit one of them only, and all must retry together. A forward hook on the model
-    (always_call: it also runs when the forward raised) ends every training forward pass with a one-number all-reduce
-    of "did I run out?" (one small collective and a device sync per micro-batch, on several processes only); when one
-    ran out, the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward pass
+    (always_call: it also runs when the forward raised) ends every training forward pass with an all-reduce of "did I
+    run out?" on the host channel (utils/runtime.py HostChannel: one per micro-batch, on several processes only,
+    without a device sync: the allocator's error reaches the host when the forward pass asks for the memory); when
+    one ran out, the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward pass
     or the optimizer step cannot be agreed on (the others wait inside DDP's gradient all-reduce): that process stops
     with one line and the launcher ends the others. Under FSDP and DeepSpeed the forward pass itself runs collectives
     (and DeepSpeed counts micro-batches itself), so the flag is refused there. An out-of-memory error while evaluating
@@ -707,6 +712,7 @@ class OutOfMemoryRetry:
                             "pass runs collectives (an out-of-memory error on one process cannot be agreed on); pass "
                             "a smaller batch or --gradient_checkpointing")
         self.accelerator, self.model, self.enabled = accelerator, model, enabled
+        self.channel = HostChannel.of(accelerator)
         self.per_device_batch, self.accumulation_steps = per_device_batch, accumulation_steps
         self.checkpoint_dir = checkpoint_dir
         self.micro_batch_size, self.retries = per_device_batch, 0
@@ -750,10 +756,7 @@ class OutOfMemoryRetry:
         if not (module.training and torch.is_grad_enabled()):  # evaluation: every process skips it alike
             self.while_evaluating |= out_of_memory
             return
-        if self.accelerator.num_processes == 1:
-            return
-        flag = torch.tensor(float(out_of_memory), device=self.accelerator.device)
-        if self.accelerator.reduce(flag, reduction="sum").item() > 0:
+        if self.channel.any(out_of_memory):
             self.agreed = True
             if not out_of_memory:
                 raise OutOfMemoryOnAnotherRank("another process ran out of memory in this training step")

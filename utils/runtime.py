@@ -70,9 +70,10 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.tracking import get_available_trackers
-from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
-                              broadcast_object_list, gather_object, is_comet_ml_available, is_mlflow_available,
-                              is_tensorboard_available, is_wandb_available, parse_flag_from_env)
+from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
+                              InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, gather_object,
+                              is_comet_ml_available, is_mlflow_available, is_tensorboard_available, is_wandb_available,
+                              parse_flag_from_env)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
@@ -533,15 +534,74 @@ def hide_gpus_under_cpu(args):
               file=sys.stderr, flush=True)
 
 
-def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
-    """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives."""
+class HostChannel:
+    """Where the ranks agree, inside a training step, on what any one of them may decide alone: a stop signal that
+    reached some ranks (utils/loop.py PreemptionGuard), an out-of-memory error in one rank's forward pass
+    (OutOfMemoryRetry). A gloo process group over every process, beside the training group (NCCL on GPUs, gloo on the
+    CPU), all-reducing a flag in host memory: the agreement never touches the device. The same all-reduce on the
+    training group (accelerate's set_trigger/check_trigger) is queued on the device stream behind the step's kernels
+    and read back with `.item()`: every step the host would wait there until the device had finished the step, and
+    could not queue the next one meanwhile.
+
+    `any` blocks until every rank has contributed; it does not start the all-reduce in one step to read it in the
+    next. What it waits for is the other ranks' hosts, which run ahead of their devices and meet again in every step's
+    gradient all-reduce anyway: tens of microseconds on one machine, a network round trip across machines. The answer
+    then holds at the step where it was asked: a stop saves the step every rank stands at, and the out-of-memory
+    agreement, which must come before the backward pass, is the same call. An all-reduce read a step late would make
+    every caller carry one in flight across steps, evaluations and retries, to save a wait that does not hold up the
+    device.
+
+    Opened once per run by build_accelerator, on every rank at the same point (creating a group is a collective), with
+    the run's --ddp_timeout: a rank that stops answering ends the job here as it would in the training group
+    (is_lost_peer). It ends with the training group: end_training's destroy_process_group destroys every group, and
+    a launched process leaves without the interpreter's finalization (leave_process), where gloo's worker threads
+    could abort it. On one process there is nothing to agree on: no group, no collective."""
+
+    _run = None  # the channel build_accelerator opened
+
+    def __init__(self, group=None):
+        self.group = group  # the gloo group; None on one process
+        self.flag = torch.zeros(1, dtype=torch.int32)  # in host memory, on any machine
+
+    @classmethod
+    def open(cls, accelerator, timeout):
+        """The run's channel: a collective on several processes, which every rank calls once, at the same point."""
+        several = accelerator.num_processes > 1
+        cls._run = cls(torch.distributed.new_group(backend="gloo", timeout=timeout) if several else None)
+        return cls._run
+
+    @classmethod
+    def of(cls, accelerator):
+        """The channel build_accelerator opened for the run; on one process, one without collectives."""
+        if accelerator.num_processes == 1:
+            return cls()
+        if cls._run is None:
+            raise RuntimeError("no host channel: build_accelerator opens it on every rank")
+        return cls._run
+
+    def any(self, flag):
+        """True on every rank if any rank passed True. On several processes a collective: every rank calls it at
+        the same points."""
+        if self.group is None:
+            return bool(flag)
+        self.flag.fill_(int(bool(flag)))
+        torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(self.flag.item())  # a read of host memory: the device is not involved
+
+
+def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast_buffers=True):
+    """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives; and the
+    run's HostChannel. `broadcast_buffers`: DDP's copy of rank 0's buffers to every rank before each forward pass (a
+    collective on the training group every step), which a model whose buffers training changes (BatchNorm's
+    statistics) needs, and one whose buffers are constants does not."""
     hide_gpus_under_cpu(args)
     check_launch(args)
     stop_with_launcher()
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
     # backend=None lets accelerate choose (nccl on GPU, gloo on CPU)
-    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout) if backend else InitProcessGroupKwargs(timeout=timeout)]
+    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout) if backend else InitProcessGroupKwargs(timeout=timeout),
+                DistributedDataParallelKwargs(broadcast_buffers=broadcast_buffers)]
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
@@ -559,6 +619,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1):
     check_sharding_applies(accelerator)
     if accelerator.num_processes > 1:
         RollCall.enter()
+    HostChannel.open(accelerator, timeout)
     if effective_precision(accelerator) != accelerator.mixed_precision:
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")

@@ -1,8 +1,8 @@
 """Around the text classifier's model (train_bert_cls.py's adaptation section builds and loads it; nothing here names
 a model class): where its files come from (run_classification.py's --config_name, --tokenizer_name, --cache_dir,
 --model_revision, --token), the checks that a checkpoint of any layout users bring fits it, the text and the task,
-the reference repository's best.pt, gradient checkpointing, AdamW's parameter groups, and what its model card says
-(best_model/README.md: labels, settings, data, a pipeline() call).
+the reference repository's best.pt, gradient checkpointing, the attention mask built without a device sync, AdamW's
+parameter groups, and what its model card says (best_model/README.md: labels, settings, data, a pipeline() call).
 
 transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
 `gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
@@ -273,6 +273,31 @@ def enable_gradient_checkpointing(model, source):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+SDPA_WITH_MASK = "sdpa_with_mask"  # the name sync_free_attention registers
+
+
+def sync_free_attention(model):
+    """A model that attends with PyTorch's SDPA (transformers' default) through transformers' masks asks the device, in
+    every forward pass, whether the batch has any padding (masking_utils' `padding_mask.all()`, read on the host: a
+    device sync), so as to leave the mask out when it has none. Here it attends with the same SDPA function and always
+    builds the mask: the same attention, without the host waiting for the device. (Without padding, SDPA could then
+    have used a kernel that takes no mask; with padding, the usual case on a batch cut to the longest text or to
+    --max_seq_len, the mask is built either way.) Registered under its own name, which config.json never records:
+    saved models load with the default attention. Other attention implementations are left as they are."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def mask_always(*args, **kwargs):
+        return sdpa_mask(*args, **{**kwargs, "allow_is_bidirectional_skip": False})
+
+    AttentionInterface.register(SDPA_WITH_MASK, sdpa_attention_forward)
+    AttentionMaskInterface.register(SDPA_WITH_MASK, mask_always)
+    model.set_attn_implementation(SDPA_WITH_MASK)
 
 
 def saved_labels(model_name_or_path):
