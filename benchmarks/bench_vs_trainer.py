@@ -109,14 +109,20 @@ def steady_rate(window_rates):
     return statistics.median(window_rates[1:] or window_rates)
 
 
+def compile_env(case):
+    """torch.compile on or off for either arm: what `accelerate launch --dynamo_backend B` tells the script it starts
+    (accelerate's TorchDynamoPlugin reads it); the Trainer's torch_compile sets the same itself, and its off must not
+    inherit an on from the environment."""
+    return {"ACCELERATE_DYNAMO_BACKEND": (case["compile"] or "no").upper()}
+
+
 def ours_command(case, out):
-    """train_bert_cls.py as its docs start it (accelerate launch, one process; the launcher's --dynamo_backend is how
-    the script compiles), with the case's settings."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-              "--mixed_precision", case["precision"], "--dynamo_backend", case["compile"] or "no"]
-    return [*launch, "train_bert_cls.py", *(["--cpu"] if case["device"] == "cpu" else []),
-            "--train_file", case["train"], "--validation_file", case["val"], "--model_name_or_path", case["model"],
-            "--from_scratch", *(["--config_overrides", case["overrides"]] if case["overrides"] else []),
+    """train_bert_cls.py on one process, started as the Trainer's command is (python, no launcher), with the case's
+    settings."""
+    return [sys.executable, "train_bert_cls.py", *(["--cpu"] if case["device"] == "cpu" else []),
+            "--mixed_precision", case["precision"], "--train_file", case["train"], "--validation_file", case["val"],
+            "--model_name_or_path", case["model"], "--from_scratch",
+            *(["--config_overrides", case["overrides"]] if case["overrides"] else []),
             "--max_seq_len", case["seq_len"], *(["--pad_to_max_length"] if case["pad_to_max_length"] else []),
             "--train_batch_size", case["batch"], "--eval_batch_size", case["batch"], "--optim", OPTIMIZER,
             "--learning_rate", case["lr"], "--warmup_ratio", "0.1", "--weight_decay", "0.01", "--max_grad_norm", "1.0",
@@ -127,7 +133,7 @@ def ours_command(case, out):
 
 def run_ours(case, out, threads, env=None, timeout=None):
     case = {**CASE_DEFAULTS, **case}
-    wall = run_command(ours_command(case, out), threads, env, timeout)
+    wall = run_command(ours_command(case, out), threads, {**(env or {}), **compile_env(case)}, timeout)
     results = json.loads((out / "all_results.json").read_text())
     windows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rates = [w["samples_per_second"] for w in windows if w["event"] == "train"]
@@ -137,10 +143,12 @@ def run_ours(case, out, threads, env=None, timeout=None):
 
 
 def run_trainer(case, out, threads, env=None, timeout=None):
+    case = {**CASE_DEFAULTS, **case}
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "case.json"
-    spec.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in {**CASE_DEFAULTS, **case}.items()}))
-    wall = run_command([sys.executable, Path(__file__).resolve(), "--trainer_worker", spec], threads, env, timeout)
+    spec.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in case.items()}))
+    wall = run_command([sys.executable, Path(__file__).resolve(), "--trainer_worker", spec], threads,
+                       {**(env or {}), **compile_env(case)}, timeout)
     return {"wall_seconds": wall, **json.loads((out / "trainer_result.json").read_text())}
 
 
