@@ -15,8 +15,10 @@ start-up's parts as a fraction of one epoch were measured once and removed: RESU
 """
 import argparse
 import json
+import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,15 +93,23 @@ def prepare_cases(args, work):
 
 
 def run_command(cmd, threads, env=None, timeout=None):
-    """Wall seconds of `cmd` run from the repository root; CommandFailed on a non-zero exit, subprocess.TimeoutExpired
-    (the command killed) past `timeout` seconds."""
+    """Wall seconds of `cmd` run from the repository root; CommandFailed on a non-zero exit. Past `timeout` seconds
+    the command is killed with every process it started (inductor's compile workers, a loader's) and
+    subprocess.TimeoutExpired raised."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
     start = time.perf_counter()
-    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise CommandFailed(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise CommandFailed(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{stderr[-3000:]}")
     return wall
 
 
@@ -202,9 +212,12 @@ def trainer_worker(spec_path):
                     torch.cuda.synchronize()
                 window_ends.append(time.perf_counter())
 
+    # ours: ceil(--warmup_ratio x its steps); given as a whole number, which every transformers 5 takes
+    steps = case["steps"] or math.ceil(len(data["train"]) / case["batch"])
     training_args = TrainingArguments(
         output_dir=str(out / "trainer"), per_device_train_batch_size=case["batch"],
-        per_device_eval_batch_size=case["batch"], learning_rate=case["lr"], weight_decay=0.01, warmup_steps=0.1,
+        per_device_eval_batch_size=case["batch"], learning_rate=case["lr"], weight_decay=0.01,
+        warmup_steps=math.ceil(0.1 * steps),
         lr_scheduler_type="linear", optim=OPTIMIZER, max_grad_norm=1.0, num_train_epochs=1,
         max_steps=case["steps"] or -1, eval_strategy="no", save_strategy="no", logging_steps=n, report_to="none",
         use_cpu=case["device"] == "cpu", bf16=case["precision"] == "bf16", torch_compile=bool(case["compile"]),
