@@ -21,7 +21,7 @@ device tensor, and no collective of ours on the training group. The decisions ev
 the out-of-memory agreement below) travel on utils/runtime.py HostChannel, a gloo group beside the training group
 whose all-reduce of a flag stays in host memory; what remains on the training group is DDP's own: its gradient
 all-reduce and, for a model whose buffers training changes (ResNet's BatchNorm), its broadcast of rank 0's buffers
-before each forward pass (utils/runtime.py build_accelerator). tests/test_sync_free_step.py counts both per step.
+in each step's forward pass (utils/runtime.py build_accelerator). tests/test_sync_free_step.py counts what a step does.
 After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
 EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
 the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
@@ -394,10 +394,10 @@ class PreemptionGuard:
 
     The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one all-reduce of
     a flag per optimizer step on the host channel, utils/runtime.py HostChannel, which never waits for the device;
-    none on a single process), so every rank saves the same checkpoint, at the same step, and none hangs. An evaluation iterates `batches`, which checks the same way
-    before each batch and abandons the evaluation (EvaluationAbandoned) once the ranks agreed: the launcher's grace
-    between its SIGTERM and its SIGKILL (30 s under torchrun and accelerate launch) is spent saving, not evaluating.
-    DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C saves nothing: a save it
+    none on a single process), so every rank saves the same checkpoint, at the same step, and none hangs. An
+    evaluation iterates `batches`, which checks the same way before each batch and abandons the evaluation
+    (EvaluationAbandoned) once the ranks agreed: the launcher's grace between its SIGTERM and its SIGKILL (30 s under
+    torchrun and accelerate launch) is spent saving, not evaluating. DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C saves nothing: a save it
     interrupts leaves only a `.tmp-step_N` that is never `latest`, and the line names the last complete checkpoint
     (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag). Once the training steps are over,
     `close` hands SIGTERM back to what stops the rest of the run at once (utils/runtime.py Stopped).
@@ -699,10 +699,10 @@ class OutOfMemoryRetry:
     (always_call: it also runs when the forward raised) ends every training forward pass with an all-reduce of "did I
     run out?" on the host channel (utils/runtime.py HostChannel: one per micro-batch, on several processes only,
     without a device sync: the allocator's error reaches the host when the forward pass asks for the memory); when
-    one ran out, the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward pass
-    or the optimizer step cannot be agreed on (the others wait inside DDP's gradient all-reduce): that process stops
-    with one line and the launcher ends the others. Under FSDP and DeepSpeed the forward pass itself runs collectives
-    (and DeepSpeed counts micro-batches itself), so the flag is refused there. An out-of-memory error while evaluating
+    one ran out, the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward
+    pass or the optimizer step cannot be agreed on (the others wait inside DDP's gradient all-reduce): that process
+    stops with one line and the launcher ends the others. Under FSDP and DeepSpeed the forward pass itself runs
+    collectives (and DeepSpeed counts micro-batches itself), so the flag is refused there. An out-of-memory error while evaluating
     stops with one line too: the evaluation batches are not split.
     """
 
@@ -712,7 +712,7 @@ class OutOfMemoryRetry:
                             "pass runs collectives (an out-of-memory error on one process cannot be agreed on); pass "
                             "a smaller batch or --gradient_checkpointing")
         self.accelerator, self.model, self.enabled = accelerator, model, enabled
-        self.channel = HostChannel.of(accelerator)
+        self.channel = HostChannel.of(accelerator) if enabled else None  # where the forward hook agrees
         self.per_device_batch, self.accumulation_steps = per_device_batch, accumulation_steps
         self.checkpoint_dir = checkpoint_dir
         self.micro_batch_size, self.retries = per_device_batch, 0

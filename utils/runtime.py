@@ -600,8 +600,9 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
     # backend=None lets accelerate choose (nccl on GPU, gloo on CPU)
-    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout) if backend else InitProcessGroupKwargs(timeout=timeout),
-                DistributedDataParallelKwargs(broadcast_buffers=broadcast_buffers)]
+    group = (InitProcessGroupKwargs(backend=backend, timeout=timeout) if backend
+             else InitProcessGroupKwargs(timeout=timeout))
+    handlers = [group, DistributedDataParallelKwargs(broadcast_buffers=broadcast_buffers)]
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume

@@ -285,10 +285,9 @@ def sync_free_attention(model):
     builds the mask: the same attention, without the host waiting for the device. (Without padding, SDPA could then
     have used a kernel that takes no mask; with padding, the usual case on a batch cut to the longest text or to
     --max_seq_len, the mask is built either way.) Registered under its own name, which config.json never records:
-    saved models load with the default attention. Other attention implementations are left as they are."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
-    from transformers import AttentionInterface, AttentionMaskInterface
+    saved models load with the default attention. Each transformers model in `model` (itself, or one a user's module
+    wraps) that attends with SDPA is switched; other attention implementations are left as they are."""
+    from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
@@ -297,7 +296,9 @@ def sync_free_attention(model):
 
     AttentionInterface.register(SDPA_WITH_MASK, sdpa_attention_forward)
     AttentionMaskInterface.register(SDPA_WITH_MASK, mask_always)
-    model.set_attn_implementation(SDPA_WITH_MASK)
+    for module in model.modules():  # outermost first: switching a model switches the models inside it
+        if isinstance(module, PreTrainedModel) and module.config._attn_implementation == "sdpa":
+            module.set_attn_implementation(SDPA_WITH_MASK)
 
 
 def saved_labels(model_name_or_path):

@@ -39,14 +39,14 @@ before this one, or null), "steps": [one object per step, in order]}, and each s
   group (utils/runtime.py HostChannel), any other. DDP's gradient all-reduce runs in C++ from autograd hooks and is
   not seen here;
 - "collective_sites": {"GROUP NAME SITE": count}: where those calls were made;
-- "syncs": {name: count} and "sync_sites": {SITE: count}: the Python-level calls that read a tensor on
-  the training device back to the host (Tensor.item, Tensor.cpu, Tensor.tolist, Tensor.numpy, bool(tensor),
-  int(tensor), float(tensor), index(tensor)). A SITE is "file:line function" of the frame that made the call, then
-  " < " and those of its first two callers outside installed packages (paths relative to the working directory).
-  On a CPU run every
-  tensor lives on the training device, so two kinds of host tensor are told apart by where they are read: inside a
-  DataLoader's fetch (the batch is made on the host, in workers on a real run) and inside HostChannel.any (its flag
-  is a CPU tensor by construction, replaced under STEP_PROBE_DEVICE_AGREEMENT); calls there are not counted.
+- "syncs": {name: count} and "sync_sites": {SITE: count}: the Python-level calls that read a tensor on the training
+  device back to the host (Tensor.item, Tensor.cpu, Tensor.tolist, Tensor.numpy, bool(tensor), int(tensor),
+  float(tensor), index(tensor)); on a GPU run, a CUDA tensor's (reading a CPU tensor waits for nothing). A SITE is
+  "file:line function" of the frame that made the call, then " < " and those of its first two callers outside
+  installed packages (paths relative to the working directory). On a CPU run every tensor lives on the training
+  device, so two kinds of host tensor are told apart by where they are read: inside a DataLoader's fetch (the batch
+  is made on the host, in workers on a real run) and inside HostChannel.any (its flag is a CPU tensor by
+  construction; replaced under STEP_PROBE_DEVICE_AGREEMENT); calls there are not counted.
 """
 import importlib.abc
 import importlib.machinery
@@ -74,12 +74,18 @@ def _run_next_sitecustomize():
 NEXT_SITECUSTOMIZE = _run_next_sitecustomize()
 MODES = {mode.strip() for mode in os.environ.get("STEP_PROBE", "").split(",") if mode.strip()}
 DEVICE_AGREEMENT = os.environ.get("STEP_PROBE_DEVICE_AGREEMENT") == "1"
-UNKNOWN = MODES - {"count", "sync_debug"}
-if UNKNOWN:
-    raise SystemExit(f"STEP_PROBE={os.environ['STEP_PROBE']}: unknown mode {', '.join(sorted(UNKNOWN))} "
-                     "(count, sync_debug)")
+
+
+def _refuse(line):
+    """One line and exit status 2, from where an exception would be a fatal error of the interpreter's start."""
+    sys.stderr.write(f"error: {line}\n")
+    os._exit(2)
+
+
+if MODES - {"count", "sync_debug"}:
+    _refuse(f"STEP_PROBE={os.environ['STEP_PROBE']}: the modes are count and sync_debug")
 if "count" in MODES and not os.environ.get("STEP_PROBE_OUT"):
-    raise SystemExit("STEP_PROBE=count needs STEP_PROBE_OUT=DIR, where each rank writes rank<R>.json")
+    _refuse("STEP_PROBE=count needs STEP_PROBE_OUT=DIR, where each process writes rank<R>.json")
 
 # ------------------------------------------------------------------------------------------------------------------
 if MODES or DEVICE_AGREEMENT:
@@ -136,8 +142,11 @@ if MODES or DEVICE_AGREEMENT:
 
     # -- sync_debug ------------------------------------------------------------------------------------------------
     def sync_debug(on):
-        if "sync_debug" in MODES:
-            torch.cuda.set_sync_debug_mode("error" if on else "default")
+        if "sync_debug" not in MODES:
+            return
+        if not torch.cuda.is_available():
+            raise RuntimeError("STEP_PROBE=sync_debug checks CUDA's synchronisations, and this run has no CUDA device")
+        torch.cuda.set_sync_debug_mode("error" if on else "default")
 
     # -- the loop's step boundaries (utils/loop.py), patched once the module is imported --------------------------
     def patch_loop(loop):
