@@ -83,8 +83,9 @@ def test_dry_run_probes_the_steady_steps_and_two_processes(dry_run):
     arms = parts["2 processes, one GPU (gloo)"]["arms"]
     host, device = arms["host channel"], arms["device agreement (before)"]
     assert host["problem"] == device["problem"] == ""
-    assert host["rounds"][0]["collectives_per_steady_step"] == {"training": 0, "host": 1}
-    assert device["rounds"][0]["collectives_per_steady_step"] == {"training": 1, "host": 0}
+    on_host, on_device = (arm["rounds"][0]["collectives_per_steady_step"] for arm in (host, device))
+    assert on_host["host"] >= 1 and on_device["host"] == 0  # the stop decision: on the host channel, or not
+    assert on_device["training"] >= on_host["training"] + 1  # ... but on the training group, as before it
     assert host["rounds"][0]["ms_per_step"] > 0 and device["rounds"][0]["ms_per_step"] > 0
     rows = {tuple(row[:2]): row for row in table_rows(dry_run["record"])}
     assert "x the device agreement's rate" in rows["2 processes, one GPU (gloo)", "host channel"][3]
