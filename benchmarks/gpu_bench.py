@@ -159,6 +159,8 @@ class Budget:
 
 
 def run_arm(arm, round_index, budget, log):
+    """One round of `arm`, within its own limit or what is left of the budget, whichever is less. Its figures are
+    appended, or None with `arm.problem` saying why (cut by which clock, or how it failed)."""
     own_limit = arm.limit is not None and arm.limit < budget.left()
     limit = arm.limit if own_limit else budget.left()
     start = budget.clock()
