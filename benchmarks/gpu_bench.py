@@ -10,10 +10,6 @@ Parts (each a few rows of the table), in the order they run:
     command's seconds, and the validation accuracy after the same steps. Beside them, bench_gpu.py's bare model step
     on a synthetic batch of the same shape, timed in this process, and every arm's MFU (bench_gpu.py's definition and
     datasheet peaks).
-  - ResNet-50 input: bench_gpu.py's input arms. The compiled ResNet-50 step (bf16, channels_last, batch 256), bare on
-    a synthetic batch and fed by train_resnet.py's datasets and transforms on ImageNet-sized JPEGs (utils/demo_data.py),
-    with the CPU loader (workers decode) and with --decode_on_device (workers read the bytes and the GPU decodes).
-    Each loader alone is timed too.
   - steady steps without syncs: train_bert_cls.py, and train_resnet.py with each kind of decoding, 1 process each,
     under tools/step_probe with STEP_PROBE=count,sync_debug. torch.cuda.set_sync_debug_mode("error") covers the
     steady steps, so any .item(), bool(tensor) or host copy there raises; the probe counts the steady steps.
@@ -21,6 +17,11 @@ Parts (each a few rows of the table), in the order they run:
     device). They are launched as two one-process machines on 127.0.0.1. Reported: steady ms/step with the cross-rank
     decisions on the host channel (utils/runtime.py HostChannel), and with the device all-reduce read back by .item()
     that it replaced (STEP_PROBE_DEVICE_AGREEMENT=1).
+  - ResNet-50 input: bench_gpu.py's input arms. The compiled ResNet-50 step (bf16, channels_last, batch 256), bare on
+    a synthetic batch and fed by train_resnet.py's datasets and transforms on ImageNet-sized JPEGs (utils/demo_data.py),
+    with the CPU loader (workers decode) and with --decode_on_device (workers read the bytes and the GPU decodes).
+    Each loader alone is timed too. The last part of the first tier, so the first cut: bench_gpu.py has measured
+    these arms before.
 
 Time: the whole run keeps within --budget (360 s, about 6 minutes on one H200, plus start-up). The first tier (the
 parts above) runs --rounds rounds (default 2), then the second tier (BERT b32, compile off and on) likewise. A round
@@ -536,11 +537,11 @@ def two_process_part(bench):
 def plan(bench):
     """The tiers of parts, in the order they run (the module docstring says why in this order)."""
     first, *others = bench.sizes.bert_batches
-    tiers = [[bert_part(bench, first, "off"), bert_part(bench, first, "on"), resnet_part(bench),
-              sync_check_part(bench), two_process_part(bench)],
+    probed = [sync_check_part(bench), two_process_part(bench)]
+    tiers = [[bert_part(bench, first, "off"), bert_part(bench, first, "on"), *probed, resnet_part(bench)],
              [bert_part(bench, batch, mode) for batch in others for mode in ("off", "on")]]
     if not PROBE.is_file():  # a tool of its own: without it, the parts that need it say so and do not run
-        for part in tiers[0][3:]:
+        for part in probed:
             part.cut = f"not run: {PROBE.relative_to(REPO)} is missing"
     only = bench.args.only
     return [[part for part in tier if only is None or any(text in part.name for text in only)] for tier in tiers]
