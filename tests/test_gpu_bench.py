@@ -185,3 +185,12 @@ def test_make_gpu_bench_runs_with_the_project_venv_and_says_no_gpu():
                env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert f"{sys.executable} benchmarks/gpu_bench.py" in proc.stdout
     assert "no GPU visible here, nothing to measure" in proc.stdout
+
+
+def test_a_gpu_run_without_the_data_stops_at_once_naming_it(tmp_path):
+    """Before any model or GPU work: the missing files named in one UserError (one line on stderr from run_cli)."""
+    args = gpu_bench.parse_args(["--data_root", str(tmp_path / "none")])
+    with pytest.raises(gpu_bench.harness.UserError) as error:
+        gpu_bench.Bench(args, gpu_bench.GPU, tmp_path)
+    assert str(error.value).startswith(f"{tmp_path / 'none' / 'thucnews_titles' / 'train.txt'}, ")
+    assert "bert-base-chinese/vocab.txt: not found" in str(error.value) and "\n" not in str(error.value)
