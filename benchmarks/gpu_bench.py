@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,6 +258,7 @@ class Bench:
             model = bench_gpu.BertForSequenceClassification(self.config)
         self.bert_parameters = sum(p.numel() for p in model.parameters())
         self.bare_berts, self.jpeg_root = {}, None
+        self.jpeg_lock = threading.Lock()  # the sync checks' two ResNet runs ask for the JPEGs at once
         self.peak_tflops = (None if self.dry else
                             args.peak_tflops or bench_gpu.datasheet_peak_tflops(torch.cuda.get_device_name()))
 
@@ -295,10 +297,11 @@ class Bench:
 
     def jpegs(self):
         """The ImageFolder of ImageNet-sized JPEGs (train/, and val/ for the script runs) the ResNet arms read."""
-        if self.jpeg_root is None:
-            s = self.sizes
-            self.jpeg_root = write_photo_imagefolder(self.work / "jpegs", s.jpegs, max(2, s.jpegs // 16),
-                                                     longer_side=s.jpeg_side)
+        with self.jpeg_lock:
+            if self.jpeg_root is None:
+                s = self.sizes
+                self.jpeg_root = write_photo_imagefolder(self.work / "jpegs", s.jpegs, max(2, s.jpegs // 16),
+                                                         longer_side=s.jpeg_side)
         return self.jpeg_root
 
     def probe_env(self, out, device_agreement=False):
