@@ -42,8 +42,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               FlagRoles, add_allow_data_change, agree_on_resume, keep_as, kept_by,
-                               per_process_differences, replace_dir_atomically, resume_settings, this_launch)
+                               add_allow_data_change, agree_on_resume, keep_as, kept_by, per_process_differences,
+                               replace_dir_atomically, resume_settings, say_processes, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference, selected_step)
 from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
@@ -51,9 +51,9 @@ from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS
                          steps_or_epoch, whole_epochs)
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
-                         check_selection_args, epoch_batches, load_class_weights, resolve_selection)
+                         check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import RunLog, check_output_dir, format_step_line, progress
+from utils.outputs import RunLog, check_output_dir, format_numbers, format_step_line, progress
 from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
@@ -63,12 +63,13 @@ from utils.text_data import (DATASET_ROLES, LONG_TEXT_ROLES, PADDING_ROLES, TEXT
                              TextData, add_dataset_args, add_long_text_args, add_padding_args, add_text_format_args,
                              build_collator, build_label_list, check_dataset_args, check_known_labels,
                              check_text_format_args, fingerprint_examples, label_targets, long_text,
-                             read_dataset_splits, read_file_splits, read_predict_file, resolve_padding,
+                             read_dataset_splits, read_file_splits, read_predict_file, resolve_file_text_column,
+                             resolve_head_tokens, resolve_padding,
                              select_examples, split_files, text_format, token_lengths, tokenize_examples,
                              write_labels_file)
-from utils.text_metrics import (SELECTION_HELP, StreamedWindows, check_task_args, compute_metrics, default_metric,
-                          evaluation_metrics, flat_metrics, headline_scores, load_metrics, pool_windows,
-                          prediction_rows, save_confusion_matrix, selectable_metrics, training_loss)
+from utils.text_metrics import (StreamedWindows, check_task_args, compute_metrics, default_metric, evaluation_metrics,
+                                flat_metrics, load_metrics, pool_windows, prediction_rows, recorded,
+                                save_confusion_matrix, training_loss)
 from utils.text_model import (MODEL_SOURCE_ROLES, OPTIMIZERS, TRAINED_WITH, add_model_source_args, build_optimizer,
                               check_custom_code, check_hub_ids_or_paths, check_model_source_args,
                               check_problem_type, check_scheduler_args, check_starting_weights, check_unk_rate,
@@ -94,10 +95,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 #                            optimizer step, so a term added here stays right under DDP, gradient accumulation, short
 #                            last batches and --auto_find_batch_size's micro-batches
 #   evaluate                 the evaluation's numbers: a dict of {name: number} (names without a prefix; `samples`:
-#                            how many were evaluated) that becomes metrics.jsonl's `eval` events, the trackers' values,
-#                            all_results.json's and the model card's `eval_NAME`/`test_NAME`, and the choices of
-#                            --metric_for_best_model; beside them "report", "confusion_matrix" (None where they do
-#                            not apply) and "extra" (--metric's numbers), which report() writes as files
+#                            how many were evaluated), each printed in the console's eval lines, logged (metrics.jsonl's
+#                            `eval` events, the trackers), recorded (all_results.json's and the model card's
+#                            `eval_NAME`/`test_NAME`) and a choice of --metric_for_best_model: a number added here is
+#                            all of that, with no other list to edit (a run that trains calls evaluate once on one
+#                            validation batch before its first step to learn the names: utils/loop.py
+#                            validation_names); beside them "report" and "confusion_matrix" (None where they do not
+#                            apply), which report() writes as files, and --metric's lists of numbers, recorded too
 # ---------------------------------------------------------------------------------------------------------------------
 def new_model(config, trust_remote_code=False):
     """The classifier for `config` (its labels included), randomly initialised."""
@@ -148,19 +152,19 @@ def predict_logits(accelerator, model, dataloader, desc, pool="mean", guard=None
 
 
 def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=(), guard=None):
-    """Accuracy (exact match if multi-label), micro/macro F1, mean loss per sample, report, confusion matrix;
-    `extra`: --metric's results (under their own keys too, which never collide with these)."""
+    """Mean loss per sample, accuracy (exact match if multi-label), macro/micro F1 (regression: mse, rmse, mae,
+    pearson, spearmanr), samples, report, confusion matrix; then --metric's results (a key these have gets its
+    module's name in front)."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc, args.pool, guard)
     metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
-    metrics["extra"] = compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)
-    return {**metrics["extra"], **metrics}
+    return {**metrics, **compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)}
 # --------------------------------------------------------------------------- end of the adaptation section -----------
 
 
 def build_parser():
     """Every flag (utils/flags.py Parser: one-line errors, the other tools' spellings); each one's role for a resume
     and the export is declared in FLAG_ROLES below."""
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
     parser.refuse("the Chinese BERT tutorial", TUTORIAL_FLAGS)
     parser.refuse("accelerate's examples", ACCELERATE_EXAMPLE_FLAGS)
     parser.refuse("transformers' text-classification examples", TRANSFORMERS_EXAMPLE_FLAGS)
@@ -259,7 +263,7 @@ def build_parser():
     output.add_argument("--metric", "--metric_name", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
                              "validation/test results beside accuracy and F1; repeatable")
-    add_selection_args(parser, None, SELECTION_HELP)
+    add_selection_args(parser, "macro_f1, for regression mse")
     add_onnx_args(parser)
     add_runtime_args(parser)
     return parser
@@ -267,8 +271,7 @@ def build_parser():
 
 def parse_args(argv=None):
     parser = build_parser()
-    roles = flag_roles()  # a flag without a declared role stops every launch here, before anything starts
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a flag without a role (FLAG_ROLES) stops here in one line, before anything starts
     check_onnx_args(parser, args)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
@@ -280,7 +283,7 @@ def parse_args(argv=None):
             parser.error(str(err))
     check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
-        use_model_settings(args, print, roles.exported())
+        use_model_settings(args, print, flag_roles())
     return args
 
 
@@ -288,7 +291,8 @@ def parse_args(argv=None):
 # MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
 # kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START; `.recorded()`: the
 # exported model records it (best_model/trained_with.json) and evaluation results carry it. Every option of
-# build_parser() has exactly one entry: parse_args refuses to start otherwise.
+# build_parser() has exactly one entry (a shared helper's, in its *_ROLES spread here): otherwise every command stops
+# with one line naming the flag; --help shows each flag's role.
 FLAG_ROLES = {
     # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
     "--data_dir": kept_by(DATA_KEY), "--train_file": kept_by(DATA_KEY), "--validation_file": MAY_CHANGE,
@@ -321,6 +325,9 @@ FLAG_ROLES = {
     **this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
                   "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
                   "--auto_find_batch_size"),
+    # which kernels compute each step, not what is trained: a resume may add or drop it (bitwise equality with an
+    # uninterrupted run needs it in every launch of both, on a GPU)
+    "--use_deterministic_algorithms": THIS_LAUNCH,
     # the Chinese BERT tutorial's: a check of the label count, and two flags taken and ignored (said at start)
     **this_launch("--num_tags", "--data_name", "--log_dir"),
 }
@@ -329,7 +336,7 @@ FLAG_ROLES = {
 @functools.cache
 def flag_roles():
     """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
-    return FlagRoles(build_parser(), FLAG_ROLES)
+    return build_parser().flag_roles()
 
 
 def trained_with(args):
@@ -341,8 +348,12 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True, tables=No
     """Read and validate every input (files or --dataset_name) before anything is written; say what was read for
     what; return (labels, {split: examples}), "predict" among the splits with --do_predict (and `with_predict`).
     With `tables` (a directory), files stream into ExampleTables there instead of lists."""
+    if args.dataset_name:
+        data = read_dataset_splits(args)
+    else:
+        resolve_file_text_column(args, say)
+        data = read_file_splits(args, text_format(args), say, tables)
     fmt = text_format(args)
-    data = read_dataset_splits(args, fmt) if args.dataset_name else read_file_splits(args, fmt, say, tables)
     examples = data.examples
     if args.do_regression:  # one output, named after what it predicts
         labels = checkpoint_labels if checkpoint_labels and not args.do_train else [args.label_column]
@@ -382,7 +393,8 @@ def check_model_files(args):
 
 def tokenizer_and_length(args, say=print):
     """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with the
-    labels its config has: the positions do not depend on them): both decide the tokenised data."""
+    labels its config has: the positions do not depend on them), then --head_tokens' default: they decide the
+    tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
     with loading(source, "tokenizer"):
@@ -390,6 +402,7 @@ def tokenizer_and_length(args, say=print):
     empty_model = on_meta_device(lambda: new_model(model_config(args), args.trust_remote_code))
     args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
                                        say)
+    resolve_head_tokens(args, say)  # its default is a share of --max_seq_len
     return tokenizer
 
 
@@ -448,6 +461,7 @@ def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
         check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
     if args.dataset_name:
         return tokenised_data(args, tokenizer, checkpoint_labels, say)
+    resolve_file_text_column(args, say)  # before the cache key, which holds it
     cache = DataCache(accelerator, args.data_cache_dir or default_cache_dir())
     key = cache.key(lambda: cache_inputs(args, tokenizer, checkpoint_labels))
 
@@ -561,19 +575,38 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card
     (README.md, from `card_results`) and the selected `step` (best_step.json), swapped in atomically; a full disk
     stops every rank with one line and keeps the previous best_model/. `remote`: --trust_remote_code."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
-    tokenizer.model_max_length = settings["max_seq_len"]
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: new_model(bare.config, remote)))
     with writing(accelerator, best_dir.parent, unfinished=tmp):
         if accelerator.is_main_process:
             # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
             bare.save_pretrained(tmp, state_dict=state_dict, save_original_format=False)
-            tokenizer.save_pretrained(tmp)
-            (tmp / TRAINED_WITH).write_text(json.dumps(settings, indent=2) + "\n")
+            save_tokenizer_and_settings(tokenizer, settings, tmp)
             log.write_model_card(tmp / "README.md", card_results)
             if step is not None:
                 mark_selection(tmp, step)
             replace_dir_atomically(tmp, best_dir)
+
+
+def save_tokenizer_and_settings(tokenizer, settings, folder):
+    """The tokenizer, truncating at max_seq_len (in pipeline() too), and TRAINED_WITH, the `settings` an evaluation
+    of the model must repeat: beside the weights in best_model/, beside model.onnx in onnx/."""
+    tokenizer.model_max_length = settings["max_seq_len"]
+    tokenizer.save_pretrained(folder)
+    (Path(folder) / TRAINED_WITH).write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def best_model_selection(accelerator, args, model, validation_loader, labels, metric_modules):
+    """Which validation metric selects the best model: --metric_for_best_model (default: default_metric), one of the
+    numbers evaluate() returns, whose names one evaluation of a validation batch gives before training (a mistyped one
+    stops the run there, in one line naming them). A run that validates nothing (no validation set, or no training)
+    keeps the default."""
+    names = None
+    if args.do_train and validation_loader is not None:
+        names = validation_names(accelerator, model, validation_loader, lambda batches: evaluate(
+            accelerator, model, batches, labels, "validation", args, metric_modules))
+    resolve_selection(args, names, default=default_metric(args.do_regression))
+    return Selection.from_args(args, position="step")
 
 
 @dataclass
@@ -635,16 +668,17 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
         "resume_step": state["completed_steps"],
     })
+    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence,
                     task.selection)
 
 
 def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
-    """A validation during training: its `eval` event in metrics.jsonl and one console line."""
-    scores = {**headline_scores(metrics), **metrics["extra"]}
-    log.log("eval", completed_steps, {**scores, "eval_seconds": eval_seconds, "train_seconds": train_seconds})
-    log.console(f"eval step {completed_steps} | "
-                + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples"))
+    """A validation during training: its `eval` event in metrics.jsonl and one console line, with every number
+    evaluate() returned."""
+    log.log("eval", completed_steps,
+            {**recorded(metrics), "eval_seconds": eval_seconds, "train_seconds": train_seconds})
+    log.console(f"eval step {completed_steps} | {format_numbers(metrics)}")
 
 
 @dataclass
@@ -817,9 +851,7 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
         accelerator.on_main_process(save_confusion_matrix)(
             metrics["confusion_matrix"], labels, output_dir / f"{prefix}_confusion_matrix.csv",
             output_dir / f"{prefix}_confusion_matrix.png", title=f"{prefix} confusion matrix")
-    scores = headline_scores(metrics)
-    accelerator.print(f"{prefix}: " + " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "samples")
-                      + f" | {metrics['samples']} samples")
+    accelerator.print(f"{prefix}: {format_numbers(metrics)}")
     return flat_metrics(metrics, prefix)
 
 
@@ -836,7 +868,7 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
             metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir),
                            **{f"{prefix}_settings": trained_with(args)})
-            log.log(f"best_model_{prefix}", step, {**headline_scores(metrics), **metrics["extra"]})
+            log.log(f"best_model_{prefix}", step, recorded(metrics))
     return results
 
 
@@ -882,11 +914,12 @@ def write_predictions(accelerator, log, model, loader, examples, labels, args):
 ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # in the order of BERT's forward arguments
 
 
-def export_selected_onnx(accelerator, args, model, loaders):
+def export_selected_onnx(accelerator, args, model, tokenizer, loaders):
     """--export_onnx: the selected model as OUT/onnx/model.onnx (dynamic batch and sequence axes), checked on the
     first --onnx_check_samples texts of the validation set (else test, training, or the texts to predict, which have
-    no labels to measure accuracy on) in their padded batches
-    (utils/onnx_export.py); its onnx_* results. Every rank calls it; the main process exports."""
+    no labels to measure accuracy on) in their padded batches (utils/onnx_export.py); beside it what loads it with
+    nothing else, as optimum's ORTModelForSequenceClassification folders hold it: config.json (id2label), the tokenizer
+    and TRAINED_WITH. Its onnx_* results. Every rank calls it; the main process exports."""
     split = next(name for name in ("validation", "test", "train", "predict") if name in loaders)
     results = {}
     with writing(accelerator, args.output_dir / "onnx"):
@@ -898,21 +931,24 @@ def export_selected_onnx(accelerator, args, model, loaders):
             accelerator.print(f"ONNX export checked on the {split} texts")
             results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
                                        sequence_axis=True, say=accelerator.print)
+            model.config.save_pretrained(args.output_dir / "onnx")
+            save_tokenizer_and_settings(tokenizer, trained_with(args), args.output_dir / "onnx")
     return results
 
 
 def write_results(log, args, results, results_tag):
-    """A training run's all_results.json (and the model card, now with the test results); an evaluation of a trained
-    output_dir writes its own {eval,test}{results_tag}_results.json and adds to all_results.json, never replacing
-    numbers measured with other settings (results_tag: use_model_settings's)."""
+    """A training run's all_results.json, flat, its settings and launches in all_results_settings.json (and the model
+    card, now with the test results); an evaluation of a trained output_dir writes its own
+    {eval,test}{results_tag}_results.json (and _settings.json) and adds to all_results.json, never replacing numbers
+    measured with other settings (results_tag: use_model_settings's)."""
     if args.do_train:
-        log.write_json("all_results.json", results)
+        log.write_results("all_results.json", results)
         log.write_model_card(args.output_dir / "best_model" / "README.md", results)
         return
     prefixes = [mode + results_tag for mode in ("eval", "test") if getattr(args, f"do_{mode}")]
     for prefix in prefixes:
-        log.write_json(f"{prefix}_results.json", {k: v for k, v in results.items()
-                                                  if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
+        log.write_results(f"{prefix}_results.json", {k: v for k, v in results.items()
+                                                     if not k.startswith(("eval_", "test_")) or k.startswith(prefix)})
     log.merge_results(results, tuple(f"{prefix}_" for prefix in prefixes))
 
 
@@ -925,7 +961,7 @@ def main(args):
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
     # "" unless evaluating with other settings than trained
-    results_tag = use_model_settings(args, accelerator.print, flag_roles().exported())
+    results_tag = use_model_settings(args, accelerator.print, flag_roles())
     set_seed(args.seed)
     per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
     check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
@@ -941,14 +977,14 @@ def main(args):
         raise UserError(f"--num_tags {args.num_tags}: the data has {len(labels)} labels ({', '.join(labels[:5])}"
                         f"{', ...' if len(labels) > 5 else ''})")
     metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
-    resolve_selection(args, selectable_metrics(metric_modules, len(labels), args.do_regression),
-                      validation="validation" in splits, default=default_metric(args.do_regression))
-    selection = Selection.from_args(args, position="step")
     train_ids = splits["train"].with_format("numpy")["labels"] if args.class_weights else None
     class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
     if class_weights:
         accelerator.print(class_weights.line())
     tokenizer, model = build_model(args, labels, accelerator.print, tokenizer)
+    padding = resolve_padding(args, accelerator)
+    loaders = build_dataloaders(args, tokenizer, splits, data.predict, padding)
+    selection = best_model_selection(accelerator, args, model, loaders.get("validation"), labels, metric_modules)
     # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
     # MUST_KEEP flags' values (FLAG_ROLES)
     must_match = flag_roles().must_match(args, {
@@ -959,8 +995,6 @@ def main(args):
     model = maybe_data_parallel(model, args)
     retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
                              args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
-    padding = resolve_padding(args, accelerator)
-    loaders = build_dataloaders(args, tokenizer, splits, data.predict, padding)
     stats = long_text_stats(args, splits)
     if data.unk_rate is not None:
         stats["train_unk_rate"] = check_unk_rate(data.unk_rate, args.tokenizer_name or args.model_name_or_path)
@@ -985,7 +1019,7 @@ def main(args):
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
                               "--resume_from_checkpoint latest")
-            log.write_json("all_results.json", {**results, "preempted": True})
+            log.write_results("all_results.json", {**results, "preempted": True})
             log.end()
             return results
         model = trained.model
@@ -996,7 +1030,7 @@ def main(args):
     results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained,
                                            results_tag))
     if args.export_onnx:
-        results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), loaders))
+        results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), tokenizer, loaders))
     if args.do_predict:
         write_predictions(accelerator, log, model, prepared["predict"], data.predict, labels, args)
     write_results(log, args, results, results_tag)

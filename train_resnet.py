@@ -20,9 +20,10 @@ ADAPTATION SECTION, right below the imports: nothing else names a model class, a
 number of processes. main.py's --world-size, --rank, --dist-url, --dist-backend, --multiprocessing-distributed
 and --gpu are the launcher's business now: pass one to see what replaces it.
 torchvision's references/classification recipe flags and dashed spellings, and timm:NAME: docs/resnet_recipes.md.
-Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict), model_card.md (how to
-load model_best.pth, its metrics), checkpoints/step_N (exact resume), metrics.jsonl, all_results.json
-(eval_results.json with -e), training_curves.png; with --predict, predictions.jsonl alone (docs/resnet.md).
+Outputs: model_best.pth / checkpoint.pth (main.py's layout, plain torchvision state_dict, torchvision's references'
+keys, the recorded flags), model_card.md (how to load model_best.pth, its metrics), checkpoints/step_N (exact
+resume), metrics.jsonl, all_results.json and all_results_settings.json (eval_results*.json with -e),
+training_curves.png; with --predict, predictions.jsonl alone (docs/resnet.md).
 """
 import argparse
 import difflib
@@ -34,6 +35,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 # Start-up creates nearly 400,000 long-lived objects (torch, torchvision, matplotlib) and little garbage; at
@@ -50,24 +52,24 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.transforms import v2
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               FlagRoles, add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
+                               add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
                                load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
-                               this_launch)
-from utils.export import load_torch_checkpoint, load_weights, on_meta_device, strip_module_prefix
+                               say_processes, this_launch)
+from utils.export import load_torch_checkpoint, load_weights, on_meta_device
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
-                         check_selection_args, epoch_batches, load_class_weights)
+                         check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import RunLog, check_output_dir, plot_training_curves, progress
+from utils.outputs import RunLog, check_output_dir, format_numbers, number_entries, plot_training_curves, progress
 from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
                             writing)
-from utils.image_augment import (AUGMENT_ROLES, AUTO_AUGMENT, MIXING_ROLES, RepeatedAugmentationSampler,
-                                 add_augment_args, add_mixing_args, build_mixer, dominant_labels, eval_image_settings,
-                                 image_settings, random_erasing, recorded_image_settings, resolve_augment_args,
-                                 resolve_image_sizes, resolve_mixup_mode, soft_cross_entropy, timm_auto_augment)
+from utils.image_augment import (AUGMENT_ROLES, AUTO_AUGMENT, IMAGE_DEFAULTS, MIXING_ROLES, RepeatedAugmentationSampler,
+                                 add_augment_args, add_mixing_args, build_mixer, dominant_labels, random_erasing,
+                                 resolve_augment_args, resolve_mixup_mode, soft_cross_entropy, timm_auto_augment,
+                                 use_recorded_settings)
 from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, PredictImages,
                               RGBImageFolder, bad_image_error, build_datasets, build_dummy_datasets, files_to_predict,
                               fingerprint_images, prediction_rows, topk_hits)
@@ -81,7 +83,7 @@ from utils.image_references import (BATCH_RULE, MAIN_PY_FLAGS, TIMM_FLAGS, TORCH
                                     selection_from_file, start_epoch_of)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
-TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric values
+TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric spellings of evaluate()'s names
 
 
 def unknown_arch(arch):
@@ -101,20 +103,24 @@ def unknown_arch(arch):
 # name a model class, a transform or a metric's computation.
 #   build_model / empty_model   the model (-a, its starting weights, a head for the data's classes), and its twin on
 #                               the meta device whose parameter names the exports must have; a trained one is loaded
-#                               back strictly into build_model's model (-e, --resume FILE) or by accelerate's
-#                               load_state (checkpoints/step_N)
+#                               back strictly into build_model's model (-e, --predict, --resume FILE, exported_model)
+#                               or by accelerate's load_state (checkpoints/step_N). A flag that shapes the model gets
+#                               a `.recorded()` role in FLAG_ROLES: the exports record it and those rebuild with it
 #   train_transform /           the training and validation pipelines, torchvision transforms.v2 steps on a (3, H, W)
 #   val_transform               uint8 image: each image's random draws are seeded by (seed, epoch, image), so a new
 #                               random step resumes exactly; --decode_on_device replays the steps on the device and
-#                               refuses at start-up, in one line, a step it cannot replay (utils/image_device_decode.py)
+#                               refuses at start-up, in one line, a step it cannot replay, saying how to make it
+#                               replayable (utils/image_device_decode.py; v2.RandomApply: its ReplayableRandomApply)
 #   training_loss               the loss of one (micro-)batch: a mean over its readable images
-#   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted):
-#                               metrics.jsonl's `eval` events, the trackers' values, all_results.json's and
-#                               model_card.md's `eval_NAME`, `ema_NAME` for the EMA's; VALIDATION_METRICS may select
-#                               model_best.pth and CURVES are plotted
+#   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted), each
+#                               printed in the console's line after each epoch, logged (metrics.jsonl's `eval`
+#                               events, the trackers), recorded (all_results.json's and model_card.md's `eval_NAME`,
+#                               `ema_NAME` for the EMA's; model_best.pth's and checkpoint.pth's NAME), a choice of
+#                               --metric_for_best_model / --eval-metric that selects model_best.pth, and, a fraction,
+#                               plotted in training_curves.png: a number added here is all of that, with no other list
+#                               to edit (a run that trains calls evaluate once on one validation batch before its first
+#                               step to learn the names: utils/loop.py validation_names)
 # ---------------------------------------------------------------------------------------------------------------------
-VALIDATION_METRICS = ("acc1", "acc5", "loss")  # evaluate()'s, any of which may select the best model
-CURVES = (("loss", "loss"), ("acc1", "top-1 accuracy (%)"))  # training_curves.png: (metrics.jsonl key, axis label)
 CHECKPOINTED_BLOCKS = (BasicBlock, Bottleneck)  # --gradient_checkpointing recomputes each (timm models: their own)
 
 
@@ -219,7 +225,7 @@ def evaluate(accelerator, model, loader, args, guard=None):
 def build_parser():
     """Every flag (utils/flags.py Parser: one-line errors, the other tools' spellings); each one's role for a resume
     and the export is declared in FLAG_ROLES below."""
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
     parser.refuse("pytorch/examples imagenet/main.py", MAIN_PY_FLAGS)
     parser.refuse("torchvision's references/classification/train.py", TORCHVISION_FLAGS)
     parser.refuse("timm's train.py", TIMM_FLAGS)
@@ -276,14 +282,14 @@ def build_parser():
     for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_onnx_args,
                       add_runtime_args):
         add_group(parser)
-    add_selection_args(parser, "acc1", "acc1, acc5 or loss (timm's top1, top5)", ("--eval-metric", "--eval_metric"))
+    add_selection_args(parser, "acc1, main.py's (timm's top1 and top5 name acc1 and acc5)",
+                       ("--eval-metric", "--eval_metric"))
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
-    flag_roles()  # a flag without a declared role stops every launch here, before anything starts
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a flag without a role (FLAG_ROLES) stops here in one line, before anything starts
     if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
             and not is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data
         args.data, args.pretrained = Path(args.pretrained), "DEFAULT"
@@ -303,6 +309,9 @@ def parse_args(argv=None):
         resolve_mixup_mode(args)
     except UserError as err:
         parser.error(str(err))
+    if not (args.evaluate or args.predict):  # -e and --predict take the recorded flags from the model, in main
+        for dest, default in flag_roles().exported().items():
+            setattr(args, dest, default if getattr(args, dest) is None else getattr(args, dest))
     if args.predict:  # the architecture, when not given, and the sizes come from the export
         return args
     args.arch = args.arch or "resnet18"
@@ -316,7 +325,7 @@ def parse_args(argv=None):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
     if args.evaluate and args.class_weights:
         parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
-    check_selection_args(parser, args, not args.evaluate, VALIDATION_METRICS, TIMM_METRIC_NAMES)  # val/ always there
+    check_selection_args(parser, args, not args.evaluate)
     return args
 
 
@@ -338,8 +347,9 @@ def check_predict_args(parser, args):
 # MAY_CHANGE on resume (named, then applied), MUST_KEEP (refused otherwise; keep_as: recorded under that name,
 # kept_by: through the must_match entry main computes from it), THIS_LAUNCH, FRESH_START;
 # `.recorded()`: the exports record it (model_best.pth's image settings). Every option of build_parser() has exactly
-# one entry: parse_args refuses to start otherwise. The optimizer's flags come first: the order of the "resumed with
-# changed settings" line.
+# one entry (a shared helper's, in its *_ROLES spread here): otherwise every command stops with one line naming the
+# flag; --help shows each flag's role. The optimizer's flags come first: the order of the "resumed with changed
+# settings" line.
 FLAG_ROLES = {
     **OPTIM_ROLES, "--epochs": MAY_CHANGE,  # the schedule is recomputed at the restored step
     # data: the training images are part of the checkpoint (their list's fingerprint)
@@ -359,6 +369,9 @@ FLAG_ROLES = {
     **this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
                   "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
                   "--auto_find_batch_size"),
+    # which kernels compute each step, not what is trained: a resume may add or drop it (bitwise equality with an
+    # uninterrupted run needs it in every launch of both, on a GPU)
+    "--use_deterministic_algorithms": THIS_LAUNCH,
     **SELECTION_ROLES,
 }
 
@@ -366,7 +379,44 @@ FLAG_ROLES = {
 @functools.cache
 def flag_roles():
     """FLAG_ROLES checked against build_parser() (RoleError if a flag has no role) and resolved to args attributes."""
-    return FlagRoles(build_parser(), FLAG_ROLES)
+    return build_parser().flag_roles()
+
+
+def trained_with(args):
+    """What the exports record beside the weights: every flag FLAG_ROLES marks .recorded() (image sizes, a head's
+    shape), which -e, --predict and exported_model rebuild and evaluate the model with."""
+    return flag_roles().exported_settings(args)
+
+
+def evaluation_settings(args):
+    """The recorded settings a validation's numbers depend on, recorded with them (`eval_settings`)."""
+    return {dest: getattr(args, dest) for dest in flag_roles().evaluation().values()}
+
+
+def model_flags(args):
+    """{flag: value} of the recorded flags beyond the image settings: how build_model shaped the model (none in this
+    script as it ships; a flag a user adds for a head, say), which plain torchvision cannot rebuild (model_card)."""
+    roles = flag_roles()
+    return {flag: getattr(args, roles.dests[flag]) for flag, role in roles.table.items()
+            if role.exported and roles.dests[flag] not in IMAGE_DEFAULTS}
+
+
+def exported_model(path, args=None, say=print):
+    """(model, export): build_model's model with the weights of this script's export `path` (model_best.pth,
+    checkpoint.pth), rebuilt from the file alone: its architecture, classes and recorded flags (trained_with), where
+    `args` (a parsed command line; None: the parser's defaults) does not give them; the image sizes end up in `args`."""
+    args = args or build_parser().parse_args([])
+    export = load_torch_checkpoint(path)
+    class_to_idx = export.get("class_to_idx")
+    if not class_to_idx:
+        raise UserError(f"{path}: records no class names (a main.py or torchvision file?); the model is rebuilt from "
+                        "this script's export, model_best.pth or checkpoint.pth")
+    check_legacy_compatible(export, {"arch": args.arch} if args.arch else {}, path)
+    args.arch = args.arch or export.get("arch", "resnet18")
+    use_recorded_settings(args, flag_roles(), export, path, say)
+    model = build_model(args, len(class_to_idx), say)
+    load_weights(model, export["state_dict"], path)
+    return model, export
 
 
 @dataclass
@@ -400,6 +450,16 @@ def build_dataloaders(accelerator, args):
         raise UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch "
                         f"(-b {args.batch_size})")
     return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
+
+
+def best_model_selection(accelerator, args, model, val_loader):
+    """Which validation metric selects model_best.pth: --metric_for_best_model or timm's --eval-metric (default acc1,
+    main.py's best_acc1), one of the numbers evaluate() returns, whose names one evaluation of a validation batch
+    gives before training (a mistyped one stops the run there, in one line naming them); -e selects nothing."""
+    names = None if args.evaluate else validation_names(accelerator, model, val_loader, lambda batches: evaluate(
+        accelerator, model, batches, args))
+    resolve_selection(args, names, TIMM_METRIC_NAMES, default="acc1")
+    return Selection.from_args(args, position="epoch")
 
 
 def place_model(model, args):
@@ -438,18 +498,10 @@ def predict_images(accelerator, args):
     if not Path(args.resume).is_file():
         raise UserError(f"--resume {args.resume}: no such file; --predict needs the trained model's export (an "
                         "output directory's model_best.pth or checkpoint.pth)")
-    export = load_torch_checkpoint(args.resume)
-    class_to_idx = export.get("class_to_idx")
-    if not class_to_idx:
-        raise UserError(f"--resume {args.resume}: records no class names (a main.py or torchvision file?); --predict "
-                        "needs this script's export, model_best.pth or checkpoint.pth")
-    check_legacy_compatible(export, {"arch": args.arch} if args.arch else {}, args.resume)
-    args.arch = args.arch or export.get("arch", "resnet18")
-    resolve_image_sizes(args, recorded_image_settings(export), args.resume, accelerator.print)
+    model, export = exported_model(args.resume, args, accelerator.print)  # and the image sizes into args
+    class_to_idx = export["class_to_idx"]
     dataset = PredictImages(files_to_predict(args.predict), val_transform(args), args.val_crop_size)
     loader = DataLoader(dataset, batch_size=args.batch_size, **loader_settings(args.workers))
-    model = build_model(args, len(class_to_idx), accelerator.print)
-    load_weights(model, export["state_dict"], args.resume)
     model, loader = accelerator.prepare(model, loader)
     labels = sorted(class_to_idx, key=class_to_idx.get)
     log = RunLog(accelerator, args.output_dir)
@@ -481,9 +533,10 @@ def train_line(epoch, batch, num_batches, v):
 
 
 def export_weights(accelerator, model, args, fields, is_best, ema_state=None, suffix=""):
-    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout, loadable by plain torchvision, with
-    `fields` beside the state dict (arch, class_to_idx, epoch, acc1, best_acc1). checkpoint.pth also holds the EMA's
-    weights (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
+    """checkpoint.pth every epoch, model_best.pth when best: main.py's layout with torchvision's keys, loadable by
+    plain torchvision, with `fields` beside the state dict (arch, class_to_idx, epoch, the epoch's validation numbers:
+    acc1, ..., best_<metric>: best_acc1 by default, what the model was trained with). checkpoint.pth also holds the
+    EMA's state (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
     fresh = empty_model(args, len(fields["class_to_idx"]))
     export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
 
@@ -509,33 +562,38 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     ema_best = ema and selection.update_ema(state, metrics)
     log.log("eval", completed_steps,
             {"epoch": epoch, **metrics, "train_seconds": time.perf_counter() - state["start_time"]})
-    ema_text = f" | EMA Acc@1 {metrics['ema_acc1']:.3f} Acc@5 {metrics['ema_acc5']:.3f}" if ema else ""
-    log.console(f" * Epoch {epoch} | Acc@1 {metrics['acc1']:.3f} | Acc@5 {metrics['acc5']:.3f} | "
-                f"Loss {metrics['loss']:.4f} | {metrics['samples']} images | best {selection.metric} "
-                f"{selection.best(state) if state['best_epoch'] else float('nan'):.3f} (epoch {state['best_epoch']})"
-                f"{ema_text}")
+    best = selection.best(state) if state["best_epoch"] else float("nan")
+    log.console(f" * Epoch {epoch} | {format_numbers(metrics)} | best {selection.metric} {best:.4f} "
+                f"(epoch {state['best_epoch']})")
+    own, averaged = split_ema(metrics)
     # best_epoch: a run continued from the file (--resume checkpoint.pth) knows which epoch model_best.pth holds
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, step=completed_steps,
-                  best_epoch=state["best_epoch"], **image_settings(args))
+                  best_epoch=state["best_epoch"], **trained_with(args))
     best_key = selection.best_key
-    export_weights(accelerator, training.model, args,
-                   {**fields, "acc1": metrics["acc1"], best_key: selection.best(state)}, is_best,
-                   ema.module.state_dict() if ema else None)
+    export_weights(accelerator, training.model, args, {**own, **fields, best_key: selection.best(state)}, is_best,
+                   ema.state_dict() if ema else None)
     if is_best:  # model_card.md describes model_best.pth
-        card_metrics = {f"eval_{k}": v for k, v in metrics.items() if not k.startswith("ema_")}
         log.write_model_card(args.output_dir / "model_card.md", {
-            **selection.results(state), **card_metrics, "launches": training.checkpoints.launches})
+            **selection.results(state), **{f"eval_{k}": v for k, v in own.items()},
+            "launches": training.checkpoints.launches})
     if ema:
         export_weights(accelerator, ema.module, args,
-                       {**fields, "acc1": metrics["ema_acc1"], best_key: state.get(f"best_ema_{selection.metric}")},
-                       ema_best, suffix="_ema")
+                       {**averaged, **fields, best_key: state.get(f"best_ema_{selection.metric}")}, ema_best,
+                       suffix="_ema")
     return metrics
 
 
-def export_selected_onnx(accelerator, args, model, val_loader):
+def split_ema(metrics):
+    """validate()'s numbers as (the model's, the EMA's without their `ema_` prefix)."""
+    numbers = number_entries(metrics)
+    return ({k: v for k, v in numbers.items() if not k.startswith("ema_")},
+            {k[len("ema_"):]: v for k, v in numbers.items() if k.startswith("ema_")})
+
+
+def export_selected_onnx(accelerator, args, model, val_loader, class_to_idx):
     """--export_onnx: `model` (-e's evaluated one; None after training: model_best.pth's weights) as
-    OUT/onnx/model.onnx, checked on the first --onnx_check_samples validation images (utils/onnx_export.py); its
-    onnx_* results. Every rank calls it; the main process exports."""
+    OUT/onnx/model.onnx, checked on the first --onnx_check_samples validation images (utils/onnx_export.py), with
+    config.json beside it (onnx_config); its onnx_* results. Every rank calls it; the main process exports."""
     results = {}
     with writing(accelerator, args.output_dir / "onnx"):
         if accelerator.is_main_process:
@@ -544,7 +602,22 @@ def export_selected_onnx(accelerator, args, model, val_loader):
             batches = check_batches(images, args.onnx_check_samples)
             results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
                                        sequence_axis=False, say=accelerator.print)
+            (args.output_dir / "onnx" / "config.json").write_text(json.dumps(onnx_config(args, class_to_idx),
+                                                                             indent=2, ensure_ascii=False) + "\n")
     return results
+
+
+def onnx_config(args, class_to_idx):
+    """config.json beside model.onnx, what running it needs with nothing else: the class of each output (id2label,
+    label2id, as transformers' configs name them), the input's preprocessing (val_transform's: shorter side resized
+    to val_resize, center crop, scaled to [0, 1], normalised) and what the model was trained with."""
+    labels = sorted(class_to_idx, key=class_to_idx.get)
+    return {"arch": args.arch, "num_labels": len(labels), "id2label": dict(enumerate(labels)),
+            "label2id": {label: index for index, label in enumerate(labels)},
+            "preprocessing": {"input": "pixel_values (batch, 3, height, width), RGB", "resize": args.val_resize,
+                              "center_crop": args.val_crop_size, "interpolation": args.interpolation,
+                              "rescale_factor": 1 / 255, "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
+            "output": "logits (batch, num_labels)", "trained_with": trained_with(args)}
 
 
 def load_best_model(args):
@@ -566,15 +639,17 @@ def validate_and_stop(accelerator, training, args, log, task, guard, epoch, comp
     except EvaluationAbandoned as abandoned:
         accelerator.print(f"{abandoned}: the checkpoint keeps it due, and the resumed run validates first")
         return None, None, True
-    accelerator.on_main_process(plot_curves)(log, args, training.cadence.steps_per_epoch)
+    accelerator.on_main_process(plot_curves)(log, args, training.cadence.steps_per_epoch, split_ema(metrics)[0])
     stopped_at = completed_steps if training.selection.should_stop(training.state) else None
     return metrics, stopped_at, guard.should_stop(completed_steps) and stopped_at is None  # an early stop: no resume
 
 
-def plot_curves(log, args, steps_per_epoch):
-    """training_curves.png from metrics.jsonl: loss and top-1 per epoch (main process)."""
+def plot_curves(log, args, steps_per_epoch, numbers):
+    """training_curves.png from metrics.jsonl: per epoch, each fraction among the validation's `numbers` (acc1,
+    loss, ...: not the counts), beside training's where its log lines measure it too (main process)."""
+    curves = [(name, name) for name, value in numbers.items() if not isinstance(value, Integral)]
     plot_training_curves(log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
-                         steps_per_epoch, CURVES, title=f"{args.arch} on {args.data or 'dummy data'}")
+                         steps_per_epoch, curves, title=f"{args.arch} on {args.data or 'dummy data'}")
 
 
 @dataclass
@@ -620,7 +695,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
                                             scheduler.get_last_lr()[0]))
     ema = build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
     if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
-        load_weights(ema.module, strip_module_prefix(legacy["model_ema"]), args.resume)
+        load_weights(ema.module, legacy["model_ema"], args.resume)  # load_torch_checkpoint's averaged weights
         ema.n_averaged.fill_(1)  # an average, not a fresh copy: the next update moves it
     mixer = build_mixer(args, len(must_match["class_to_idx"]), args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
@@ -649,6 +724,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
         "start_step": state["completed_steps"],
         "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
         "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
+    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
     cadence = Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
                       checkpoint_every=args.checkpointing_steps)
@@ -784,7 +860,6 @@ def main(args):
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
     if args.resume not in (None, "latest") and not Path(args.resume).exists():
         raise UserError(f"--resume {args.resume}: no such file or directory")
-    selection = Selection.from_args(args, position="epoch")
     legacy_file = args.resume is not None and Path(args.resume).is_file()
     resume_dir = None if legacy_file else agree_on_resume(accelerator, args.resume, args.output_dir / "checkpoints",
                                                           modules=["ema"] if args.model_ema else [])
@@ -797,14 +872,15 @@ def main(args):
     legacy = load_torch_checkpoint(args.resume) if legacy_file else None
     if args.evaluate:  # at the sizes the model was trained with, unless given; the tag names other ones
         fields = legacy or (read_training_state(resume_dir) if resume_dir else weights_file_fields(args.weights))
-        results_tag = resolve_image_sizes(args, recorded_image_settings(fields),
-                                          args.resume if legacy_file else resume_dir or args.weights, accelerator.print)
+        results_tag = use_recorded_settings(args, flag_roles(), fields, args.resume if legacy_file else
+                                            resume_dir or args.weights, accelerator.print)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
     class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
     if class_weights:
         accelerator.print(class_weights.line())
     model = build_model(args, len(class_to_idx), accelerator.print, class_to_idx)
+    selection = best_model_selection(accelerator, args, model, data.val_loader)
     # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
     # MUST_KEEP flags' values (FLAG_ROLES)
     must_match = flag_roles().must_match(args, {
@@ -830,14 +906,16 @@ def main(args):
         metrics = evaluate(accelerator, model, val_loader, args)
         prefix = "eval" + results_tag
         results.update({f"{prefix}_{k}": v for k, v in metrics.items()},
-                       **{f"{prefix}_settings": eval_image_settings(args)})
+                       **{f"{prefix}_settings": evaluation_settings(args)})
         if args.export_onnx:
-            results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), data.val_loader))
-        log.write_json(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
+            results.update(export_selected_onnx(accelerator, args, accelerator.unwrap_model(model), data.val_loader,
+                                                class_to_idx))
+        log.write_results(f"{prefix}_results.json", {**results, "weights": str(args.resume or args.weights)})
         log.merge_results(results, (f"{prefix}_",))
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not (resuming or continues_run),
-                  card=model_card(args, class_to_idx, data.train_set, data.val_set, results))
+                  card=model_card(args, class_to_idx, data.train_set, data.val_set, results, Path(__file__),
+                                  model_flags(args)))
         task = Task(must_match, selection, class_weights and class_weights.tensor(accelerator.device), legacy,
                     continues_run)
         trained = retry.run(lambda attempt: train(args, accelerator, model, data, log, task, attempt),
@@ -848,13 +926,13 @@ def main(args):
                               f"{results['stopped_early_reason']}")
         if trained.preempted:
             accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume latest")
-            log.write_json("all_results.json", {**results, "preempted": True})
+            log.write_results("all_results.json", {**results, "preempted": True})
             log.end()
             return results
-        results.update({f"eval_{k}": v for k, v in trained.metrics.items()}, eval_settings=eval_image_settings(args))
+        results.update({f"eval_{k}": v for k, v in trained.metrics.items()}, eval_settings=evaluation_settings(args))
         if args.export_onnx:
-            results.update(export_selected_onnx(accelerator, args, None, data.val_loader))
-        log.write_json("all_results.json", results)
+            results.update(export_selected_onnx(accelerator, args, None, data.val_loader, class_to_idx))
+        log.write_results("all_results.json", results)
     accelerator.print(json.dumps(results, indent=2))
     log.end()
     return results

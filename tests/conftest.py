@@ -97,8 +97,9 @@ def run_here(script, args, check=True):
     in this process: a 1-process run that stops at bad input (or trains a few steps) then costs no start-up, which
     (importing torch and transformers in a fresh interpreter) is most of such a run. Returns what `run` returns: the
     exit status and what went to stdout and stderr. Puts back what the run changes in this process: the SIGTERM
-    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), sys.argv and the
-    directory; and ends W&B's service, as the process's exit would. The run has one torch thread (one_thread), as a
+    and SIGINT handlers, accelerate's state, the environment (--cpu sets CUDA_VISIBLE_DEVICES), torch's choice of
+    kernels (--use_deterministic_algorithms, cuDNN's autotuner), sys.argv and the directory; and ends W&B's service,
+    as the process's exit would. The run has one torch thread (one_thread), as a
     launched process has."""
     import importlib
     import io
@@ -113,6 +114,7 @@ def run_here(script, args, check=True):
     stdout, stderr = io.StringIO(), io.StringIO()
     sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     environ, sys_argv = dict(os.environ), sys.argv
+    deterministic, benchmark = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
     returncode = 0
     try:
         sys.argv = [script, *argv]  # argparse's usage and error lines name the script, as on the command line
@@ -131,6 +133,8 @@ def run_here(script, args, check=True):
         GradientState._reset_state()  # the accumulation count and the active loaders: a new process starts without them
         os.environ.clear()
         os.environ.update(environ)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.backends.cudnn.benchmark = benchmark
     proc = subprocess.CompletedProcess([script, *argv], returncode, stdout.getvalue(), stderr.getvalue())
     if check and returncode != 0:
         raise AssertionError(f"exit {returncode}: {script} {' '.join(argv)}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
@@ -176,8 +180,9 @@ def pytest_configure(config):
 # in name order. (test_onnx_export and test_image_predict read the shared digits_model, which test_resnet, first,
 # builds and evaluates on 2 processes: not listed, they start long after and wait for no one's build of it.)
 LONGEST_FIRST = ("test_resnet.py", "test_edges.py", "test_compile.py", "test_stops.py", "test_gpu_check.py",
-                 "test_gpu_bench.py", "test_bert_resume.py", "test_faults.py", "test_launch_matrix.py", "test_selection.py",
-                 "test_benchmarks.py", "test_between_runs.py", "test_bert_cls.py", "test_data_cache.py", "test_docs.py")
+                 "test_gpu_bench.py", "test_bert_resume.py", "test_faults.py", "test_launch_matrix.py",
+                 "test_sync_free_step.py", "test_selection.py", "test_benchmarks.py", "test_between_runs.py",
+                 "test_bert_cls.py", "test_data_cache.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(config, items):

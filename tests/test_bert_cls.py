@@ -8,12 +8,13 @@ import shutil
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 from conftest import ENV, ROOT, launch, one_thread, read_json, read_jsonl, run_here, run_on
 
 SCRIPT = "train_bert_cls.py"
 
-HEAD_CUT = {"truncation": "head", "head_tokens": 128, "doc_stride": None}  # long texts: the first tokens (the default)
+HEAD_CUT = {"truncation": "head", "doc_stride": None}  # long texts: the first tokens (the default; no head to record)
 
 
 def bert_args(data, out, *extra, epochs=3):
@@ -56,6 +57,13 @@ def test_learns_and_counts_exactly(trained, n):
     assert train_losses[-1] < 0.5 * train_losses[0], train_losses
     steps = [e["step"] for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "train"]
     assert steps == sorted(set(steps))  # one line per logging step, no repeats
+    # flat, as the Trainer's all_results.json: pandas reads it as a table; what each group was measured with and the
+    # launches are in all_results_settings.json
+    table = pd.read_json(out / "all_results.json", typ="series")
+    assert table.index.tolist() == list(results) and table["test_accuracy"] == pytest.approx(results["test_accuracy"])
+    settings = read_json(out / "all_results_settings.json")
+    assert sorted(settings) == ["eval_settings", "launches", "test_settings"]
+    assert settings["launches"] == [{"processes": n, "mixed_precision": "no", "resume_step": None}]
 
 
 def test_selected_model_is_the_best_on_validation(trained):
@@ -131,7 +139,7 @@ def test_predict_and_test_with_saved_model(trained, text_data, tmp_path):
     proc = launch(SCRIPT, ["--model_name_or_path", out / "best_model", "--data_dir", text_data, "--do_test",
                            "--do_predict", "--predict_file", predict_file, "--eval_batch_size", "16",
                            "--output_dir", pred_out], num_processes=2)
-    assert (f"{out / 'best_model'} was trained with --max_seq_len 16, --truncation head, --head_tokens 128: "
+    assert (f"{out / 'best_model'} was trained with --max_seq_len 16, --truncation head: "
             "evaluating with the same") in proc.stdout
     rows = read_jsonl(pred_out / "predictions.jsonl")
     assert [(r["line"], r["text"]) for r in rows] == list(enumerate(lines, start=1))
@@ -185,8 +193,9 @@ def test_predictions_are_made_and_written_a_batch_at_a_time(trained, text_data, 
 
 
 def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
-    """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE): dev.json validates; the unlabelled
-    test.json cannot be a --do_test file, and is a --predict_file."""
+    """train.json/dev.json/test.json in JSON lines with `sentence` (CLUE), read without a column flag as
+    run_classification.py reads them (said once): dev.json validates; the unlabelled test.json cannot be a --do_test
+    file, and is a --predict_file."""
     clue = tmp_path / "clue"
     clue.mkdir()
     for source, name, count in (("train.txt", "train.json", 64), ("val.txt", "dev.json", 16), ("test.txt", "test.json", 5)):
@@ -194,9 +203,11 @@ def test_clue_style_data_dir_trains_with_validation(text_data, tmp_path):
         records = [{"sentence": text} if name == "test.json" else {"label": label, "sentence": text}
                    for label, text in rows]
         (clue / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    common = ["--cpu", "--data_dir", clue, "--text_column", "sentence"]
+    common = ["--cpu", "--data_dir", clue]
     proc = run_here(SCRIPT, [*common, *bert_args(text_data, tmp_path / "out", "--do_train", "--do_eval")[2:],
                              "--max_train_steps", "2"])
+    assert proc.stdout.count(f"--text_column sentence: {clue / 'train.json'} has a 'sentence' field and no 'text' "
+                             "(run_classification.py's default text column)") == 1
     assert f"--data_dir {clue}: train {clue / 'train.json'}, validation {clue / 'dev.json'}, test {clue / 'test.json'}" \
         in proc.stdout
     results = read_json(tmp_path / "out" / "all_results.json")
@@ -217,14 +228,17 @@ def test_evaluation_with_other_settings_keeps_the_training_numbers(trained, text
     out = tmp_path / "out"
     shutil.copytree(trained[1][0], out, ignore=shutil.ignore_patterns("checkpoints"))
     training, report = read_json(out / "all_results.json"), (out / "test_report.json").read_text()
+    settings = read_json(out / "all_results_settings.json")
     proc = run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--data_dir", text_data,
                              "--do_test", "--max_seq_len", "8", "--output_dir", out])
     assert "--max_seq_len 8 differs from the model's 16 (trained with): evaluating with 8" in proc.stdout
-    merged = read_json(out / "all_results.json")
-    assert {k: merged[k] for k in training} == training and training["test_settings"] == {
-        "max_seq_len": 16, "multi_label": False, **HEAD_CUT}
-    other = read_json(out / "test_max_seq_len_8_results.json")
+    merged, merged_settings = read_json(out / "all_results.json"), read_json(out / "all_results_settings.json")
+    assert {k: merged[k] for k in training} == training and {k: merged_settings[k] for k in settings} == settings
+    assert settings["test_settings"] == {"max_seq_len": 16, "multi_label": False, **HEAD_CUT}
+    other = read_json(out / "test_max_seq_len_8_results_settings.json")
     assert other["test_max_seq_len_8_settings"] == {"max_seq_len": 8, "multi_label": False, **HEAD_CUT}
+    assert merged_settings["test_max_seq_len_8_settings"] == other["test_max_seq_len_8_settings"]
+    other = read_json(out / "test_max_seq_len_8_results.json")
     assert merged["test_max_seq_len_8_accuracy"] == other["test_max_seq_len_8_accuracy"]
     assert (out / "test_report.json").read_text() == report and (out / "test_max_seq_len_8_report.json").is_file()
 

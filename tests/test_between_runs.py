@@ -19,6 +19,7 @@ from utils.demo_data import write_digits_imagefolder
 from utils.export import selected_step
 from utils.image_data import IMAGE_EXTENSIONS, MACOS_METADATA, RGBImageFolder
 from utils.loop import read_class_weights_file
+from utils.outputs import NOT_METRICS, number_entries
 
 RESNET = "train_resnet.py"
 BERT = "train_bert_cls.py"
@@ -63,7 +64,8 @@ CHECKPOINTED = ["--checkpointing_steps", "3", "--save_total_limit", "0"]  # step
 def resnet_two_processes(digits, tmp_path_factory):
     """A finished 2-epoch run on 2 processes with a checkpoint each epoch, copied by each test that resumes it."""
     out = tmp_path_factory.mktemp("resnet_two_processes") / "run"
-    launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED), num_processes=2)
+    proc = launch(RESNET, resnet_args(digits, out, 2, *CHECKPOINTED), num_processes=2)
+    out.with_suffix(".stdout").write_text(proc.stdout)  # what the launch printed, beside its output directory
     return out
 
 
@@ -147,8 +149,8 @@ def test_resnet_best_model_from_after_the_checkpoint_goes_aside(resnet_two_proce
     assert_same_weights(best["state_dict"], torch.load(out / "checkpoint.pth", weights_only=True)["state_dict"])
     assert not all(torch.equal(best["state_dict"][k], aside["state_dict"][k]) for k in best["state_dict"])
     card = ModelCard.load(out / "model_card.md")
-    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
-        k: evaluation[k] for k in ("acc1", "acc5", "loss")}
+    names = [k for k in number_entries(evaluation) if f"eval_{k}" in results and k not in NOT_METRICS]  # evaluate()'s
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {k: evaluation[k] for k in names}
 
 
 def bert_args(data, out, *extra):
@@ -162,7 +164,8 @@ def bert_args(data, out, *extra):
 def bert_two_processes(text_data, tmp_path_factory):
     """A finished 30-step run on 2 processes (checkpoints step_10 to step_30), copied by each test that resumes it."""
     out = tmp_path_factory.mktemp("bert_two_processes") / "run"
-    launch(BERT, bert_args(text_data, out)[1:], num_processes=2)
+    proc = launch(BERT, bert_args(text_data, out)[1:], num_processes=2)
+    out.with_suffix(".stdout").write_text(proc.stdout)  # what the launch printed, beside its output directory
     return out
 
 
@@ -193,9 +196,23 @@ def test_bert_best_model_from_after_the_checkpoint_goes_aside(bert_two_processes
 
 # ---- a resume on another number of processes or in another precision ----
 
+@pytest.mark.parametrize("run, line", [
+    ("bert_two_processes", "on 2 processes: the same training as on 1 process in distribution, not bitwise: dropout "
+                           "masks are drawn from each process's own random stream (the same weights need a model "
+                           "without dropout or drop path)"),
+    ("resnet_two_processes", "on 2 processes: not the training of 1 process: BatchNorm statistics are computed per "
+                             "process, over its share of each batch (SyncBatchNorm computes them over the global "
+                             "batch)")])
+def test_a_launch_on_two_processes_says_what_it_trains_compared_with_one(request, run, line):
+    """A model that draws dropout masks or BatchNorm statistics per process does not end with the weights of 1
+    process, and the launch says which in one line (BERT's fixture keeps its dropout of 0.1)."""
+    printed = request.getfixturevalue(run).with_suffix(".stdout").read_text().splitlines()
+    assert [said for said in printed if said.startswith("on 2 processes:")] == [line]
+
+
 def assert_launches_named(proc, out, per_process, precision):
-    """The lines of a resume from 2 fp32 processes on 1 in `precision`, and all_results.json's record of both
-    launches."""
+    """The lines of a resume from 2 fp32 processes on 1 in `precision`, and all_results_settings.json's record of
+    both launches."""
     assert ("resumed on 1 process from a checkpoint of 2 processes: the global batch and the sample order are the "
             f"same; {per_process}; sums over the processes add up in another order: training goes on as on 1 process, "
             "not bit for bit as on 2") in proc.stdout
@@ -203,7 +220,7 @@ def assert_launches_named(proc, out, per_process, precision):
     expected = f"resumed in {precision} from a checkpoint trained in fp32: the steps from here compute in {precision}"
     changed = [line for line in proc.stdout.splitlines() if line.startswith("resumed in ")]
     assert changed == ([] if precision == "fp32" else [expected]), changed
-    assert read_json(out / "all_results.json")["launches"] == [
+    assert read_json(out / "all_results_settings.json")["launches"] == [
         {"processes": 2, "mixed_precision": "no", "resume_step": None},
         {"processes": 1, "mixed_precision": "no" if precision == "fp32" else precision,
          "resume_step": 20 if "dropout" in per_process else 3}]

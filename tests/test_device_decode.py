@@ -160,8 +160,12 @@ class ContentDependent(v2.Transform):
 def test_a_transform_that_cannot_be_replayed_is_refused_in_one_line(photos, tmp_path, monkeypatch):
     """The script's pipeline with a step the device cannot replay (a RandomApply, and a user's own forward): one line
     naming it, exit status 2, before anything is written; without --decode_on_device the same pipeline is used."""
-    for step, name in ((v2.RandomApply([v2.ColorJitter(0.4)], p=0.5), "RandomApply"),
-                       (ContentDependent(), "ContentDependent")):
+    for step, name, way in (
+            (v2.RandomApply([v2.ColorJitter(0.4)], p=0.5), "RandomApply",
+             "use utils.image_device_decode.ReplayableRandomApply(transforms, p) instead"),
+            (ContentDependent(), "ContentDependent",
+             "write ContentDependent as torchvision's transforms.v2 steps are written, a v2.Transform subclass that "
+             "draws every random choice in make_params(flat_inputs) and applies them in transform(inpt, params)")):
         monkeypatch.setattr(train_resnet, "train_transform",
                             lambda args, step=step: v2.Compose([*train_transform(args).transforms, step]))
         common = [photos, "--cpu", "--image_size", "16", "--val_resize", "16", "-b", "8", "--epochs", "1", "-j", "0"]
@@ -170,9 +174,34 @@ def test_a_transform_that_cannot_be_replayed_is_refused_in_one_line(photos, tmp_
         errors = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert f"--decode_on_device: the transform {name} draws inside its own forward" in errors[0], errors
+        assert way in errors[0] and errors[0].endswith("; or drop --decode_on_device"), errors
         assert not out.exists()
         args = train_resnet.parse_args([*common])
         assert type(train_resnet.build_dataloaders(types.SimpleNamespace(print=print), args).train_set.transform.transforms[-1]) is type(step)
+
+
+def test_replayable_random_apply_is_random_apply_replayed_bitwise(photos):
+    """The way out the refusal names for v2.RandomApply: ReplayableRandomApply gives v2.RandomApply's images on the
+    CPU loader (the same draws in the same order), and the device path replays it bitwise, over two epochs."""
+    args = augment_args("--image_size", "32")
+    steps = train_transform(args).transforms
+
+    def pipeline(random_apply):
+        inner = [v2.ColorJitter(0.4, 0.4, 0.4, 0.1), v2.RandomRotation(15), v2.RandomGrayscale(0.5)]
+        return v2.Compose([steps[0], random_apply(inner, p=0.5), *steps[1:]])
+
+    applied = 0
+    for epoch in (0, 1):
+        (images, targets), (got, got_targets), batch = both_loaders(
+            photos / "train", pipeline(device_decode.ReplayableRandomApply), 32, epoch)
+        theirs = RGBImageFolder(photos / "train", pipeline(v2.RandomApply), 32, seed=3)
+        theirs.set_epoch(epoch)
+        assert torch.equal(torch.stack([theirs[i][0] for i in range(len(theirs))]), images)
+        assert torch.equal(got, images) and torch.equal(got_targets, targets)
+        applied += sum(item.params[1]["steps"] is not None for item in batch.images if item.params)
+    assert 0 < applied < 2 * len(batch.images)  # both branches of p were taken
+    with pytest.raises(ValueError, match="ReplayableRandomApply: the transform TrivialAugmentWide draws inside"):
+        device_decode.ReplayableRandomApply([v2.TrivialAugmentWide()])
 
 
 def parameters(out):

@@ -7,6 +7,7 @@ import subprocess
 import time
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import torch
 from conftest import ACCELERATE, ENV, ROOT, TORCHRUN, free_port, kill_job, launch, read_json, read_jsonl, run, run_here
@@ -15,7 +16,7 @@ from test_data_cache import BUILT, entries
 from test_resnet import main_here
 
 from utils.checkpoint import check_precision
-from utils.outputs import merge_results
+from utils.outputs import merge_results, read_results
 from utils.demo_data import write_digits_imagefolder, write_text_classification_data
 from utils.runtime import UserError
 
@@ -223,17 +224,20 @@ def test_finished_run_is_not_restarted_by_latest_and_test_only_results_merge(acc
 
 def test_merged_results_keep_numbers_measured_with_other_settings(tmp_path):
     """all_results.json's eval_* numbers stay when an evaluation merged into it used other settings (its own numbers
-    are in its results file); with the same settings they are replaced, as an evaluation of the same model is."""
+    are in its results file); with the same settings they are replaced, as an evaluation of the same model is. The
+    file stays flat, the settings in all_results_settings.json; one written with them nested inside is read too."""
     path = tmp_path / "all_results.json"
     training = {"train_steps": 63, "eval_acc1": 88.4, "eval_settings": {"val_crop_size": 16, "val_resize": 16}}
-    path.write_text(json.dumps(training))
+    path.write_text(json.dumps(training))  # as written before all_results_settings.json
     lines = merge_results(path, {"num_processes": 2, "eval_acc1": 8.7,
                                  "eval_settings": {"val_crop_size": 224, "val_resize": 256}})
-    assert read_json(path) == training
+    assert read_json(path) == {"train_steps": 63, "eval_acc1": 88.4}
+    assert read_json(tmp_path / "all_results_settings.json") == {"eval_settings": training["eval_settings"]}
     assert lines == [f"{path}: keeps its eval_* numbers, measured with {training['eval_settings']} (this evaluation: "
                      "{'val_crop_size': 224, 'val_resize': 256}, in its own eval_results.json)"]
     assert merge_results(path, {"eval_acc1": 88.5, "eval_settings": training["eval_settings"]}) == []
-    assert read_json(path) == {**training, "eval_acc1": 88.5}
+    assert read_results(path) == {**training, "eval_acc1": 88.5}
+    assert pd.read_json(path, typ="series").to_dict() == {"train_steps": 63, "eval_acc1": 88.5}
 
 
 def test_fsdp_config_with_cpu_is_refused(uneven_text, tmp_path):

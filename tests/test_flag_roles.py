@@ -1,144 +1,249 @@
-"""Each flag's role is declared once, and what the checkpoints, the exports and the results need is derived from it.
+"""Each flag's role is declared once, and what the checkpoints, the exports, the results and --help need is derived
+from it.
 
-Every option of each script's parser has exactly one entry in its FLAG_ROLES (utils/checkpoint.py FlagRoles), so a
-new flag cannot be forgotten: the scripts refuse to start without one. The derived lists hold today's entries plus
-the additions named here, each with its reason. Resumes that change or keep a flag behave as its role says:
-tests/test_edges.py (--label_smoothing, --seed).
+The checks here are properties of the declarations, not a copy of them, so that a script with one more flag (and its
+role line) passes them unchanged: every option has exactly one role and --help shows it; a flag a resume may change
+is recorded in every checkpoint and named when it changes; a flag a resume must keep is in what the checkpoint must
+match, and another value is refused naming it; a flag of this launch or of a fresh start is neither; a recorded flag
+is what the exported model records. A flag without a role, or a role without a flag, stops every command with one
+line naming the table to correct. Resumes that change or keep a flag end to end: tests/test_edges.py
+(--label_smoothing, --seed).
 """
 import argparse
+import importlib.util
+import types
+from pathlib import Path
 
 import pytest
+import torch
 
 import train_bert_cls
 import train_resnet
-from utils.checkpoint import MAY_CHANGE, THIS_LAUNCH, FlagRoles, RoleError
+from utils.checkpoint import (CHANGE, KEEP, LAUNCH, MUST_KEEP, ROLE_HELP, START, THIS_LAUNCH, FlagRoles, RoleError,
+                              _report_changes, check_compatible, json_value, resume_settings, roles_beside)
 from utils.image_augment import EVAL_IMAGE_FLAGS, IMAGE_DEFAULTS
+from utils.runtime import UserError
 
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [train_bert_cls, train_resnet]
+# the least each script parses: a training command
+COMMANDS = {"train_bert_cls.py": ["--model_name_or_path", "m", "--train_file", "t.txt", "--do_train"],
+            "train_resnet.py": ["--dummy", "10"]}
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_every_option_of_the_parser_has_exactly_one_role(script):
+def options(parser):
+    return [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
+
+
+def parsed(script):
+    return script.parse_args(COMMANDS[Path(script.__file__).name.replace("my_", "")])
+
+
+def check_every_option_has_one_role_shown_by_help(script):
     parser = script.build_parser()
-    roles = FlagRoles(parser, script.FLAG_ROLES)  # raises RoleError naming every flag without a role
-    options = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
-    assert len(roles.dests) == len(options) == len(script.FLAG_ROLES)
+    roles = parser.flag_roles()  # a RoleError names every option without exactly one role
+    assert len(roles.table) == len(options(parser))
+    assert sorted(roles.dests.values()) == sorted(action.dest for action in options(parser))
+    text = " ".join(parser.format_help().split())  # unwrapped
+    shown = [action for action in options(parser) if action.help is not argparse.SUPPRESS]
+    for action in shown:
+        assert f"[{action.role_help}]" in text, action.option_strings
+    assert sum(text.count(f"[{help}") for help in ROLE_HELP.values()) == len(shown)  # one per option, no more
 
 
-def test_a_flag_without_a_role_or_a_role_without_a_flag_is_an_error():
-    parser = train_bert_cls.build_parser()
-    parser.add_argument("--new_flag", type=int, default=0)
-    with pytest.raises(RoleError, match=r"no role declared for --new_flag \(declare each flag's role"):
-        FlagRoles(parser, train_bert_cls.FLAG_ROLES)
-    with pytest.raises(RoleError, match="a role for no option: --gone"):
-        FlagRoles(train_bert_cls.build_parser(), {**train_bert_cls.FLAG_ROLES, "--gone": THIS_LAUNCH})
-    aliases = {**train_bert_cls.FLAG_ROLES, "--label_smoothing_factor": MAY_CHANGE}  # the same option twice
-    with pytest.raises(RoleError, match=r"--label_smoothing / --label_smoothing_factor \(declared twice\)"):
-        FlagRoles(train_bert_cls.build_parser(), aliases)
+def check_a_flag_a_resume_may_change_is_recorded_and_named(script):
+    roles, args = script.flag_roles(), parsed(script)
+    settings = resume_settings(args, roles.resumable())
+    assert set(settings) == set(roles.flags(CHANGE))
+    printed = []
+    accelerator = types.SimpleNamespace(print=printed.append, num_processes=1, mixed_precision="no",
+                                        device=torch.device("cpu"))
+    for flag in settings:
+        printed.clear()
+        saved = {"settings": {**settings, flag: "an older value"}, "num_processes": 1}
+        _report_changes(accelerator, "ckpt", saved, settings)
+        assert printed == [f"resumed with changed settings (applied from here on): {flag} an older value -> "
+                           f"{settings[flag]}"]
+
+
+def check_a_flag_a_resume_must_keep_is_matched(script):
+    roles, args = script.flag_roles(), parsed(script)
+    computed = {role.kept_by: "made by main" for role in roles.table.values() if role.kept_by}
+    must_match = roles.must_match(args, computed)
+    kept = {role.key or flag: flag for flag, role in roles.table.items() if role.kind == KEEP and not role.kept_by}
+    assert set(must_match) == set(computed) | set(kept)
+    for key, flag in kept.items():
+        assert must_match[key] == json_value(getattr(args, roles.dests[flag]))
+        with pytest.raises(UserError, match=key):
+            check_compatible({**must_match, key: "another value"}, must_match, "ckpt")
+    others = roles.flags(LAUNCH) + roles.flags(START) + roles.flags(CHANGE)
+    assert not set(others) & set(must_match)
+
+
+def check_a_recorded_flag_is_exported(script):
+    """Every recorded flag is in the export, one recorded `only_with` another where that holds only."""
+    roles, args = script.flag_roles(), parsed(script)
+    conditions = {role.only_with.partition("=")[::2] for role in roles.table.values() if role.only_with}
+    if all(not role.applies(vars(args)) for role in roles.table.values() if role.only_with):
+        unconditional = {roles.dests[flag] for flag, role in roles.table.items() if role.exported and not role.only_with}
+        assert set(roles.exported_settings(args)) == unconditional
+    for dest, value in conditions:
+        setattr(args, dest, value or True)
+    assert set(roles.exported_settings(args)) == set(roles.exported())
+    assert set(roles.evaluation()) <= {flag for flag, role in roles.table.items() if role.exported}
+
+
+PROPERTIES = [check_every_option_has_one_role_shown_by_help, check_a_flag_a_resume_may_change_is_recorded_and_named,
+              check_a_flag_a_resume_must_keep_is_matched, check_a_recorded_flag_is_exported]
+
+
+@pytest.mark.parametrize("check", PROPERTIES, ids=lambda check: check.__name__[len("check_"):])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
+def test_roles(script, check):
+    check(script)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_the_script_refuses_to_start_with_a_flag_without_a_role(script, monkeypatch):
-    build = script.build_parser
-
-    def with_a_new_flag():
-        parser = build()
-        parser.add_argument("--new_flag", type=int, default=0)
-        return parser
-
-    monkeypatch.setattr(script, "build_parser", with_a_new_flag)
-    script.flag_roles.cache_clear()
-    try:
-        with pytest.raises(RoleError, match="no role declared for --new_flag"):
-            script.parse_args(["--help"])
-    finally:
-        script.flag_roles.cache_clear()
+def test_each_shared_helpers_table_is_its_flags_and_spread_whole(script):
+    """A shared add_*_args helper's flags have their roles in the table beside it (roles_beside), no more, no less,
+    and the script's FLAG_ROLES spreads it as declared."""
+    parser = script.build_parser()
+    helper_tables = {action.role_table for action in options(parser) if hasattr(action, "role_table")}
+    assert len(helper_tables) >= 4
+    for table in helper_tables:
+        theirs = [action for action in options(parser) if getattr(action, "role_table", None) == table]
+        declared = {name for action in theirs for name in action.option_strings or [action.dest]} & set(table.entries())
+        assert declared == set(table.entries()) and len(declared) == len(theirs), table
+        assert all(script.FLAG_ROLES[flag] == role for flag, role in table.entries().items()), table
 
 
-def test_a_kept_by_entry_that_main_does_not_compute_is_an_error():
-    args = train_bert_cls.parse_args(["--model_name_or_path", "m", "--train_file", "t.txt", "--do_train"])
-    with pytest.raises(RoleError, match=r"no must_match entry for --labels_file \(kept by labels\)"):
-        train_bert_cls.flag_roles().must_match(args, {"model": {}, "training_data": None, "class_weights": None,
-                                                      "metric_for_best_model": "accuracy",
-                                                      "greater_is_better": True})
+def test_a_recorded_flag_with_a_parser_default_is_an_error():
+    """A .recorded() flag's default lives in its role: with one in the parser, an evaluation could never tell that
+    the command line left it out, and would rebuild the model with that value instead of the trained model's."""
+    parser = train_resnet.build_parser()
+    parser.add_argument("--head_hidden", type=int, default=0)
+    with pytest.raises(RoleError, match=r"--head_hidden \(default=0\): a .recorded\(\) flag is default=None in the "
+                                        r"parser, its default in .recorded\(DEFAULT\)"):
+        FlagRoles(parser, {**train_resnet.FLAG_ROLES, "--head_hidden": MUST_KEEP.recorded(0)})
+    parser = train_resnet.build_parser()
+    parser.add_argument("--head_hidden", type=int, default=None)
+    roles = FlagRoles(parser, {**train_resnet.FLAG_ROLES, "--head_hidden": MUST_KEEP.recorded(0)})
+    assert roles.exported()["head_hidden"] == 0
+    # read back from an export's fields and from a checkpoint's training_state.json (KEEP: under the flag)
+    assert roles.recorded_in({"head_hidden": 64, "val_resize": 20})["head_hidden"] == 64
+    assert roles.recorded_in({"--head_hidden": 64, "settings": {"--val_resize": 20}}) == {"head_hidden": 64,
+                                                                                        "val_resize": 20}
 
 
-# What each list held before the roles were declared, and what the declaration adds (named, with why).
-BERT_RESUMABLE = {"--learning_rate": "learning_rate", "--weight_decay": "weight_decay",
-                  "--warmup_ratio": "warmup_ratio", "--num_train_epochs": "num_train_epochs",
-                  "--max_train_steps": "max_train_steps", "--max_grad_norm": "max_grad_norm",
-                  "--early_stopping_patience": "early_stopping_patience",
-                  "--early_stopping_threshold": "early_stopping_threshold"}
-BERT_RESUMABLE_ADDED = {
-    "--label_smoothing": "label_smoothing",  # the training loss only: nothing restored depends on it
-    "--validation_file": "validation_file", "--validation_split_name": "validation_split_name",  # named: the best
-    "--threshold": "threshold", "--eval_steps": "eval_steps",  # so far was measured with the old ones
-    "--pool": "pool",  # how an evaluation pools a text's windows: the training does not depend on it
-    # the Trainer's schedule flags: the schedule is a function of the step, rebuilt at the resumed one
-    "--lr_scheduler_type": "lr_scheduler_type", "--lr_scheduler_kwargs": "lr_scheduler_kwargs",
-    "--warmup_steps": "warmup_steps",
-}
-BERT_KEPT = ["--train_batch_size", "--max_train_samples", "--max_eval_samples", "--shuffle_train_dataset",
-             "--shuffle_seed", "--gradient_accumulation_steps", "--max_seq_len", "multi_label", "regression"]
-BERT_KEPT_ADDED = ["--seed", "--group_by_length",  # the sample order
-                   "--tokenizer_name",  # the inputs
-                   "--truncation", "--head_tokens", "--doc_stride",  # how long texts become the inputs
-                   "--optim", "--adam_beta1", "--adam_beta2", "--adam_epsilon",  # the optimizer's state
-                   "--layerwise_lr_decay", "--head_learning_rate"]  # its parameter groups
-RESNET_RESUMABLE = {"--lr": "lr", "--momentum": "momentum", "--wd": "weight_decay", "--epochs": "epochs",
-                    "--lr_scheduler": "lr_scheduler", "--lr_step_epochs": "lr_step_epochs",
-                    "--warmup_epochs": "warmup_epochs", "--lr_warmup_method": "lr_warmup_method",
-                    "--lr_warmup_decay": "lr_warmup_decay", "--lr_min": "lr_min", "--val_crop_size": "val_crop_size",
-                    "--val_resize": "val_resize", "--interpolation": "interpolation",
-                    "--early_stopping_patience": "early_stopping_patience",
-                    "--early_stopping_threshold": "early_stopping_threshold"}
-RESNET_RESUMABLE_ADDED = [  # each applies from the resumed step on, and was taken without a word before
-    "--label_smoothing", "--lr_gamma", "--clip_grad_norm", "--drop_path", "--drop", "--sync_bn", "--crop_scale",
-    "--crop_ratio", "--hflip", "--auto_augment", "--ra_magnitude", "--augmix_severity", "--random_erase", "--reprob",
-    "--random_erase_mode",
-    "--mixup_alpha", "--cutmix_alpha", "--mixup", "--cutmix", "--mixup_mode", "--model_ema_steps",
-    "--model_ema_decay"]
-RESNET_KEPT = ["arch", "global_batch_size", "--gradient_accumulation_steps", "--train_crop_size", "--opt", "model_ema"]
-RESNET_KEPT_ADDED = ["--seed", "--ra_sampler", "--ra_reps",  # which images (and augmentations) each step sees
-                     "--norm_weight_decay", "--bias_weight_decay"]  # the optimizer's parameter groups
-
-
-def test_bert_lists_are_derived_from_the_roles():
-    roles = train_bert_cls.flag_roles()
-    assert roles.resumable() == {**BERT_RESUMABLE, **BERT_RESUMABLE_ADDED}
-    args = train_bert_cls.parse_args(["--model_name_or_path", "m", "--train_file", "t.txt", "--do_train"])
-    computed = {"labels": [], "model": {}, "training_data": None, "class_weights": None,
-                "metric_for_best_model": "accuracy", "greater_is_better": True}
-    assert sorted(roles.must_match(args, computed)) == sorted([*computed, *BERT_KEPT, *BERT_KEPT_ADDED])
-    long_texts = {"truncation": "head", "head_tokens": 128, "doc_stride": None}  # pool: with --doc_stride only
-    assert roles.exported() == {"max_seq_len": None, "multi_label": False, "threshold": 0.5, **long_texts,
-                                "pool": "mean"}
-    args.truncation, args.head_tokens = "head", 128  # use_model_settings's defaults
-    assert train_bert_cls.trained_with(args) == {"max_seq_len": args.max_seq_len, "multi_label": False, **long_texts}
-    args.multi_label = True
-    assert train_bert_cls.trained_with(args) == {"max_seq_len": args.max_seq_len, "multi_label": True,
-                                                 "threshold": 0.5, **long_texts}
-    assert roles.evaluation() == {"--max_seq_len": "max_seq_len", "--multi_label": "multi_label",
-                                  "--threshold": "threshold", "--truncation": "truncation",
-                                  "--head_tokens": "head_tokens", "--doc_stride": "doc_stride", "--pool": "pool"}
-
-
-def test_resnet_lists_are_derived_from_the_roles():
-    roles = train_resnet.flag_roles()
-    added = {flag: roles.dests[flag] for flag in RESNET_RESUMABLE_ADDED}
-    assert roles.resumable() == {**RESNET_RESUMABLE, **added}
-    assert list(roles.resumable()).index("--lr") < list(roles.resumable()).index("--epochs")  # the line's order
-    args = train_resnet.parse_args(["--dummy", "10"])
-    computed = {"class_to_idx": {}, "class_weights": None, "training_data": None, "metric_for_best_model": "acc1",
-                "greater_is_better": True}
-    assert sorted(roles.must_match(args, computed)) == sorted([*computed, *RESNET_KEPT, *RESNET_KEPT_ADDED])
-    assert IMAGE_DEFAULTS == roles.exported() == {"train_crop_size": 224, "val_crop_size": 224, "val_resize": 256,
-                                                  "interpolation": "bilinear"}
-    assert EVAL_IMAGE_FLAGS == roles.evaluation() == {"--val_crop_size": "val_crop_size", "--val_resize": "val_resize",
-                                                      "--interpolation": "interpolation"}
+def test_the_lists_the_scripts_use_are_those_derived():
+    bert = train_bert_cls.flag_roles()
+    args = parsed(train_bert_cls)
+    args.multi_label, args.doc_stride, args.truncation = True, 32, "head_tail"
+    assert train_bert_cls.trained_with(args) == bert.exported_settings(args)
+    assert train_bert_cls.trained_with(args).keys() == bert.exported().keys()
+    resnet = train_resnet.flag_roles()
+    assert IMAGE_DEFAULTS == resnet.exported() and EVAL_IMAGE_FLAGS == resnet.evaluation()
+    resumable = list(resnet.resumable())
+    assert resumable.index("--lr") < resumable.index("--epochs")  # FLAG_ROLES's order: the resume line's
 
 
 def test_values_are_recorded_as_the_checkpoint_gives_them_back():
     args = train_resnet.parse_args(["--dummy", "10"])
     settings = train_resnet.resume_settings(args, train_resnet.flag_roles().resumable())
     assert settings["--crop_ratio"] == [0.75, 4 / 3]  # a tuple by default, a list once read from JSON
+
+
+# ---- a user's fork: one more flag in a copy of a script ----
+
+def forked(script, tmp_path, role_line=True):
+    """A copy of `script` as my_<name>.py with one more flag (its parser line, and its role line unless not
+    `role_line`), imported as a module."""
+    text = Path(script.__file__).read_text(encoding="utf-8")
+    end_of_parser = text.index("    return parser\n", text.index("def build_parser():"))
+    text = (text[:end_of_parser] + '    parser.add_argument("--my_flag", type=float, default=0.5, '
+            'help="a setting of my own")\n' + text[end_of_parser:])
+    if role_line:
+        assert text.count("FLAG_ROLES = {\n") == 1
+        text = text.replace("FLAG_ROLES = {\n", 'FLAG_ROLES = {\n    "--my_flag": MAY_CHANGE,\n')
+    path = tmp_path / f"my_{Path(script.__file__).name}"
+    path.write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_a_fork_with_a_new_flag_and_its_role_line_stays_green(script, tmp_path, capsys):
+    fork = forked(script, tmp_path)
+    for check in PROPERTIES:
+        check(fork)
+    assert parsed(fork).my_flag == 0.5 and "--my_flag" in fork.flag_roles().resumable()
+    with pytest.raises(SystemExit) as stop:
+        fork.parse_args(["--help"])
+    assert stop.value.code == 0
+    assert "a setting of my own (default: 0.5) [a resume may change it]" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_a_fork_with_a_new_flag_and_no_role_line_stops_in_one_line(script, tmp_path, capsys):
+    fork = forked(script, tmp_path, role_line=False)
+    for argv in (COMMANDS[Path(script.__file__).name], ["--help"]):
+        with pytest.raises(SystemExit) as stop:
+            fork.parse_args(argv)
+        assert stop.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == (
+            f"error: --my_flag has no role: add its line to FLAG_ROLES in my_{Path(script.__file__).name} (a role is "
+            "MAY_CHANGE, MUST_KEEP, THIS_LAUNCH or FRESH_START: utils/checkpoint.py ROLE_MEANINGS)\n")
+
+
+# ---- the messages for each mistake in a table ----
+
+SHARED_ROLES = {"--shared_a": THIS_LAUNCH}
+
+
+@roles_beside("SHARED_ROLES")
+def add_shared_args(parser, with_b=False):
+    parser.add_argument("--shared_a")
+    if with_b:
+        parser.add_argument("--shared_b")
+
+
+def roles_error(table, with_b=False):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--own", "--own_alias")
+    add_shared_args(parser, with_b)
+    with pytest.raises(RoleError) as error:
+        FlagRoles(parser, table, "FLAG_ROLES in x.py")
+    return str(error.value).split(" (a role is")[0]
+
+
+def test_each_mistake_names_the_flag_and_the_table_to_correct():
+    here = add_shared_args.__module__.replace(".", "/") + ".py"  # utils/text_data.py for a module of utils/
+    assert roles_error({"--own": THIS_LAUNCH}) == (
+        f"--shared_a has its role in SHARED_ROLES in {here}, which FLAG_ROLES in x.py leaves out: add **SHARED_ROLES "
+        "there")
+    assert roles_error({"--own": THIS_LAUNCH, **SHARED_ROLES}, with_b=True) == (
+        f"--shared_b has no role: add its line to SHARED_ROLES in {here}")
+    assert roles_error({**SHARED_ROLES}) == "--own / --own_alias has no role: add its line to FLAG_ROLES in x.py"
+    assert roles_error({"--own": THIS_LAUNCH, "--own_alias": THIS_LAUNCH, **SHARED_ROLES}) == (
+        "--own / --own_alias has 2 roles (--own, --own_alias): keep one line in FLAG_ROLES in x.py")
+    assert roles_error({"--own": THIS_LAUNCH, **SHARED_ROLES, "--gone": THIS_LAUNCH}) == (
+        "--gone has a role but no option: remove its line from FLAG_ROLES in x.py")
+    SHARED_ROLES["--shared_gone"] = THIS_LAUNCH
+    try:
+        assert roles_error({"--own": THIS_LAUNCH, **SHARED_ROLES}) == (
+            f"--shared_gone has a role but no option: remove its line from SHARED_ROLES in {here}")
+        with pytest.raises(RoleError, match="--shared_gone has a role but no option"):
+            FlagRoles.of(add_shared_args)
+    finally:
+        del SHARED_ROLES["--shared_gone"]
+
+
+def test_a_kept_by_entry_that_main_does_not_compute_is_an_error():
+    args = parsed(train_bert_cls)
+    computed = {role.kept_by: None for role in train_bert_cls.FLAG_ROLES.values() if role.kept_by}
+    del computed["labels"]
+    with pytest.raises(RoleError, match=r"no must_match entry for --labels_file \(kept by labels\)"):
+        train_bert_cls.flag_roles().must_match(args, computed)

@@ -69,15 +69,21 @@ def test_regression_metrics_loss_and_rows():
 
 
 def test_the_selection_metric_of_each_task():
+    """What train_bert_cls.py's main resolves without --metric_for_best_model, among the numbers the evaluation of
+    each task returns: macro-F1 (higher is better), and for regression the MSE (lower is better)."""
     from argparse import Namespace
 
     from utils.loop import Selection, resolve_selection
-    from utils.text_metrics import default_metric, selectable_metrics
+    from utils.outputs import number_entries
+    from utils.text_metrics import default_metric
 
-    def selection(regression):  # what train_bert_cls.py's main resolves without --metric_for_best_model
+    def selection(regression):
+        logits, targets = (torch.tensor([[0.5], [1.5], [2.0]]), torch.tensor([1.0, 2.0, 2.5])) if regression else (
+            torch.eye(3), torch.tensor([0, 1, 1]))
+        names = list(number_entries(evaluation_metrics(logits, targets, LABELS, False, regression=regression)))
         args = Namespace(metric_for_best_model=None, greater_is_better=None, early_stopping_patience=None,
                          early_stopping_threshold=0.0)
-        resolve_selection(args, selectable_metrics([], 3, regression), default=default_metric(regression))
+        resolve_selection(args, names, default=default_metric(regression))
         return Selection.from_args(args, position="step")
 
     classification, regression = selection(regression=False), selection(regression=True)

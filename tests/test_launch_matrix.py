@@ -50,12 +50,13 @@ def launch_two_machines(args):
     node1 = subprocess.Popen([str(c) for c in [*ACCELERATE, *common, "--machine_rank", "1", *args]], cwd=ROOT,
                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        run([*ACCELERATE, *common, "--machine_rank", "0", *args])
+        proc = run([*ACCELERATE, *common, "--machine_rank", "0", *args])
         output, _ = node1.communicate(timeout=120)
     finally:  # a test that failed: end the whole job (its ranks run in sessions of their own)
         if node1.poll() is None:
             kill_job(node1, signal.SIGKILL)
     assert node1.returncode == 0, output[-4000:]
+    return proc
 
 
 # "1 process" is `python SCRIPT`, run in this process (run_here): the reference every launch is compared with, where a
@@ -79,7 +80,8 @@ def bert_runs(uneven_text_data, tmp_path_factory):
     outs = {}
     for name, start in LAUNCHES.items():
         out = tmp_path_factory.mktemp(name.replace(" ", "_").replace(".", "_"))
-        start(bert_args(uneven_text_data, out))
+        proc = start(bert_args(uneven_text_data, out))
+        out.with_suffix(".stdout").write_text(proc.stdout)  # what the launch printed, beside its output directory
         outs[name] = out
     return outs
 
@@ -105,6 +107,11 @@ def test_bert_same_weights_on_1_and_2_processes(bert_runs, name):
     assert worst < 1e-4, f"max abs weight difference {worst:.2e} after {STEPS} steps"
     # and the run really moved: the comparison is not between two untrained models
     assert read_json(bert_runs[name] / "all_results.json")["train_steps"] == STEPS
+    # the launch says so, as its model has no dropout; the 1-process run, the reference, says nothing of it
+    said = [line for line in bert_runs[name].with_suffix(".stdout").read_text().splitlines() if "as on 1 process" in line]
+    assert said == ["on 2 processes: the same weights as on 1 process up to float rounding (the order of sums over "
+                    "processes): the model has no dropout, drop path or per-process BatchNorm"]
+    assert "as on 1 process" not in bert_runs["1 process"].with_suffix(".stdout").read_text()
 
 
 RESNET_STEPS = FEW_DIGITS_TRAIN // 64  # one epoch of the few_digits fixture (336 training images, drop_last)

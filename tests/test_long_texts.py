@@ -1,6 +1,7 @@
 """train_bert_cls.py on texts longer than --max_seq_len: --truncation tail/head_tail against the tokenizer's own
 encoding, --doc_stride windows trained with their text's label and pooled into one prediction per text, counted once
 on 1 and 2 processes (against the exported model's own forward in the test), recorded in the export."""
+import argparse
 import re
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 from conftest import needs_whole_windows, one_thread, read_json, read_jsonl, run_here, run_on
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+import train_bert_cls
 from utils.runtime import UserError
-from utils.text_data import LongText, tokenize
+from utils.text_data import LongText, long_text, resolve_head_tokens, tokenize
 from utils.text_metrics import StreamedWindows, pool_windows
 
 SCRIPT = "train_bert_cls.py"
@@ -156,8 +158,7 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
     predictions = read_jsonl(out / "predictions.jsonl")
     assert [p["text"] for p in predictions] == [t for _, t in rows[:9]] + [""] and "skipped" in predictions[-1]
     assert read_json(out / "best_model" / "trained_with.json") == {
-        "max_seq_len": LEN, "multi_label": False, "truncation": "head", "head_tokens": 128, "doc_stride": 4,
-        "pool": pool}
+        "max_seq_len": LEN, "multi_label": False, "truncation": "head", "doc_stride": 4, "pool": pool}
     card = (out / "best_model" / "README.md").read_text(encoding="utf-8")
     assert "stride=4, return_overflowing_tokens=True" in card
     # the card's code for pipeline() users gives predictions.jsonl's probabilities
@@ -170,19 +171,64 @@ def test_windows_pool_once_per_text_on_any_process_count(text_data, tmp_path, n,
         assert read_json(tmp_path / "later" / "test_results.json")["test_accuracy"] == results["test_accuracy"]
 
 
-def test_head_tail_trains_and_is_recorded(text_data, tmp_path):
+HEAD_LINE = ("--head_tokens 4: --truncation head_tail keeps the first 4 and the last 10 of the 14 text tokens of "
+             "--max_seq_len 16 (a quarter from the head, as Sun et al.'s 128 of 510)")
+
+
+def test_head_tail_trains_with_a_quarter_of_the_text_as_head_and_records_it(text_data, tmp_path):
+    """--head_tokens' default is a quarter of --max_seq_len's 14 text tokens, said once; the export records the number,
+    and an evaluation of it later uses that head, at the model's length and at another one."""
     out = tmp_path / "out"
-    run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--truncation", "head_tail", "--head_tokens", "4",
-                                         "--num_train_epochs", "1", "--do_train", "--do_eval")])
+    proc = run_here(SCRIPT, ["--cpu", *bert_args(text_data, out, "--truncation", "head_tail", "--num_train_epochs",
+                                                "1", "--do_train", "--do_eval")])
+    assert proc.stdout.count(HEAD_LINE) == 1
     assert read_json(out / "best_model" / "trained_with.json")["head_tokens"] == 4
     assert "ids[:4] + ids[-10:]" in (out / "best_model" / "README.md").read_text(encoding="utf-8")
-    assert read_json(out / "all_results.json")["long_texts"] == "the first 4 tokens and the last ones"
+    results = read_json(out / "all_results.json")
+    assert results["long_texts"] == "the first 4 tokens and the last ones"
+    evaluate = ["--cpu", "--data_dir", text_data, "--model_name_or_path", out / "best_model", "--do_eval",
+                "--eval_batch_size", "16"]
+    later = run_here(SCRIPT, [*evaluate, "--output_dir", tmp_path / "later"])
+    assert (f"{out / 'best_model'} was trained with --max_seq_len 16, --truncation head_tail, --head_tokens 4: "
+            "evaluating with the same") in later.stdout and HEAD_LINE not in later.stdout
+    assert read_json(tmp_path / "later" / "eval_results.json")["eval_accuracy"] == results["eval_accuracy"]
+    shorter = run_here(SCRIPT, [*evaluate, "--max_seq_len", "12", "--output_dir", tmp_path / "shorter"])
+    assert "--head_tokens 4" in shorter.stdout  # the model's head, not a quarter of 10 text tokens
+    assert read_json(tmp_path / "shorter" / "eval_max_seq_len_12_results.json")["eval_max_seq_len_12_settings"][
+        "head_tokens"] == 4
+
+
+def test_a_head_recorded_beside_another_cut_is_not_the_models():
+    """An export that recorded --head_tokens beside --truncation head (as exports did before they left it out) has no
+    head: evaluating it with head_tail takes the default for the length, not that 128."""
+    roles = train_bert_cls.flag_roles()
+    old_export = {"max_seq_len": 64, "multi_label": False, "truncation": "head", "head_tokens": 128, "doc_stride": None}
+    assert roles.model_settings(old_export) == {k: v for k, v in old_export.items() if k != "head_tokens"}
+    head_tail = {**old_export, "truncation": "head_tail"}
+    assert roles.model_settings(head_tail) == head_tail
+
+
+@pytest.mark.parametrize("max_seq_len, head", [(512, 128), (128, 32), (64, 16), (4, 1)])
+def test_the_default_head_fits_every_length(max_seq_len, head):
+    said = []
+    args = argparse.Namespace(truncation="head_tail", head_tokens=None, doc_stride=None, pool="mean",
+                              max_seq_len=max_seq_len)
+    resolve_head_tokens(args, said.append)
+    assert args.head_tokens == head and len(said) == 1
+    assert long_text(args, max_seq_len, paired=False).head_tokens == head
+    args.truncation, args.head_tokens = "head", None
+    resolve_head_tokens(args, said.append)
+    assert args.head_tokens == 128 and len(said) == 1  # no head cut: nothing to say
+    with pytest.raises(UserError, match="--truncation head_tail: --max_seq_len 3 holds 1 text tokens; a head and a "
+                                        "tail need 2 or more"):
+        long_text(argparse.Namespace(truncation="head_tail", head_tokens=1, doc_stride=None, pool="mean"), 3, False)
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--doc_stride", "4", "--truncation", "tail"], "--doc_stride 4 keeps every token in windows: --truncation tail"),
     (["--doc_stride", "14"], "--doc_stride 14: windows of --max_seq_len 16 tokens hold 14 text tokens"),
-    (["--truncation", "head_tail", "--head_tokens", "14"], "--head_tokens 14: --max_seq_len 16 holds 14 text tokens"),
+    (["--truncation", "head_tail", "--head_tokens", "14"],
+     "--head_tokens 14: --max_seq_len 16 holds 14 text tokens; leave some for the tail"),
 ])
 def test_bad_long_text_flags_are_one_line(text_data, tmp_path, extra, message):
     proc = run_here(SCRIPT, ["--cpu", *bert_args(text_data, tmp_path / "out", *extra, "--do_train")], check=False)

@@ -1,6 +1,9 @@
 """--export_onnx of both scripts: the selected model as ONNX with dynamic axes, checked by onnxruntime in a second
 process (the test checks the reported numbers against its own onnxruntime run), int8 beside fp32, launched on 1 and 2
-processes; onnx/onnxruntime missing is one line."""
+processes; the folder runs on its own in a fresh process (config.json, the tokenizer); onnx/onnxruntime missing is one
+line."""
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +61,43 @@ def test_resnet_training_exports_the_best_model(resnet_run, digits_data):
     assert not (resnet_run / "onnx" / "check_inputs.npz").exists()
 
 
+# A fresh process with the ONNX folder alone: its config.json says what each output is and how to preprocess
+IMAGES_FROM_THE_FOLDER = """
+import json, sys
+from pathlib import Path
+import numpy as np, onnxruntime, torch
+from PIL import Image
+from torchvision.transforms import v2
+folder, files = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+config = json.loads((folder / "config.json").read_text())
+pre = config["preprocessing"]
+preprocess = v2.Compose([v2.ToImage(), v2.Resize(pre["resize"], interpolation=v2.InterpolationMode(pre["interpolation"]),
+                                                 antialias=True), v2.CenterCrop(pre["center_crop"]),
+                         v2.ToDtype(torch.float32), v2.Lambda(lambda x: x * pre["rescale_factor"]),
+                         v2.Normalize(pre["mean"], pre["std"])])
+pixels = np.stack([preprocess(Image.open(f).convert("RGB")).numpy() for f in files])
+session = onnxruntime.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+logits = session.run(["logits"], {"pixel_values": pixels})[0]
+print(json.dumps([config["id2label"][str(i)] for i in logits.argmax(-1)]))
+"""
+
+
+def test_resnet_onnx_folder_runs_on_its_own(resnet_run, digits_data, tmp_path):
+    """OUT/onnx copied elsewhere: a fresh process with its config.json and model.onnx alone labels the validation
+    images with the accuracy the run reported for model_best.pth."""
+    onnxruntime_or_skip()
+    alone = shutil.copytree(resnet_run / "onnx", tmp_path / "alone")
+    config = read_json(alone / "config.json")
+    export = load_torch_checkpoint(resnet_run / "model_best.pth")
+    assert config["id2label"] == {str(i): name for name, i in export["class_to_idx"].items()}
+    assert config["trained_with"] == {key: export[key] for key in config["trained_with"]}
+    files = sorted((Path(digits_data) / "val").rglob("*.png"))
+    (tmp_path / "files.json").write_text(json.dumps([str(f) for f in files]))
+    labels = json.loads(run(["python", "-c", IMAGES_FROM_THE_FOLDER, alone, tmp_path / "files.json"]).stdout)
+    accuracy = 100 * sum(label == f.parent.name for label, f in zip(labels, files)) / len(files)
+    assert accuracy == pytest.approx(read_json(resnet_run / "all_results.json")["best_acc1"], abs=1e-9)
+
+
 def test_resnet_evaluate_exports_on_two_processes(resnet_run, digits_model_evaluated):
     """`-e --resume model_best.pth --export_onnx` on 2 processes (tests/shared_image_runs.py; its evaluation is
     tests/test_resnet.py's)."""
@@ -67,6 +107,25 @@ def test_resnet_evaluate_exports_on_two_processes(resnet_run, digits_model_evalu
     assert_reported_check(results, read_json(out / "onnx" / "onnx_check.json"))
     trained = read_json(resnet_run / "all_results.json")
     assert results["onnx_torch_accuracy"] == trained["onnx_torch_accuracy"]  # the same model, the same 100 images
+    assert read_json(out / "onnx" / "config.json") == read_json(resnet_run / "onnx" / "config.json")
+
+
+# A fresh process with the ONNX folder alone, as optimum's ORTModelForSequenceClassification reads one: config.json,
+# the tokenizer, model.onnx
+TEXTS_FROM_THE_FOLDER = """
+import json, sys
+from pathlib import Path
+import numpy as np, onnxruntime
+from transformers import AutoConfig, AutoTokenizer
+folder, texts = sys.argv[1], json.loads(Path(sys.argv[2]).read_text(encoding="utf-8"))
+config, tokenizer = AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+session = onnxruntime.InferenceSession(f"{folder}/model.onnx", providers=["CPUExecutionProvider"])
+batch = tokenizer(texts, truncation=True, padding=True, return_tensors="np")
+logits = session.run(["logits"], {i.name: batch[i.name] for i in session.get_inputs()})[0]
+probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+probabilities /= probabilities.sum(-1, keepdims=True)
+print(json.dumps([[config.id2label[int(p.argmax())], float(p.max())] for p in probabilities], ensure_ascii=False))
+"""
 
 
 def test_bert_export_has_dynamic_batch_and_sequence_axes(text_data, tmp_path):
@@ -77,7 +136,8 @@ def test_bert_export_has_dynamic_batch_and_sequence_axes(text_data, tmp_path):
     launch("train_bert_cls.py", ["--data_dir", text_data, "--model_name_or_path", text_data / "model", "--from_scratch",
                                  "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "16",
                                  "--learning_rate", "2e-3", "--num_train_epochs", "1", "--do_train", "--do_eval",
-                                 "--output_dir", out, *ONNX], num_processes=2)
+                                 "--do_predict", "--predict_file", text_data / "test.txt", "--output_dir", out, *ONNX],
+           num_processes=2)
     check = read_json(out / "onnx" / "onnx_check.json")
     assert_reported_check(read_json(out / "all_results.json"), check, samples=99)  # all 99 validation texts
     assert check["batch_sizes"] == [3, 16] and len({s.split(",")[1] for s in check["input_shapes"]}) > 1  # lengths
@@ -91,6 +151,16 @@ def test_bert_export_has_dynamic_batch_and_sequence_axes(text_data, tmp_path):
     session = ort.InferenceSession(str(out / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
     got = session.run(["logits"], {k: v.numpy() for k, v in batch.items()})[0]
     assert np.abs(got - expected).max() < 1e-4
+    # OUT/onnx copied elsewhere labels the texts to predict as the run did, with nothing but that folder
+    alone = shutil.copytree(out / "onnx", tmp_path / "alone")
+    assert read_json(alone / "config.json")["id2label"] == read_json(out / "best_model" / "config.json")["id2label"]
+    assert read_json(alone / "trained_with.json") == read_json(out / "best_model" / "trained_with.json")
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text(encoding="utf-8").splitlines()]
+    (tmp_path / "texts.json").write_text(json.dumps([row["text"] for row in rows], ensure_ascii=False),
+                                         encoding="utf-8")
+    labelled = json.loads(run(["python", "-c", TEXTS_FROM_THE_FOLDER, alone, tmp_path / "texts.json"]).stdout)
+    assert [label for label, _ in labelled] == [row["label"] for row in rows]
+    assert np.abs(np.array([score for _, score in labelled]) - [row["score"] for row in rows]).max() < 1e-4
 
 
 @pytest.mark.parametrize("script, args", [

@@ -228,6 +228,7 @@ def test_timm_command_trains_with_timm_meanings(few_digits, tmp_path):
         assert proc.stdout.count(f"read as: {note}") == 1, note
     results = read_json(out / "all_results.json")
     assert results["global_batch_size"] == 32 and results["device"] == "cpu"
+    assert results["deterministic_algorithms"] is False  # not asked for (tests/test_determinism.py: asked for)
     settings = read_json(out / "run_config.json")["args"]
     assert (settings["auto_augment"], settings["random_erase"], settings["random_erase_mode"]) == \
         ("rand-m9-mstd0.5-inc1", 0.25, "pixel"), settings

@@ -103,9 +103,13 @@ def test_mixing_flags():
         build_mixer(parse("--mixup-alpha", "0.2"), 10, 7)
 
 
-def test_unreadable_images_are_never_mixed():
+def test_unreadable_images_are_never_mixed(monkeypatch):
+    """... and the mixer never reads the targets on the host (`bool(tensor)` would be a device sync on a GPU)."""
     inputs, targets = torch.randn(4, 3, 8, 8), torch.tensor([1, -7, 2, 3])  # image 1 unreadable
-    mixed, soft = BatchMixer(1.0, 0.0, 5, seed=0)(types.SimpleNamespace(process_index=0), inputs, targets, 0, 0)
+    mixer = BatchMixer(1.0, 0.0, 5, seed=0)
+    with monkeypatch.context() as no_host_reads:
+        no_host_reads.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("a tensor read on the host"))
+        mixed, soft = mixer(types.SimpleNamespace(process_index=0), inputs, targets, 0, 0)
     assert torch.equal(mixed[:2], inputs[:2]) and soft[0].tolist() == [0, 1, 0, 0, 0] and soft[1].sum() == 0
     assert torch.allclose(soft[2:].sum(dim=1), torch.ones(2)) and not torch.equal(mixed[2:], inputs[2:])
     assert dominant_labels(soft, targets)[1] == -7

@@ -6,6 +6,7 @@ import signal
 import urllib.error
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torchvision
@@ -93,6 +94,12 @@ def assert_counts_exactly(out, data, n, steps):
     assert evals[-1]["ema_samples"] == val  # the EMA is validated beside the model
     assert results["best_ema_acc1"] == max(e["ema_acc1"] for e in evals)
     assert (out / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+    # all_results.json is a table of single values, as the Trainer's is: pandas reads it as it reads theirs
+    table = pd.read_json(out / "all_results.json", typ="series")
+    assert table.index.tolist() == list(results) and table["eval_acc1"] == pytest.approx(results["eval_acc1"])
+    settings = read_json(out / "all_results_settings.json")
+    assert settings == {"eval_settings": {"val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"},
+                        "launches": [{"processes": n, "mixed_precision": "no", "resume_step": None}]}
     return results, train, evals
 
 
@@ -115,17 +122,47 @@ def test_learns_and_counts_exactly(trained_long, digits_data, n):
     assert evals[-1]["ema_acc1"] > 20
 
 
+def torchvision_test_only(path, num_classes, with_ema=False):
+    """What torchvision's references/classification/train.py does with `--resume PATH --test-only` (and
+    `--model-ema`), its lines as it reads the file: its model, its ExponentialMovingAverage (an AveragedModel of the
+    buffers too). Returns (model, EMA or None, its start epoch)."""
+    model = torchvision.models.get_model("resnet18", num_classes=num_classes)
+    model_without_ddp = model
+    model_ema = torch.optim.swa_utils.AveragedModel(model_without_ddp, use_buffers=True) if with_ema else None
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    model_without_ddp.load_state_dict(checkpoint["model"])
+    start_epoch = checkpoint["epoch"] + 1
+    if model_ema:
+        model_ema.load_state_dict(checkpoint["model_ema"])
+    return model, model_ema, start_epoch
+
+
+def top1_top5(model, data, class_to_idx):
+    """Top-1/top-5 (%) on the validation digits with nothing from this project: PIL, torchvision transforms,
+    argsort."""
+    to_tensor = torchvision.transforms.Compose([
+        torchvision.transforms.Resize(16), torchvision.transforms.CenterCrop(16), torchvision.transforms.ToTensor(),
+        torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    paths = val_images(data)
+    images = torch.stack([to_tensor(Image.open(p).convert("RGB")) for p in paths])
+    targets = torch.tensor([class_to_idx[p.parent.name] for p in paths])
+    with torch.no_grad():
+        ranking = model.eval()(images).argsort(dim=1, descending=True)  # (N, 10)
+    rank_of_target = (ranking == targets[:, None]).float().argmax(dim=1)  # 0 = top-1
+    return 100 * (rank_of_target == 0).float().mean().item(), 100 * (rank_of_target < 5).float().mean().item()
+
+
 @pytest.mark.parametrize("suffix", ["", "_ema"])
-def test_exports_load_into_plain_torchvision(trained, few_digits, suffix):
+def test_exports_load_into_plain_torchvision(trained, few_digits, suffix, tmp_path):
+    """model_best.pth and checkpoint.pth load into plain torchvision as main.py's files (`state_dict`) and as
+    torchvision's references read theirs (`model`, `epoch`, `model_ema`), and score what the run reported."""
     out = trained[2]
     results = read_json(out / "all_results.json")
+    evals = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
     if suffix:  # the EMA's own files: the same layout and checks, against its own validation results
-        ema_evals = [{k[4:]: v for k, v in e.items() if k.startswith("ema_")} | {"epoch": e["epoch"]}
-                     for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
+        ema_evals = [{k[4:]: v for k, v in e.items() if k.startswith("ema_")} | {"epoch": e["epoch"]} for e in evals]
         results = {"best_acc1": results["best_ema_acc1"], "eval_acc1": results["eval_ema_acc1"],
                    "best_epoch": max(ema_evals, key=lambda e: e["acc1"])["epoch"]}
-        assert_same_weights(torch.load(out / "checkpoint_ema.pth", weights_only=True)["state_dict"],
-                            torch.load(out / "checkpoint.pth", weights_only=True)["model_ema"])  # torchvision's key
     best = torch.load(out / f"model_best{suffix}.pth", weights_only=True)
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(best["state_dict"])  # strict: no `module.` prefix, nothing missing
@@ -135,21 +172,32 @@ def test_exports_load_into_plain_torchvision(trained, few_digits, suffix):
     assert best["best_acc1"] == best["acc1"] == results["best_acc1"] and best["epoch"] == results["best_epoch"]
     last = torch.load(out / f"checkpoint{suffix}.pth", weights_only=True)
     assert last["epoch"] == EPOCHS and last["acc1"] == results["eval_acc1"]
+    # torchvision's `model` is the same dict as `state_dict`, pickled once: the file is the weights' size, not twice
+    for name, checkpoint in ((f"model_best{suffix}.pth", best), (f"checkpoint{suffix}.pth", last)):
+        assert checkpoint["model"] is checkpoint["state_dict"]
+        weights_alone = tmp_size(checkpoint["state_dict"], tmp_path)
+        extra = tmp_size(checkpoint["model_ema"], tmp_path) if "model_ema" in checkpoint else 0
+        assert (out / name).stat().st_size < 1.01 * (weights_alone + extra), name
 
-    # Recompute top-1/top-5 with nothing from this project: PIL, torchvision transforms, argsort.
-    to_tensor = torchvision.transforms.Compose([
-        torchvision.transforms.Resize(16), torchvision.transforms.CenterCrop(16), torchvision.transforms.ToTensor(),
-        torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-    paths = val_images(few_digits)
-    images = torch.stack([to_tensor(Image.open(p).convert("RGB")) for p in paths])
-    targets = torch.tensor([best["class_to_idx"][p.parent.name] for p in paths])
-    with torch.no_grad():
-        ranking = model.eval()(images).argsort(dim=1, descending=True)  # (N, 10)
-    rank_of_target = (ranking == targets[:, None]).float().argmax(dim=1)  # 0 = top-1
-    assert 100 * (rank_of_target == 0).float().mean().item() == pytest.approx(best["acc1"], abs=1e-4)
-    evals = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "eval"]
-    assert 100 * (rank_of_target < 5).float().mean().item() == pytest.approx(
-        evals[best["epoch"] - 1][f"{suffix[1:]}_acc5".lstrip("_")], abs=1e-4)
+    # torchvision's `--resume model_best.pth --test-only`: the accuracy the run reported for that epoch
+    model, _, start_epoch = torchvision_test_only(out / f"model_best{suffix}.pth", 10)
+    assert start_epoch == best["epoch"] + 1  # torchvision's epoch is the last one's index: it counts one more
+    top1, top5 = top1_top5(model, few_digits, best["class_to_idx"])
+    assert top1 == pytest.approx(best["acc1"], abs=1e-4)
+    assert top5 == pytest.approx(evals[best["epoch"] - 1][f"{suffix[1:]}_acc5".lstrip("_")], abs=1e-4)
+    if not suffix:  # `--resume checkpoint.pth --test-only --model-ema`: the EMA checkpoint_ema.pth also holds
+        _, model_ema, _ = torchvision_test_only(out / "checkpoint.pth", 10, with_ema=True)
+        assert_same_weights(model_ema.module.state_dict(),
+                            torch.load(out / "checkpoint_ema.pth", weights_only=True)["state_dict"])
+        assert top1_top5(model_ema.module, few_digits, best["class_to_idx"])[0] == pytest.approx(
+            evals[-1]["ema_acc1"], abs=1e-4)
+
+
+def tmp_size(state_dict, folder):
+    """The bytes torch.save writes for `state_dict` alone."""
+    path = folder / "size_probe.pth"
+    torch.save(state_dict, path)
+    return path.stat().st_size
 
 
 def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_model_evaluated, digits_data,
@@ -168,7 +216,8 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_mod
     assert evaluated["eval_samples"] == len(val_images(digits_data)) and evaluated["eval_samples"] % 2 == 1
     assert evaluated["eval_acc1"] == pytest.approx(read_json(digits_model / "all_results.json")["best_acc1"],
                                                    abs=1e-9)
-    assert evaluated["eval_settings"] == {"val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
+    assert read_json(digits_model_evaluated / "eval_results_settings.json")["eval_settings"] == {
+        "val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
     out = trained[1]
     # our own checkpoints evaluate too: `latest` is the run's last step, written beside its all_results.json, and
     # scores what the run's last validation scored
@@ -184,9 +233,12 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_mod
                "--output_dir", out])
     assert "--val_resize 20 differs from the model's 16 (trained with): evaluating with 20" in capsys.readouterr().out
     merged = read_json(out / "all_results.json")
-    assert {k: merged[k] for k in training} == training  # the training's numbers and their eval_settings
+    assert {k: merged[k] for k in training} == training  # the training's numbers, and their eval_settings:
+    assert read_json(out / "all_results_settings.json")["eval_settings"] == {
+        "val_crop_size": 16, "val_resize": 16, "interpolation": "bilinear"}
+    assert read_json(out / "eval_val_resize_20_results_settings.json")["eval_val_resize_20_settings"] == {
+        "val_crop_size": 16, "val_resize": 20, "interpolation": "bilinear"}
     other = read_json(out / "eval_val_resize_20_results.json")
-    assert other["eval_val_resize_20_settings"] == {"val_crop_size": 16, "val_resize": 20, "interpolation": "bilinear"}
     assert merged["eval_val_resize_20_acc1"] == other["eval_val_resize_20_acc1"]
     # the export as starting weights (--weights PATH) of an evaluation: the same sizes, the same number
     main_here(["--cpu", few_digits, "-j", "0", "-e", "--weights", out / "model_best.pth", "--output_dir",
@@ -195,6 +247,74 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_mod
         in capsys.readouterr().out
     assert read_json(tmp_path / "weights" / "eval_results.json")["eval_acc1"] == pytest.approx(training["best_acc1"],
                                                                                               abs=1e-9)
+
+
+def script_with_a_head_flag(folder):
+    """train_resnet.py as a user adapts it: a --head_hidden flag in build_parser, its role line in FLAG_ROLES (a
+    shape the exports record), and build_model putting a hidden layer into the head. Returns its path."""
+    text = (Path(train_resnet.__file__)).read_text(encoding="utf-8")
+    edits = {
+        "    add_model_args(model)  #": "    model.add_argument(\"--head_hidden\", type=positive_int, default=None, "
+                                      "help=\"a hidden layer of this width in the head\")\n    add_model_args(model)  #",
+        '    "-a": keep_as("arch"),': '    "--head_hidden": MUST_KEEP.recorded(0),\n    "-a": keep_as("arch"),',
+        "    return build_image_model(args, num_classes, print_fn, class_to_idx)\n":
+            "    model = build_image_model(args, num_classes, print_fn, class_to_idx)\n"
+            "    if args.head_hidden:\n"
+            "        model.fc = torch.nn.Sequential(torch.nn.Linear(model.fc.in_features, args.head_hidden), "
+            "torch.nn.ReLU(), torch.nn.Linear(args.head_hidden, num_classes))\n"
+            "    return model\n"}
+    for old, new in edits.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    script = folder / "my_resnet.py"
+    script.write_text(text, encoding="utf-8")
+    return script
+
+
+def test_a_users_head_flag_is_recorded_and_rebuilt_from_the_export(few_digits, digits_model, digits_data, tmp_path,
+                                                                  monkeypatch):
+    """A user adds a head flag with a `.recorded()` role: model_best.pth records it, and -e, --predict, the model
+    card's snippet and its command rebuild the model from the file alone; an export made before the flag existed
+    still evaluates, with the flag's default, said once."""
+    script = str(script_with_a_head_flag(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))  # run_here imports the script by name, as the card's snippet does
+    out = tmp_path / "out"
+    run_here(script, ["--cpu", few_digits, *FAST, "--head_hidden", "64", "--epochs", "1", "--output_dir", out])
+    export = torch.load(out / "model_best.pth", weights_only=True)
+    assert export["head_hidden"] == 64 and export["model"]["fc.0.weight"].shape == (64, 512)
+    best_acc1 = read_json(out / "all_results.json")["best_acc1"]
+
+    command = card_command(out)  # -e --resume model_best.pth, without --head_hidden
+    assert command[1] == script and "--head_hidden" not in command
+    proc = run_here(script, [*command[2:], "--cpu", "-j", "0", "-b", "64", "--output_dir", tmp_path / "eval"])
+    assert f"{out / 'model_best.pth'} was trained with --image_size 16, --val_resize 16, --interpolation bilinear, " \
+           "--head_hidden 64: evaluating with the same" in proc.stdout
+    assert read_json(tmp_path / "eval" / "eval_results.json")["eval_acc1"] == pytest.approx(best_acc1, abs=1e-9)
+
+    run_here(script, ["--cpu", "--predict", few_digits / "val", "--resume", out / "model_best.pth", "-j", "0",
+                      "--output_dir", tmp_path / "predicted"])
+    predicted = read_jsonl(tmp_path / "predicted" / "predictions.jsonl")
+    targets = [Path(row["file"]).parent.name for row in predicted]
+    assert len(predicted) == FEW_DIGITS_VAL
+    assert 100 * sum(row["label"] == t for row, t in zip(predicted, targets)) / len(targets) == pytest.approx(
+        best_acc1, abs=1e-9)
+
+    # the card's snippet, as a user runs it: the model rebuilt by the script from the file, and its top-1
+    card = (out / "model_card.md").read_text(encoding="utf-8")
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert "from my_resnet import exported_model" in snippet and "--head_hidden 64" in snippet
+    namespace = {}
+    exec(snippet, namespace)
+    assert top1_top5(namespace["model"], few_digits, export["class_to_idx"])[0] == pytest.approx(best_acc1, abs=1e-4)
+
+    # an export of the script before it had the flag: the default (no hidden layer), said once
+    proc = run_here(script, ["--cpu", digits_data, "-j", "0", "-b", "64", "-e", "--resume",
+                             digits_model / "model_best.pth", "--output_dir", tmp_path / "older"])
+    said = [line for line in proc.stdout.splitlines() if "records no" in line]
+    assert said == [f"{digits_model / 'model_best.pth'} records no --head_hidden (exported before the script "
+                    "recorded it): using the default, --head_hidden 0"], said
+    assert read_json(tmp_path / "older" / "eval_results.json")["eval_acc1"] == pytest.approx(
+        read_json(digits_model / "all_results.json")["best_acc1"], abs=1e-9)
 
 
 def same_run(reference, resumed, stopped_at=None):

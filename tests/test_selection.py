@@ -18,7 +18,8 @@ import train_resnet
 from utils.demo_data import write_digits_imagefolder
 from utils.checkpoint import read_training_state
 from utils.loop import Selection
-from utils.runtime import UserError, resolve_trackers
+from utils.outputs import NOT_METRICS, number_entries
+from utils.runtime import UserError, build_accelerator, resolve_trackers
 
 BERT, RESNET = "train_bert_cls.py", "train_resnet.py"
 TRACKING = {"MLFLOW_DISABLE_TELEMETRY": "true", "WANDB_MODE": "offline"}  # offline: no report attempts, no uploads
@@ -95,14 +96,17 @@ def test_bert_stops_where_the_metric_stopped_improving(stopped):
 
 
 def test_bert_model_card(stopped):
-    """best_model/README.md as the hub reads it: the metrics of the selected model, validation and test."""
+    """best_model/README.md as the hub reads it: the metrics of the selected model, validation and test: every number
+    its evaluations returned (the counts aside)."""
     results = read_json(stopped / "all_results.json")
+    events = {e["event"]: e for e in read_jsonl(stopped / "metrics.jsonl") if e["event"].startswith("best_model_")}
     card = ModelCard.load(stopped / "best_model" / "README.md")
     assert (card.data.library_name, card.data.pipeline_tag) == ("transformers", "text-classification")
     reported = {(r.dataset_split, r.metric_type): r.metric_value for r in card.data.eval_results}
     expected = {(split, name): results[f"{prefix}_{name}"] for split, prefix in (("validation", "eval"),
                                                                                   ("test", "test"))
-                for name in ("accuracy", "macro_f1", "micro_f1", "loss")}
+                for name in number_entries(events[f"best_model_{prefix}"]) if name not in ("step", *NOT_METRICS)}
+    assert {name for _, name in expected} >= {"accuracy", "loss"}  # what the evaluation returns, read back
     assert reported == expected
     labels = (stopped / "labels.txt").read_text(encoding="utf-8").split()
     assert all(f"| {i} | {label} |" in card.text for i, label in enumerate(labels))
@@ -285,21 +289,39 @@ def test_requeued_run_continues_one_wandb_run(text_data, tmp_path, monkeypatch):
         {e["step"]: e["accuracy"] for e in events if e["event"] == "eval"})
 
 
-def test_metric_names_follow_trainer_and_timm(digits_data):
-    def resnet(*flags):
-        args = train_resnet.parse_args([digits_data, *flags])
-        return args.metric_for_best_model, args.greater_is_better
+@pytest.fixture
+def resnet_selection(digits_data, tmp_path):
+    """selection(*flags) -> (metric, greater_is_better) as train_resnet.py's main resolves them for a run on the
+    digits: its evaluate() on one validation batch names the metrics (in this process, 1 process on the CPU)."""
+    from accelerate.state import AcceleratorState, GradientState
 
-    assert resnet() == ("acc1", True)
-    assert resnet("--eval-metric", "top5") == ("acc5", True)  # timm's names
-    assert resnet("--metric_for_best_model", "eval_loss") == ("loss", False)  # Trainer's prefix and default
-    assert resnet("--eval_metric", "loss", "--greater_is_better", "true") == ("loss", True)
-    assert resnet("--metric_for_best_model", "acc1", "--greater_is_better", "false") == ("acc1", False)
+    base = [digits_data, "--cpu", "--image_size", "16", "--val_resize", "16", "-b", "8", "-j", "0"]
+    args = train_resnet.parse_args(base)
+    accelerator = build_accelerator(args, tmp_path)
+    loader = train_resnet.build_dataloaders(accelerator, args).val_loader
+    model = train_resnet.build_model(args, len(loader.dataset.classes))
+
+    def selection(*flags):
+        chosen = train_resnet.best_model_selection(accelerator, train_resnet.parse_args([*base, *flags]), model,
+                                                   loader)
+        return chosen.metric, chosen.greater_is_better
+
+    yield selection
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_metric_names_follow_trainer_and_timm(resnet_selection):
+    assert resnet_selection() == ("acc1", True)
+    assert resnet_selection("--eval-metric", "top5") == ("acc5", True)  # timm's names
+    assert resnet_selection("--metric_for_best_model", "eval_loss") == ("loss", False)  # Trainer's prefix and default
+    assert resnet_selection("--eval_metric", "loss", "--greater_is_better", "true") == ("loss", True)
+    assert resnet_selection("--metric_for_best_model", "acc1", "--greater_is_better", "false") == ("acc1", False)
 
 
 @pytest.mark.parametrize("script, argv, message", [
-    (RESNET, ["--eval-metric", "f1"], "--metric_for_best_model f1: not a validation metric of this run; choose from "
-                                      "acc1, acc5, loss"),
+    (RESNET, ["-e", "--resume", "x.pth", "--eval-metric", "top5"],
+     "--metric_for_best_model applies to training; this run does not train"),
     (RESNET, ["--early_stopping_threshold", "0.1"], "--early_stopping_threshold needs --early_stopping_patience"),
     (RESNET, ["--early_stopping_patience", "0"], "--early_stopping_patience 0: at least 1 validation"),
     (RESNET, ["-e", "--resume", "x.pth", "--early_stopping_patience", "2"],
@@ -307,6 +329,8 @@ def test_metric_names_follow_trainer_and_timm(digits_data):
     (RESNET, ["--greater_is_better", "maybe"], "'maybe': expected true or false"),
     (BERT, ["--data_dir", "DATA", "--early_stopping_patience", "2"],
      "--early_stopping_patience applies to training; this run does not train"),
+    (BERT, ["--data_dir", "DATA", "--metric_for_best_model", "accuracy"],
+     "--metric_for_best_model applies to training; this run does not train"),
 ])
 def test_selection_flags_refused_by_the_parser(script, argv, message, digits_data, text_data, capsys):
     base = [digits_data] if script == RESNET else ["--model_name_or_path", text_data / "model", "--do_eval"]
@@ -316,18 +340,17 @@ def test_selection_flags_refused_by_the_parser(script, argv, message, digits_dat
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["unknown metric", "no validation set"])
-def test_bert_selection_errors_before_training(case, text_data, tmp_path):
-    """Known once the files are read and the --metric modules loaded: before the model is built, nothing written."""
+@pytest.mark.parametrize("flags, error", [
+    (["--early_stopping_patience", "2"],
+     "--early_stopping_patience stops on the validation metric: this run has no validation set"),
+    (["--metric_for_best_model", "accuracy"],
+     "--metric_for_best_model accuracy selects by a validation metric: this run has no validation set")])
+def test_bert_selection_without_a_validation_set_is_refused_before_training(flags, error, text_data, tmp_path):
+    """A training file alone: nothing to select by, known before the model is built, nothing written. (A name
+    evaluate() does not return: tests/test_metric_names.py.)"""
     out = tmp_path / "out"
-    if case == "unknown metric":
-        args = bert_args(text_data, out, "--metric_for_best_model", "f1")
-        error = ("--metric_for_best_model f1: not a validation metric of this run; choose from accuracy, macro_f1, "
-                 "micro_f1, loss")
-    else:  # a training file alone
-        args = ["--train_file", text_data / "train.txt", "--model_name_or_path", text_data / "model", "--from_scratch",
-                "--do_train", "--early_stopping_patience", "2", "--output_dir", out]
-        error = "--early_stopping_patience stops on the validation metric: this run has no validation set"
+    args = ["--train_file", text_data / "train.txt", "--model_name_or_path", text_data / "model", "--from_scratch",
+            "--do_train", *flags, "--output_dir", out]
     proc = run_here(BERT, ["--cpu", *args], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"error: {error}"
@@ -392,8 +415,8 @@ def test_resnet_stops_early_resumes_into_the_same_stop_and_writes_a_card(tmp_pat
     card = ModelCard.load(tmp_path / "reference" / "model_card.md")
     [selected] = [e for e in read_jsonl(tmp_path / "reference" / "metrics.jsonl")
                   if e["event"] == "eval" and e["epoch"] == reference["best_epoch"]]
-    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
-        k: selected[k] for k in ("acc1", "acc5", "loss")}
+    names = [k for k in number_entries(selected) if f"eval_{k}" in reference and k not in NOT_METRICS]  # evaluate()'s
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {k: selected[k] for k in names}
     assert best["reference"]["best_acc1"] == selected["acc1"]
     # the card's Python snippet, as a user runs it, reproduces the selected model's top-1 on the validation images
     snippet = card.text.split("```python\n")[1].split("```")[0]

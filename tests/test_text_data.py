@@ -334,11 +334,36 @@ def test_dataset_dict_with_a_class_label_and_a_dev_split(tmp_path):
     assert notes[0] == (f"--dataset_name {tmp_path / 'news'}: train <- split 'train' (6 rows), validation <- split "
                         "'dev' (2 rows), predict <- split 'test' (its labels unused)")
     assert "ClassLabel names of column 'label', in the dataset's order" in notes[1]
+    labels, examples, notes = load("--dataset_name", tmp_path / "news", "--do_train")  # run_classification's default
+    assert [e.text for e in examples["train"]] == NEWS and notes[0] == (
+        f"--text_column sentence: {tmp_path / 'news'} split 'train' has a 'sentence' field and no 'text' "
+        "(run_classification.py's default text column)")
     with pytest.raises(UserError, match=r"news split 'test' row 0: label -1 \(no label; .*--do_predict"):
         load("--dataset_name", tmp_path / "news", "--text_column", "sentence", "--do_test")
     with pytest.raises(UserError, match=r"--validation_split_name valid: \S*news has no such split \(it has train, "
                                         r"dev, test\)"):
         load("--dataset_name", tmp_path / "news", "--validation_split_name", "valid", "--do_eval")
+
+
+def test_a_sentence_column_is_the_text_where_there_is_no_text_column(tmp_path):
+    """run_classification.py's files (a `sentence` column, no column flag) are read as it reads them, said once; a
+    file with a `text` column too keeps reading `text`, and --text_column still chooses."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"sentence": NEWS, "label": ["体育", "财经", "娱乐"] * 2})
+    frame.to_csv(tmp_path / "train.csv", index=False)
+    frame[:2].to_json(tmp_path / "dev.jsonl", orient="records", lines=True, force_ascii=False)
+    _, examples, notes = load("--train_file", tmp_path / "train.csv", "--validation_file", tmp_path / "dev.jsonl",
+                              "--do_train")
+    assert [e.text for e in examples["train"]] == NEWS and [e.text for e in examples["validation"]] == NEWS[:2]
+    assert [note for note in notes if "--text_column" in note] == [
+        f"--text_column sentence: {tmp_path / 'train.csv'} has a 'sentence' field and no 'text' "
+        "(run_classification.py's default text column)"]
+    frame.assign(text=[f"{text}!" for text in NEWS]).to_csv(tmp_path / "both.csv", index=False)
+    _, examples, notes = load("--train_file", tmp_path / "both.csv", "--do_train")
+    assert examples["train"][0].text == f"{NEWS[0]}!" and not any("--text_column" in note for note in notes)
+    _, examples, notes = load("--train_file", tmp_path / "both.csv", "--text_column", "sentence", "--do_train")
+    assert examples["train"][0].text == NEWS[0] and not any("--text_column" in note for note in notes)
 
 
 def test_saved_dataset_is_the_train_split_and_integer_labels_sort_numerically(tmp_path):

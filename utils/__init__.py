@@ -6,11 +6,12 @@ top-k) are computed where the script's evaluate calls them. The module map:
 
 both scripts
   runtime.py     the Accelerator and the launches refused because they would go wrong silently (a second run on
-                 an output directory: its lock), DataLoader settings, the --help look and the parser's number
-                 checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on one rank
-                 stopping all of them (a failure to write: a full disk), stops that reach every process (loader
-                 workers leave them to their parent, ranks stop with their launcher, a rank that stopped answering
-                 is named: RollCall)
+                 an output directory: its lock), how kernels are chosen (cuDNN's autotuner, or deterministic
+                 kernels with --use_deterministic_algorithms), DataLoader settings, the --help look and the
+                 parser's number checks, UserError and run_cli (one-line errors, exit status 2; Ctrl-C), a problem on
+                 one rank stopping all of them (a failure to write: a full disk), stops that reach every process
+                 (loader workers leave them to their parent, ranks stop with their launcher, a rank that stopped
+                 answering is named: RollCall)
   flags.py       the command line: the parser (a refused flag or value costs one line, with what replaces it or
                  the closest flag), the peers' spellings (Trainer, run_classification, accelerate's examples, the
                  Chinese BERT tutorial, main.py, torchvision, timm) read with their meaning and said once
@@ -20,8 +21,8 @@ both scripts
                  after an out-of-memory error (--auto_find_batch_size: Attempt, OutOfMemoryRetry)
   checkpoint.py  resumable checkpoints: Checkpoints (save, restore, rotate, latest; modules such as the EMA as
                  safetensors), agreeing on the one to resume from and checking its files, what a resume must match
-                 (the training data's fingerprint too) and may change: each flag's role (Role, FlagRoles; the
-                 scripts' FLAG_ROLES)
+                 (the training data's fingerprint too) and may change: each flag's role (Role, FlagRoles,
+                 roles_beside; the scripts' FLAG_ROLES), which --help shows
   export.py      weights in and out: exports under the model's own names, BestWeights, reading an export back
                  on every rank, PyTorch files read without running code and checked whole, the settings an export
                  carries

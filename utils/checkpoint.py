@@ -27,14 +27,16 @@ repeat examples of the new data; `allow_data_change` (the scripts' --allow_data_
 
 Each flag's role is declared once (`Role`: a resume may change it, must keep it, or it concerns one launch or a
 fresh start; whether the exported model records it), in each script's FLAG_ROLES and beside each shared add_*_args
-helper (`*_ROLES`). `FlagRoles` checks a table against its parser (every option has exactly one role) and derives
-what the machinery needs: the settings a resume may change (`resumable`), what it must match (`must_match`), what
-the export records (`exported`) and what results record (`evaluation`).
+helper (`*_ROLES`, named by `roles_beside`). `FlagRoles` checks a table against its parser (every option has exactly
+one role: a mistake is one line naming the table to correct) and derives what the machinery needs: the settings a
+resume may change (`resumable`), what it must match (`must_match`), what the export records (`exported`), what
+results record (`evaluation`) and what --help shows after each flag (`Role.help`).
 
 Neighbours: utils/loop.py (when a checkpoint is due), utils/export.py (the exported weights beside the
 checkpoints), utils/outputs.py (the output directory's other files).
 """
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -443,17 +445,21 @@ CHANGE = "may change"
 KEEP = "must keep"
 LAUNCH = "this launch only"
 START = "a fresh start only"
-REFUSED = "refused"
-ROLE_MEANINGS = {
-    CHANGE: "a resume may change it: the new value is named in one line (`resumed with changed settings`), then "
-            "applied from the checkpoint's step on",
-    KEEP: "a resume must keep it: the checkpoint records it (or what it makes: the labels, the model's shape, the "
-          "training data's fingerprint), and another value is refused with one line",
-    LAUNCH: "this launch only: how the run executes or reports, not what it trains; a resume takes the command "
-            "line's value without a word",
+ROLE_HELP = {CHANGE: "a resume may change it", KEEP: "a resume must keep it", LAUNCH: "this launch only",
+             START: "a fresh start only"}  # what --help says of each flag (utils/runtime.py HelpFormatter)
+ROLE_MEANINGS = {  # what each means (docs/faults_and_resume.md shows them beside ROLE_HELP)
+    CHANGE: "the new value is named in one line (`resumed with changed settings`), then applied from the "
+            "checkpoint's step on",
+    KEEP: "the checkpoint records it (or what it makes: the labels, the model's shape, the training data's "
+          "fingerprint), and another value is refused with one line",
+    LAUNCH: "how the run executes or reports, not what it trains; a resume takes the command line's value without a "
+            "word",
     START: "how a fresh run starts (its starting weights or epoch); a resume starts from the checkpoint instead",
-    REFUSED: "another program's flag: the parser refuses it, naming what replaces it here",
 }
+EXPORTED_HELP = "the exported model records it"
+EXPORTED_MEANING = ("an evaluation of the exported model uses the recorded value unless the command line gives "
+                    "another, which is named in one line and whose results are kept apart")
+ROLE_NAMES = "MAY_CHANGE, MUST_KEEP, THIS_LAUNCH or FRESH_START"  # the constants a table entry is built from
 
 
 @dataclass(frozen=True)
@@ -466,18 +472,31 @@ class Role:
     exported: bool = False  # the exported model records it; an evaluation of that model uses it unless given
     evaluation: bool = False  # results record it beside the numbers measured with it
     default: object = None  # exported: the value where neither the command line nor a trained model gives one
-    only_with: str | None = None  # exported: recorded only when this args attribute is true
+    # exported: recorded only when this args attribute is true ("dest"), or has this value ("dest=value")
+    only_with: str | None = None
 
     def recorded(self, default=None, evaluation=True, only_with=None):
         """The same role, and the exported model records the flag (and, with `evaluation`, results record it)."""
         return replace(self, exported=True, evaluation=evaluation, default=default, only_with=only_with)
+
+    def applies(self, values):
+        """Whether an exported flag is recorded beside the settings `values` ({args attribute: value}: a run's, or
+        what a trained model recorded): `only_with` holds there."""
+        if self.only_with is None:
+            return True
+        dest, _, value = self.only_with.partition("=")
+        return values.get(dest) == value if value else bool(values.get(dest))
+
+    def help(self):
+        """The role as --help shows it after the flag's own help."""
+        condition = f" (with --{self.only_with.replace('=', ' ')})" if self.only_with else ""
+        return ROLE_HELP[self.kind] + (f"; {EXPORTED_HELP}{condition}" if self.exported else "")
 
 
 MAY_CHANGE = Role(CHANGE)
 MUST_KEEP = Role(KEEP)
 THIS_LAUNCH = Role(LAUNCH)
 FRESH_START = Role(START)
-REFUSED_FLAG = Role(REFUSED)
 
 
 def keep_as(key):
@@ -497,41 +516,86 @@ def this_launch(*flags):
 
 
 class RoleError(Exception):
-    """A developer's mistake in a role table (a flag without a role, a role for no flag): a traceback, never a
-    user's one-line error."""
+    """A mistake in a role table (a flag without a role, a role for no flag): the scripts' parser turns it into one
+    line naming the flag and the table to correct, before anything starts (utils/flags.py Parser)."""
+
+
+@dataclass(frozen=True)
+class RoleTable:
+    """Where a shared helper's flags have their roles: the table `name` in `module` (roles_beside)."""
+    name: str
+    module: str
+
+    def entries(self):
+        table = getattr(sys.modules[self.module], self.name, None)
+        if table is None:
+            raise RoleError(f"roles_beside(\"{self.name}\"): no such table in {self.module.replace('.', '/')}.py")
+        return table
+
+    def __str__(self):
+        return f"{self.name} in {self.module.replace('.', '/')}.py"
+
+
+def roles_beside(name):
+    """Decorator of a shared add_*_args(parser_or_group, ...) helper whose flags' roles are the table `name` declared
+    beside it, in its module: the flags it adds are marked with that table, so that one without a role, or a role
+    for no flag, is named with the table to correct; FlagRoles.of checks the table against the helper alone."""
+    def decorate(add_args):
+        table = RoleTable(name, add_args.__module__)
+
+        @functools.wraps(add_args)
+        def add(container, *args, **kwargs):
+            before = len(container._actions)  # argument groups share their parser's list of actions
+            result = add_args(container, *args, **kwargs)
+            for action in container._actions[before:]:
+                action.role_table = table
+            return result
+        add.role_table = table
+        return add
+    return decorate
 
 
 class FlagRoles:
     """A role table ({flag: Role}) checked against the parser it describes: every option has exactly one entry,
-    keyed by one of its option strings (a positional by its name), and every entry names an option. The lists
-    the checkpoints, the exports and the results need are derived from it, in the table's order."""
+    keyed by one of its option strings (a positional by its name), and every entry names an option; each option
+    then carries its role's --help text (`role_help`). The lists the checkpoints, the exports and the results need
+    are derived from it, in the table's order. `where`: the table's name in messages ("FLAG_ROLES in x.py")."""
 
-    def __init__(self, parser, table):
+    def __init__(self, parser, table, where="FLAG_ROLES"):
         self.table = dict(table)
         self.dests = {}  # flag: args attribute
-        undeclared = []
+        problems, options = [], set()
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
             names = action.option_strings or [action.dest]
+            options.update(names)
             declared = [name for name in names if name in self.table]
-            if len(declared) != 1:
-                undeclared.append(" / ".join(names) + (" (declared twice)" if declared else ""))
-            for name in declared:
-                self.dests[name] = action.dest
-        unknown = [flag for flag in self.table if flag not in self.dests]
-        if undeclared or unknown:
-            raise RoleError("flag roles: " + "; ".join(
-                ([f"no role declared for {', '.join(undeclared)}"] if undeclared else [])
-                + ([f"a role for no option: {', '.join(unknown)}"] if unknown else []))
-                + " (declare each flag's role in the script's FLAG_ROLES: utils/checkpoint.py ROLE_MEANINGS)")
+            if len(declared) == 1:
+                self.dests[declared[0]] = action.dest
+                action.role_help = self.table[declared[0]].help()
+                if self.table[declared[0]].exported and action.default is not None:
+                    # a trained model's value could never replace a parser default: an evaluation would ignore it
+                    problems.append(f"{declared[0]} (default={action.default!r}): a .recorded() flag is default=None "
+                                    "in the parser, its default in .recorded(DEFAULT), so that an evaluation takes the "
+                                    f"trained model's value where the command line gives none ({where})")
+            else:
+                problems.append(_undeclared(names, declared, getattr(action, "role_table", None), where))
+        for flag in self.table:
+            if flag not in options:
+                problems.append(f"{flag} has a role but no option: remove its line from "
+                                f"{_table_of(flag, parser) or where}")
+        if problems:
+            raise RoleError("; ".join(problems) + f" (a role is {ROLE_NAMES}: utils/checkpoint.py ROLE_MEANINGS)")
 
     @classmethod
-    def of(cls, add_args, table):
-        """The roles of the flags one add_*_args helper defines, checked against a parser holding only those."""
+    def of(cls, add_args, table=None):
+        """The roles of the flags one add_*_args helper defines (its roles_beside table unless `table` is given),
+        checked against a parser holding only those."""
         parser = argparse.ArgumentParser(add_help=False)
         add_args(parser)
-        return cls(parser, table)
+        own = getattr(add_args, "role_table", None)
+        return cls(parser, own.entries() if table is None else table, str(own) if own else "its table")
 
     def flags(self, kind):
         return [flag for flag, role in self.table.items() if role.kind == kind]
@@ -558,14 +622,50 @@ class FlagRoles:
         supplies to an evaluation of it."""
         return {self.dests[flag]: role.default for flag, role in self.table.items() if role.exported}
 
+    def recorded_in(self, record):
+        """{args attribute: value} of the flags the exported model records, as `record` holds them: an export's
+        fields (under the args attribute), or a checkpoint's training_state.json (a KEEP flag under its flag or
+        `key`, a MAY_CHANGE flag in its `settings`); the flags it does not hold left out."""
+        settings = record.get("settings") or {}
+        found = {}
+        for flag, role in self.table.items():
+            dest = self.dests[flag]
+            value = record.get(dest, record.get(role.key or flag, settings.get(flag)))
+            if role.exported and value is not None:
+                found[dest] = value
+        return found
+
     def exported_settings(self, args):
         """{args attribute: value} the exported model records (a flag `only_with` another left out without it)."""
         return {self.dests[flag]: getattr(args, self.dests[flag]) for flag, role in self.table.items()
-                if role.exported and (role.only_with is None or getattr(args, role.only_with))}
+                if role.exported and role.applies(vars(args))}
+
+    def model_settings(self, recorded):
+        """What a trained model recorded ({args attribute: value}) that applies to it: a flag `only_with` another is
+        left out where the model's own settings do not have that (--head_tokens beside a cut other than head_tail,
+        which exports recorded before they left it out)."""
+        roles = {self.dests[flag]: role for flag, role in self.table.items() if role.exported}
+        return {dest: value for dest, value in recorded.items() if dest not in roles or roles[dest].applies(recorded)}
 
     def evaluation(self):
         """{flag: args attribute} of the settings results record beside their numbers."""
         return {flag: self.dests[flag] for flag, role in self.table.items() if role.evaluation}
+
+
+def _undeclared(names, declared, helper_table, where):
+    """The problem of an option with no role, or with two (`declared`): what to write where."""
+    flag = " / ".join(names)
+    if declared:
+        return f"{flag} has {len(declared)} roles ({', '.join(declared)}): keep one line in {where}"
+    if helper_table is not None and any(name in helper_table.entries() for name in names):
+        return f"{flag} has its role in {helper_table}, which {where} leaves out: add **{helper_table.name} there"
+    return f"{flag} has no role: add its line to {helper_table or where}"
+
+
+def _table_of(flag, parser):
+    """The shared helper's table that declares `flag`, among the helpers that added the parser's options."""
+    tables = {action.role_table for action in parser._actions if getattr(action, "role_table", None)}
+    return next((table for table in tables if flag in table.entries()), None)
 
 
 def output_dir_is_shared(accelerator, checkpoint_dir):
@@ -677,6 +777,10 @@ def _apply_hyperparameters(optimizer, scheduler, groups):
             inner._last_lr = lrs
 
 
+PER_PROCESS_BATCH_NORM = "BatchNorm statistics are computed per process, over its share of each batch"
+PER_PROCESS_DROPOUT = "dropout masks are drawn from each process's own random stream"
+
+
 def per_process_differences(model):
     """What each process of `model` computes on its own (Checkpoints' `per_process`): BatchNorm statistics over its
     share of the batch (SyncBatchNorm aside), dropout and drop-path masks from its own random stream."""
@@ -684,10 +788,28 @@ def per_process_differences(model):
     found = []
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
            for m in modules):
-        found.append("BatchNorm statistics are computed per process, over its share of each batch")
+        found.append(PER_PROCESS_BATCH_NORM)
     if any(_drop_rate(m) > 0 for m in modules):
-        found.append("dropout masks are drawn from each process's own random stream")
+        found.append(PER_PROCESS_DROPOUT)
     return found
+
+
+def say_processes(say, num_processes, per_process):
+    """One line at the start of a training on several processes: what it gives compared with 1 process, whose
+    global batches and sample order it shares (`per_process`: per_process_differences of the model). Nothing on 1
+    process: it is what the others are compared with."""
+    if num_processes == 1:
+        return
+    on = f"on {num_processes} processes"
+    if not per_process:
+        say(f"{on}: the same weights as on 1 process up to float rounding (the order of sums over processes): the "
+            "model has no dropout, drop path or per-process BatchNorm")
+    elif PER_PROCESS_BATCH_NORM in per_process:
+        say(f"{on}: not the training of 1 process: {'; '.join(per_process)} (SyncBatchNorm computes them over the "
+            "global batch)")
+    else:
+        say(f"{on}: the same training as on 1 process in distribution, not bitwise: {'; '.join(per_process)} (the "
+            "same weights need a model without dropout or drop path)")
 
 
 def _drop_rate(module):

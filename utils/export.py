@@ -189,12 +189,15 @@ def load_torch_checkpoint(path):
                         "optimizer, epoch, best_acc1, torchvision's model, optimizer, epoch, args, or a bare "
                         "state_dict)")
     checkpoint["state_dict"] = strip_module_prefix(checkpoint["state_dict"])
+    checkpoint.pop("model", None)  # this project's exports: torchvision's name for the same dict
+    if isinstance(checkpoint.get("model_ema"), dict):
+        checkpoint["model_ema"] = averaged_weights(checkpoint["model_ema"])
     if torch.is_tensor(checkpoint.get("best_acc1")):  # main.py stores a (CUDA) tensor
         checkpoint["best_acc1"] = checkpoint["best_acc1"].item()
     return checkpoint
 
 
-# torchvision's train.py arguments that are image settings here (utils/image_augment.py recorded_image_settings)
+# torchvision's train.py arguments that are recorded image settings here (utils/image_augment.py AUGMENT_ROLES)
 TORCHVISION_IMAGE_ARGS = {"train_crop_size": "train_crop_size", "val_resize_size": "val_resize",
                           "val_crop_size": "val_crop_size", "interpolation": "interpolation"}
 
@@ -211,9 +214,15 @@ def from_torchvision_layout(checkpoint):
         converted["epoch"] = checkpoint["epoch"] + 1
     if isinstance(checkpoint.get("optimizer"), dict):
         converted["optimizer"] = checkpoint["optimizer"]
-    if isinstance(checkpoint.get("model_ema"), dict):  # ExponentialMovingAverage's state: module.* and n_averaged
-        converted["model_ema"] = {key: value for key, value in checkpoint["model_ema"].items() if key != "n_averaged"}
+    if isinstance(checkpoint.get("model_ema"), dict):
+        converted["model_ema"] = checkpoint["model_ema"]
     return {key: value for key, value in converted.items() if value is not None}
+
+
+def averaged_weights(ema_state):
+    """The averaged model's weights, prefix-free, from the state dict of torchvision's ExponentialMovingAverage (an
+    AveragedModel: `module.*` and its `n_averaged` count), or from a plain state dict."""
+    return strip_module_prefix({key: value for key, value in ema_state.items() if key != "n_averaged"})
 
 
 DAMAGED = "damaged or incomplete (a copy or a save cut short?)"

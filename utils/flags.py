@@ -12,8 +12,12 @@ the Chinese BERT tutorial's script, pytorch/examples imagenet/main.py, torchvisi
 - Each spelling that is not the flag's own name (a peer's alias, a per-device batch turned into a global one) is
   said once, in `args.command_notes`, which the scripts print at start-up; two spellings of one setting in one
   command are refused.
+- Every flag has a role (utils/checkpoint.py FlagRoles: may a resume change it, must it keep it, does the exported
+  model record it), declared in the script's FLAG_ROLES or beside the shared helper that adds it; --help shows each
+  flag's role after its help, and a flag without one (or a role without a flag) stops every command, --help
+  included, with one line naming the flag and the table to correct.
 
-Neighbours: utils/runtime.py (UserError, the number types, HelpFormatter).
+Neighbours: utils/runtime.py (UserError, the number types, HelpFormatter), utils/checkpoint.py (the roles).
 """
 import argparse
 import difflib
@@ -21,6 +25,7 @@ import json
 import math
 import sys
 
+from utils.checkpoint import FlagRoles, RoleError
 from utils.runtime import HelpFormatter, launched_world_size
 
 TRUE_WORDS = ("true", "yes", "1")
@@ -28,16 +33,31 @@ FALSE_WORDS = ("false", "no", "0")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors, peer spellings and the notes that say how they were read.
+    """argparse with one-line errors, peer spellings, the notes that say how they were read, and each flag's role.
 
     An action's `peer_values` ({peer's value: ours}, set with `peer_values`) are accepted beside its `choices`.
+    `roles`: the script's role table ({flag: Role}, FLAG_ROLES), named `roles_in` in messages; the options that
+    shared helpers add take theirs from the helpers' tables, which the script's table spreads.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, roles=None, roles_in="FLAG_ROLES", **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)  # a prefix of a flag is a typo here, not the flag
         super().__init__(**kwargs)
         self.replaced = {}  # {flag: (tool, what replaces it)}
+        self.roles, self.roles_in = roles, roles_in
+
+    def flag_roles(self):
+        """FlagRoles of this parser's options (a RoleError if one has no role, or a role no option)."""
+        return FlagRoles(self, self.roles, self.roles_in)
+
+    def check_roles(self):
+        """Every option has its role, shown by --help: else one line and exit status 2, before anything starts."""
+        if self.roles is not None:
+            try:
+                self.flag_roles()
+            except RoleError as err:
+                self.error(str(err))
 
     def refuse(self, tool, replacements):
         """Flags of `tool` ({flag: what replaces it}) that are refused with that one line."""
@@ -47,7 +67,12 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"error: {message}\n")
 
+    def format_help(self):
+        self.check_roles()
+        return super().format_help()
+
     def parse_args(self, args=None, namespace=None):
+        self.check_roles()
         argv = [str(word) for word in (sys.argv[1:] if args is None else args)]
         argv, booleans = self._boolean_values(argv)
         argv = self._unparsed_optional_values(argv)

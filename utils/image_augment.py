@@ -14,10 +14,10 @@ process, torchvision's; exact only for the same process count). With both alphas
 or CutMix per group. Unreadable-image placeholders (target < 0) are never mixed into anything: a group holding one
 stays unmixed, and the placeholder's target row is all zeros, which the loss and the accuracy skip.
 
-Image sizes: a model is evaluated at the sizes it was trained with. Its exports and checkpoints record them
-(`image_settings`), and `-e` takes them from the model it evaluates unless --image_size, --val_crop_size,
---val_resize or --interpolation are given (`resolve_image_sizes`); training runs use the flags and torchvision's
-defaults (224 and 256 pixels, bilinear).
+Image sizes: a model is evaluated at the sizes it was trained with. Its exports and checkpoints record them (their
+roles are `.recorded()`: AUGMENT_ROLES), and `-e` takes them from the model it evaluates unless --image_size,
+--val_crop_size, --val_resize or --interpolation are given (`resolve_image_sizes`); training runs use the flags and
+torchvision's defaults (224 and 256 pixels, bilinear).
 
 Neighbours: utils/image_data.py, utils/image_optim.py.
 """
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
-from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by
+from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by, roles_beside
 from utils.export import settings_from_model
 from utils.image_data import IMAGENET_MEAN
 from utils.runtime import UserError, nonnegative_float, positive_int
@@ -60,6 +60,7 @@ class TimmErasing(argparse.Action):
         namespace.timm_erasing = option_string
 
 
+@roles_beside("AUGMENT_ROLES")
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
     group = parser.add_argument_group("augmentation (torchvision's presets; timm's names in docs/resnet_recipes.md)")
@@ -221,35 +222,37 @@ class TimmAugment(torch.nn.Module):
         return repr(self.op)
 
 
-def image_settings(args):
-    """The image sizes and resampling a model is trained with, recorded beside its weights."""
-    return {key: getattr(args, key) for key in IMAGE_DEFAULTS}
-
-
-def eval_image_settings(args):
-    """The settings a validation's numbers depend on, recorded with them (`eval_settings`)."""
-    return {key: getattr(args, key) for key in EVAL_IMAGE_FLAGS.values()}
-
-
-def recorded_image_settings(checkpoint):
-    """What a model was trained with: the fields of this project's .pth exports, or a training_state.json's
-    --train_crop_size and resumable settings; {} for files that record none (main.py's, torchvision's)."""
-    settings = checkpoint.get("settings", {})
-    found = {"train_crop_size": checkpoint.get("train_crop_size", checkpoint.get("--train_crop_size")),
-             **{key: checkpoint.get(key, settings.get(flag)) for flag, key in EVAL_IMAGE_FLAGS.items()}}
-    return {key: value for key, value in found.items() if value is not None}
-
-
-def resolve_image_sizes(args, recorded, source, say):
-    """-e: the validation sizes and resampling given, else those the evaluated model `recorded`, else the defaults;
-    returns the results tag (utils/export.py settings_from_model) naming the given values that differ."""
-    flags = {"val_crop_size": "--val_crop_size" if args.val_crop_size else "--image_size"}
+def resolve_image_sizes(args, recorded, source, say, others=None, flags=None):
+    """-e, --predict: the validation sizes and resampling given, else those the evaluated model `recorded` ({args
+    attribute: value}), else the defaults; the same, in the same lines, for `others` ({args attribute: default}: the
+    script's other recorded flags, such as a head's shape; `flags`: {args attribute: flag} for their names). Returns
+    the results tag (utils/export.py settings_from_model) naming the given values that differ."""
+    flags = {**(flags or {}), "val_crop_size": "--val_crop_size" if args.val_crop_size else "--image_size"}
     args.val_crop_size = args.val_crop_size or args.image_size
-    tag = settings_from_model(args, {key: IMAGE_DEFAULTS[key] for key in EVAL_IMAGE_FLAGS.values()}, recorded,
-                              source, say, flags)
+    defaults = {**{key: IMAGE_DEFAULTS[key] for key in EVAL_IMAGE_FLAGS.values()}, **(others or {})}
+    tag = settings_from_model(args, defaults, recorded, source, say, flags)
     args.train_crop_size = args.train_crop_size or args.image_size or recorded.get("train_crop_size",
                                                                                     args.val_crop_size)
     args.image_size = args.image_size or args.val_crop_size
+    return tag
+
+
+def use_recorded_settings(args, roles, record, source, say):
+    """-e, --predict: every flag that `roles` (the script's FlagRoles) marks .recorded() (the image sizes, a head's
+    shape) as given, else as the trained model's `record` holds it (an export's fields, a checkpoint's
+    training_state.json), else its default (resolve_image_sizes). A record that holds some of them but not all (an
+    export of the script before it recorded a flag) gets the others' defaults, named in one line. Returns the results
+    tag."""
+    recorded = roles.recorded_in(record)
+    flags = {dest: flag for flag, dest in roles.dests.items() if roles.table[flag].exported}
+    absent = [dest for dest in flags if dest not in recorded and getattr(args, dest) is None
+              and not (args.image_size and dest.endswith("crop_size"))]  # --image_size gives the crop sizes
+    others = {dest: default for dest, default in roles.exported().items() if dest not in IMAGE_DEFAULTS}
+    tag = resolve_image_sizes(args, recorded, source, say, others, flags)
+    if recorded and absent:
+        say(f"{source} records no {', '.join(flags[dest] for dest in absent)} (exported before the script recorded "
+            f"it): using the default{'s' if len(absent) > 1 else ''}, "
+            + ", ".join(f"{flags[dest]} {getattr(args, dest)}" for dest in absent))
     return tag
 
 
@@ -289,6 +292,7 @@ MIXING_ROLES = {"--mixup_alpha": MAY_CHANGE, "--cutmix_alpha": MAY_CHANGE, "--mi
                 "--mixup_mode": MAY_CHANGE}
 
 
+@roles_beside("MIXING_ROLES")
 def add_mixing_args(parser):
     group = parser.add_argument_group("batch mixing (torchvision's MixUp/CutMix; timm's names in the docs)")
     group.add_argument("--mixup_alpha", "--mixup-alpha", type=nonnegative_float, default=0.0,
@@ -350,11 +354,13 @@ class BatchMixer:
         mixed_inputs, mixed_targets = inputs.clone(), soft
         for start in range(0, inputs.shape[0], size):
             group = slice(start, start + size)
-            if (targets[group] < 0).any():
-                continue
             with torch.random.fork_rng(devices=[]):  # v2's Beta, randint and choice draw from the CPU generator
                 torch.default_generator.manual_seed(hash((self.seed, epoch, batch, offset + start)))
-                mixed_inputs[group], mixed_targets[group] = self.mix(inputs[group], targets[group])
+                images, labels = self.mix(inputs[group], targets[group].clamp(min=0))
+            # a group holding an unreadable image stays unmixed, chosen on the device: no read of the targets here
+            readable = (targets[group] >= 0).all()  # ()
+            mixed_inputs[group] = torch.where(readable, images, inputs[group])
+            mixed_targets[group] = torch.where(readable, labels, soft[group])
         return mixed_inputs, mixed_targets
 
 

@@ -27,7 +27,10 @@ loader gives, whose batches it passes through unchanged.
   do not read), the stand-in followed through every step, and is replayed on the device with those draws. A step that
   draws inside a forward of its own (AutoAugment, RandAugment, TrivialAugmentWide, AugMix; RandomApply, RandomChoice,
   a nested Compose) cannot be replayed: `check_decode_on_device` refuses it before anything starts, in one line naming
-  it, as it refuses --dummy (no files).
+  it and the way to make it replayable (`check_replayable`), as it refuses --dummy (no files). The way is v2's own:
+  a Transform subclass that draws every random choice in make_params(flat_inputs) and applies them in
+  transform(inpt, params), with no forward of its own. `ReplayableRandomApply` is v2.RandomApply written so: the same
+  draws in the same order, so the same images, on the CPU loader and on the device.
 """
 import functools
 import io
@@ -64,12 +67,11 @@ def check_decode_on_device(args, transforms):
 
 
 def check_replayable(transform):
-    """A one-line UserError naming the first step of `transform` (a v2.Compose) that the device cannot replay."""
+    """A one-line UserError naming the first step of `transform` (a v2.Compose) that the device cannot replay, and
+    how to make it replayable."""
     for step in transform.transforms:
         if type(step).forward not in REPLAYABLE_FORWARDS:
-            raise UserError(f"--decode_on_device: the transform {type(step).__name__} draws inside its own forward in "
-                            "the loader workers and cannot be replayed on the device; drop --decode_on_device, or "
-                            "that transform")
+            raise UserError(f"--decode_on_device: {not_replayable(step)}")
     with torch.random.fork_rng(devices=[]):
         try:
             draw_params(transform, STAND_IN_SHAPE, torch.uint8)
@@ -77,6 +79,45 @@ def check_replayable(transform):
             raise UserError(f"--decode_on_device: the transform {failing_step(transform)} cannot draw its parameters "
                             f"without the image's pixels ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
                             "drop --decode_on_device, or that transform") from None
+
+
+def not_replayable(step):
+    """Why `step` cannot be replayed on the device, and the way to make it replayable (check_replayable's line)."""
+    name = type(step).__name__
+    way = ("use utils.image_device_decode.ReplayableRandomApply(transforms, p) instead: v2.RandomApply with its draws "
+           "in make_params, the same images" if isinstance(step, v2.RandomApply) else
+           f"write {name} as torchvision's transforms.v2 steps are written, a v2.Transform subclass that draws every "
+           "random choice in make_params(flat_inputs) and applies them in transform(inpt, params), with no forward of "
+           "its own (v2.RandomApply: ReplayableRandomApply)")
+    return (f"the transform {name} draws inside its own forward in the loader workers and cannot be replayed on the "
+            f"device; {way}; or drop --decode_on_device")
+
+
+class ReplayableRandomApply(v2.Transform):
+    """v2.RandomApply(transforms, p) with its draws in make_params, so that --decode_on_device replays it: whether it
+    applies (`torch.rand(1) < p`, drawn first), then what each step draws (draw_steps), in v2.RandomApply's order, so
+    the same images as v2.RandomApply's for the same seed. Its steps must be replayable themselves."""
+
+    def __init__(self, transforms, p=0.5):
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p {p}: a probability, between 0 and 1")
+        for step in transforms:
+            if type(step).forward not in REPLAYABLE_FORWARDS:
+                raise ValueError(f"ReplayableRandomApply: {not_replayable(step)}")
+        self.transforms = torch.nn.ModuleList(transforms)
+        self.p = p
+
+    def make_params(self, flat_inputs):
+        if torch.rand(1) >= self.p:
+            return {"steps": None}
+        stand_in = torch.empty(flat_inputs[0].shape, dtype=flat_inputs[0].dtype, device="meta")
+        return {"steps": draw_steps(self.transforms, stand_in)}
+
+    def transform(self, inpt, params):
+        for step, drawn in zip(self.transforms, params["steps"] or ()):
+            inpt = replay_step(step, inpt, drawn)
+        return inpt
 
 
 def failing_step(transform):
@@ -152,9 +193,13 @@ def draw_params(transform, shape, dtype):
     The draws are made on a stand-in on the meta device, which each step transforms to the shape and dtype it gives
     the next (no pixels: the draws read only those). Tensors drawn travel as numpy arrays: a tensor per sample would
     cost a worker a shared-memory segment each on its way to the training process."""
+    return draw_steps(transform.transforms, torch.empty(shape, dtype=dtype, device="meta"))
+
+
+def draw_steps(steps, stand_in):
+    """draw_params for a sequence of `steps`, from `stand_in` (a meta tensor of the image's shape and dtype)."""
     params = []
-    stand_in = torch.empty(shape, dtype=dtype, device="meta")
-    for step in transform.transforms:
+    for step in steps:
         if type(step).forward is _RandomApplyTransform.forward and torch.rand(1) >= step.p:  # as its forward skips
             params.append(None)
             continue
@@ -274,6 +319,8 @@ def replay_step(step, image, drawn):
     """One image through one step, with what the worker drew for it (None: skipped, as its `p` decided)."""
     if drawn is None:
         return image
-    drawn = {key: torch.from_numpy(value).to(image.device) if isinstance(value, np.ndarray) else value
+    # on a meta stand-in (a ReplayableRandomApply followed while drawing), the draws stay values on the CPU
+    device = "cpu" if image.device.type == "meta" else image.device
+    drawn = {key: torch.from_numpy(value).to(device) if isinstance(value, np.ndarray) else value
              for key, value in drawn.items()}
     return step.transform(image, drawn)

@@ -32,7 +32,7 @@ import torch
 import torchvision
 from torch.utils.checkpoint import checkpoint
 
-from utils.checkpoint import FRESH_START, MAY_CHANGE
+from utils.checkpoint import FRESH_START, MAY_CHANGE, roles_beside
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device
 from utils.runtime import UserError
 
@@ -45,6 +45,7 @@ AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make tr
 MODEL_ROLES = {"--pretrained": FRESH_START, "--weights": FRESH_START, "--drop_path": MAY_CHANGE, "--drop": MAY_CHANGE}
 
 
+@roles_beside("MODEL_ROLES")
 def add_model_args(group):
     group.add_argument("--pretrained", nargs="?", const="DEFAULT", default=None, metavar="PATH",
                        help="start from pretrained weights: torchvision's ImageNet ones, timm's default ones (from the "

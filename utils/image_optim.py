@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import broadcast
 from torch.optim.swa_utils import AveragedModel
 
-from utils.checkpoint import MAY_CHANGE, MUST_KEEP, keep_as
+from utils.checkpoint import MAY_CHANGE, MUST_KEEP, keep_as, roles_beside
 from utils.runtime import UserError, nonnegative_float, positive_float, positive_int
 
 NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
@@ -29,6 +29,7 @@ SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannea
               "exponential": "exponential", "exponentiallr": "exponential"}
 
 
+@roles_beside("OPTIM_ROLES")
 def add_optim_args(parser):
     group = parser.add_argument_group("optimisation (torchvision's names)")
     group.add_argument("--opt", type=str.lower, choices=["sgd", "sgd_nesterov", "adamw", "rmsprop", "rmsproptf"],
@@ -149,6 +150,7 @@ def lr_lambda(args, steps_per_epoch, total_steps):
     return factor
 
 
+@roles_beside("EMA_ROLES")
 def add_ema_args(parser):
     group = parser.add_argument_group("model EMA (torchvision's --model-ema; timm's --model-ema too)")
     group.add_argument("--model_ema", "--model-ema", action="store_true",

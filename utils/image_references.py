@@ -11,7 +11,14 @@ references/classification/train.py: their flags, their batch-size convention and
 - main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
   prefix of DataParallel/DDP) load with `weights_only=True` (utils/export.py), and the exports written here have
   the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
-  image settings they were trained with (utils/image_augment.py image_settings), which `-e` evaluates at.
+  settings they were trained with (the flags the script's FLAG_ROLES mark `.recorded()`: the image sizes, a head's
+  shape), which `-e` and `--predict` rebuild the model and evaluate at.
+- The exports also carry what torchvision's references/classification/train.py reads with `--resume FILE
+  --test-only`: `model` (the same dict as `state_dict`: torch.save pickles it once, so the file does not grow) and
+  `epoch`, and checkpoint.pth's `model_ema` is its ExponentialMovingAverage's state (`module.*`, `n_averaged`).
+  `epoch` keeps main.py's meaning, the epochs done, which main.py and this script resume after; torchvision reads it
+  as the index of the last epoch done and would resume one epoch later (it resumes training only from its own
+  checkpoints anyway: these hold no `optimizer` and `lr_scheduler`).
 - model_card.md beside model_best.pth says how to load it into plain torchvision (or timm) with the training's
   validation transform (model_card).
 
@@ -22,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from utils.export import check_same_keys, export_state_dict, load_torch_checkpoint, strip_module_prefix
+from utils.export import (averaged_weights, check_same_keys, export_state_dict, load_torch_checkpoint,
+                          strip_module_prefix)
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, writing
 from utils.image_data import IMAGENET_MEAN, IMAGENET_STD
@@ -46,7 +54,6 @@ MAIN_PY_FLAGS = {
 TORCHVISION_FLAGS = {
     "--device": "the launcher and accelerate_configs/*.yaml choose the device (--cpu forces the CPU)",
     "--cache-dataset": "nothing: the ImageFolder is scanned in seconds; drop the flag",
-    "--use-deterministic-algorithms": "nothing: runs are already reproducible per (seed, epoch, image); drop it",
     "--backend": "nothing: images are always decoded to tensors (torchvision's --backend tensor); drop it",
     "--use-v2": "nothing: transforms are always torchvision.transforms.v2; drop it",
     "--transformer-embedding-decay": "no separate decay of the position embeddings and class token of swin/vit "
@@ -123,28 +130,34 @@ def _describe(value):
 
 
 def save_exported_checkpoint(path, state_dict, **fields):
-    """main.py's layout ({state_dict, **fields}) with CPU tensors and no prefix, swapped in atomically."""
+    """main.py's layout ({state_dict, **fields}) with CPU tensors and no prefix, and torchvision's `model` key for the
+    same dict (pickled once: the file holds each tensor once), swapped in atomically."""
     path = Path(path)
-    state_dict = {key: value.detach().cpu().contiguous() for key, value in strip_module_prefix(state_dict).items()}
+    state_dict = cpu_tensors(strip_module_prefix(state_dict))
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        torch.save({"state_dict": state_dict, **fields}, tmp)
+        torch.save({"state_dict": state_dict, "model": state_dict, **fields}, tmp)
         os.replace(tmp, path)
     except BaseException:  # a full disk, a kill: the previous file stays, without the partial one beside it
         tmp.unlink(missing_ok=True)
         raise
 
 
+def cpu_tensors(state_dict):
+    return {key: value.detach().cpu().contiguous() for key, value in state_dict.items()}
+
+
 def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, fields, ema_state=None, suffix=""):
-    """checkpoint{suffix}.pth, and model_best{suffix}.pth when `is_best`, in main.py's layout ({state_dict, **fields});
-    checkpoint.pth also holds `ema_state` (torchvision's `model_ema` key). `fresh`: a model of the architecture (on
-    the meta device) whose names the weights must have, so that plain torchvision loads them. Every rank calls it:
-    under FSDP/DeepSpeed, gathering the weights is a collective, and a failure to write (a full disk) stops every
-    rank with one line, the previous files kept."""
+    """checkpoint{suffix}.pth, and model_best{suffix}.pth when `is_best`, in main.py's layout ({state_dict, **fields}),
+    with torchvision's keys (`model`, `epoch`); checkpoint.pth also holds `ema_state`, the state dict of the
+    ExponentialMovingAverage (`module.*` and `n_averaged`), under torchvision's `model_ema` key. `fresh`: a model of
+    the architecture (on the meta device) whose names the weights must have, so that plain torchvision loads them.
+    Every rank calls it: under FSDP/DeepSpeed, gathering the weights is a collective, and a failure to write (a full
+    disk) stops every rank with one line, the previous files kept."""
     state_dict = export_state_dict(accelerator, model, fresh)
     if ema_state is not None:
-        ema_state = strip_module_prefix(ema_state)
-        check_same_keys(ema_state, fresh)
+        check_same_keys(averaged_weights(ema_state), fresh)
+        ema_state = cpu_tensors(ema_state)
     extra = {"model_ema": ema_state} if ema_state is not None else {}
     with writing(accelerator, output_dir):
         for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
@@ -153,38 +166,47 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
                                                                   **(extra if name == "checkpoint" else {}))
 
 
-def model_card(args, class_to_idx, train_set, val_set, run):
+def model_card(args, class_to_idx, train_set, val_set, run, script, model_flags):
     """model_card.md's fixed part (utils/outputs.py ModelCard) for model_best.pth: the classes, the key settings
     (`run`: run_info's), the image folders, and how to load the file: into a plain torchvision (or timm) model with
-    the validation transform of the training, or evaluated by this script (`-e --resume`)."""
+    the validation transform of the training, or, when `model_flags` ({flag: value}, recorded beside the image sizes)
+    shaped the model, through `script`'s exported_model, which rebuilds it from the file alone; and evaluated by
+    `script` (`-e --resume`), which takes those settings from the file too."""
     best = Path(args.output_dir) / "model_best.pth"
     timm_name = args.arch[len("timm:"):] if args.arch.startswith("timm:") else None
     build = (f"timm.create_model({timm_name!r}, num_classes={len(class_to_idx)})" if timm_name else
              f"torchvision.models.get_model({args.arch!r}, num_classes={len(class_to_idx)})")
     data = str(args.data) if args.data else f"--dummy {args.dummy}"
+    script = Path(script).resolve()
+    shown = script.name if script.parent == Path.cwd().resolve() else str(script)  # as a command line would give it
+    flags = " ".join(f"{flag} {value}" for flag, value in model_flags.items())
+    load = (["import sys", "", "import torch", "from torchvision.transforms import v2", "",
+             f"sys.path.insert(0, {str(script.parent)!r})  # the folder of {script.name}",
+             f"from {script.stem} import exported_model", "",
+             f"# {script.name}'s build_model, with what the file records ({flags})",
+             f"model, export = exported_model({str(best)!r})"] if model_flags else
+            ["import torch", "import torchvision" if not timm_name else "import timm",
+             "from torchvision.transforms import v2", "", f"model = {build}",
+             f"model.load_state_dict(torch.load({str(best)!r}, weights_only=True)[\"state_dict\"])"])
     usage = "\n".join([
-        "```python", "import torch", "import torchvision" if not timm_name else "import timm",
-        "from torchvision.transforms import v2", "",
-        f"model = {build}",
-        f"model.load_state_dict(torch.load({str(best)!r}, weights_only=True)[\"state_dict\"])",
-        "model.eval()",
+        "```python", *load, "model.eval()",
         "# the validation transform of the training, for an RGB PIL image or a (3, H, W) uint8 tensor",
         f"preprocess = v2.Compose([v2.ToImage(), v2.Resize({args.val_resize}, interpolation=v2.InterpolationMode."
         f"{args.interpolation.upper()}, antialias=True), v2.CenterCrop({args.val_crop_size}), "
         f"v2.ToDtype(torch.float32, scale=True), v2.Normalize({list(IMAGENET_MEAN)}, {list(IMAGENET_STD)})])",
-        "```", "", "Evaluated on the validation images by this script, at the image settings the file records:", "",
-        "```bash", f"python train_resnet.py {data} -a {args.arch} -e --resume {best} --output_dir "
+        "```", "", "Evaluated on the validation images by this script, at the settings the file records:", "",
+        "```bash", f"python {shown} {data} -a {args.arch} -e --resume {best} --output_dir "
         f"{Path(args.output_dir) / 'model_best_eval'}", "```"])
     settings = {"arch": args.arch, "weights": args.weights, "train_crop_size": args.train_crop_size,
                 "val_resize": args.val_resize, "val_crop_size": args.val_crop_size, "interpolation": args.interpolation,
                 "batch_size (global)": args.batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps, "lr": args.lr, "epochs": args.epochs,
                 "seed": args.seed, "model_ema": args.model_ema, "mixed_precision": run["mixed_precision"],
-                "processes": run["num_processes"]}
+                "processes": run["num_processes"], **model_flags}
     folders = (Path(data) / "train", Path(data) / "val") if args.data else (data, data)
     return ModelCard(
         title=str(best), labels=sorted(class_to_idx, key=class_to_idx.get), settings=settings, usage=usage,
         metadata={"library_name": "timm" if timm_name else "pytorch", "pipeline_tag": "image-classification",
-                  "tags": ["image-classification", "torchvision", "train_resnet.py"], "model_name": args.arch},
+                  "tags": ["image-classification", "torchvision", script.name], "model_name": args.arch},
         command=command_line(),
         data_files={"train": (folders[0], len(train_set)), "validation": (folders[1], len(val_set))})

@@ -24,7 +24,9 @@ all-reduce and, for a model whose buffers training changes (ResNet's BatchNorm),
 in each step's forward pass (utils/runtime.py build_accelerator). tests/test_sync_free_step.py counts what a step does.
 After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
 EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
-the run stops early; its counters live in the loop's `state`, which every checkpoint keeps.
+the run stops early; its counters live in the loop's `state`, which every checkpoint keeps. The metric it may name
+is any number the script's `evaluate` returns: `validation_names` learns them before training from one evaluation of
+one validation batch (`OneBatch`), which `resolve_selection` checks the flag against.
 Every method that reduces over ranks is a collective: every rank calls it at the same points.
 
 Out of device memory (--auto_find_batch_size, `OutOfMemoryRetry`): the run is not over. Every process drops what the
@@ -53,10 +55,11 @@ from typing import NamedTuple
 import numpy as np
 import psutil
 import torch
-from accelerate.utils import DistributedType, find_batch_size, slice_tensors
+from accelerate.utils import DistributedType, find_batch_size, send_to_device, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by
+from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by, roles_beside
+from .outputs import number_entries
 from .runtime import HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, stop_outside_training
 
 
@@ -497,12 +500,18 @@ SELECTION_ROLES = {"--metric_for_best_model": kept_by("metric_for_best_model"),
                    "--early_stopping_patience": MAY_CHANGE, "--early_stopping_threshold": MAY_CHANGE}
 
 
-def add_selection_args(parser, default_metric, choices_help, aliases=()):
+@roles_beside("SELECTION_ROLES")
+def add_selection_args(parser, default_help, aliases=()):
     """transformers Trainer's flags for choosing the best model and stopping early (`aliases`: other spellings of
-    --metric_for_best_model, such as timm's --eval-metric)."""
+    --metric_for_best_model, such as timm's --eval-metric; `default_help`: the script's default metric, in words).
+    Their names are those of the numbers the script's `evaluate` returns, learnt before training (validation_names):
+    no list of them here."""
     group = parser.add_argument_group("best model and early stopping (transformers Trainer's names)")
-    group.add_argument("--metric_for_best_model", *aliases, dest="metric_for_best_model", default=default_metric,
-                       metavar="NAME", help=f"the validation metric that selects the best model: {choices_help}")
+    group.add_argument("--metric_for_best_model", *aliases, dest="metric_for_best_model", default=None,
+                       metavar="NAME", help="the validation metric that selects the best model: the name of a number "
+                                            "the script's evaluate() returns (its ADAPTATION SECTION), with or without "
+                                            "Trainer's eval_ prefix; a run that trains evaluates one validation batch "
+                                            f"first and lists them if NAME is not one; default: {default_help}")
     group.add_argument("--greater_is_better", type=hf_bool, nargs="?", const=True, default=None, metavar="BOOL",
                        help="whether a larger metric is better (true/false); default: false for a name ending in "
                             "'loss' and for mse, rmse, mae, else true")
@@ -513,10 +522,11 @@ def add_selection_args(parser, default_metric, choices_help, aliases=()):
     return group
 
 
-def check_selection_args(parser, args, training, names=None, renames=None):
-    """The checks the command line alone allows (parser.error): a run that does not train would ignore these flags;
-    with the run's validation metrics `names` known from the command line alone, resolve_selection too."""
-    given = [flag for flag, value in (("--greater_is_better", args.greater_is_better),
+def check_selection_args(parser, args, training):
+    """The checks the command line alone allows (parser.error): a run that does not train would ignore these flags.
+    The metric's name waits for the run's validation metrics (resolve_selection)."""
+    given = [flag for flag, value in (("--metric_for_best_model", args.metric_for_best_model),
+                                      ("--greater_is_better", args.greater_is_better),
                                       ("--early_stopping_patience", args.early_stopping_patience),
                                       ("--early_stopping_threshold", args.early_stopping_threshold or None))
              if value is not None]
@@ -528,31 +538,82 @@ def check_selection_args(parser, args, training, names=None, renames=None):
         parser.error(f"--early_stopping_threshold {args.early_stopping_threshold}: must be >= 0")
     if args.early_stopping_threshold and args.early_stopping_patience is None:
         parser.error("--early_stopping_threshold needs --early_stopping_patience")
-    if names is not None:
-        try:
-            resolve_selection(args, names, renames)
-        except UserError as err:
-            parser.error(str(err))
 
 
 LOWER_IS_BETTER = ("mse", "rmse", "mae")  # errors; and, as in Trainer, every name ending in "loss"
 
 
-def resolve_selection(args, names, renames=None, validation=True, default=None):
-    """--metric_for_best_model (or `default`) as the plain name of one of the run's validation metrics `names`
-    (Trainer's `eval_` prefix and the `renames` spellings accepted), and --greater_is_better's default from it,
-    written into args. Early stopping needs a `validation` set."""
-    if args.early_stopping_patience is not None and not validation:
-        raise UserError("--early_stopping_patience stops on the validation metric: this run has no validation set")
-    given = args.metric_for_best_model or default
-    name = given[len("eval_"):] if given.startswith("eval_") and given not in names else given
-    name = (renames or {}).get(name, name)
-    if name not in names:
-        raise UserError(f"--metric_for_best_model {given}: not a validation metric of this run; choose from "
-                        f"{', '.join(names)}")
+def resolve_selection(args, names, renames=None, default=None):
+    """--metric_for_best_model (or `default`) as the plain name of one of the run's validation metrics `names` (the
+    numbers its evaluate() returns: validation_names; Trainer's `eval_` prefix and the `renames` spellings accepted),
+    and --greater_is_better's default from it, written into args. `names` None: the run validates nothing (no
+    validation set, or it does not train), so the default stands, unchecked, and a metric or early stopping asked for
+    is refused."""
+    given = args.metric_for_best_model
+    if names is None:
+        if args.early_stopping_patience is not None:
+            raise UserError("--early_stopping_patience stops on the validation metric: this run has no validation set")
+        if given is not None:
+            raise UserError(f"--metric_for_best_model {given} selects by a validation metric: this run has no "
+                            "validation set")
+        name = default
+    else:
+        given = given or default
+        name = given[len("eval_"):] if given.startswith("eval_") and given not in names else given
+        name = (renames or {}).get(name, name)
+        if name not in names:
+            raise UserError(f"--metric_for_best_model {given}: not a validation metric of this run; choose from the "
+                            f"numbers its evaluate() returns: {', '.join(names)}")
     args.metric_for_best_model = name
     if args.greater_is_better is None:
         args.greater_is_better = not (name.endswith("loss") or name in LOWER_IS_BETTER)
+
+
+class OneBatch:
+    """A validation loader's stand-in for a dry evaluation (validation_names): one batch of a process's share of one
+    of `loader`'s batches, of samples spread evenly over its dataset (every class of a file sorted by label), fetched
+    and collated as `loader` fetches and collates them and put on `device` as a prepared loader puts its batches.
+    No DataLoader is iterated (no worker starts, no sampler draws) or prepared (accelerate's save_state numbers the
+    prepared ones: another would change the checkpoints' layout)."""
+
+    def __init__(self, loader, size, device):
+        self.dataset = loader.dataset  # where the evaluation names an unreadable sample's file
+        count = len(self.dataset)
+        size = max(1, min(size, count))
+        indices = sorted({round(i * (count - 1) / max(size - 1, 1)) for i in range(size)})
+        fetch = getattr(self.dataset, "__getitems__", None)  # what torch's fetcher calls when the dataset has it
+        samples = fetch(indices) if fetch else [self.dataset[i] for i in indices]
+        self.batch = send_to_device(loader.collate_fn(samples), device)
+
+    def __len__(self):
+        return 1
+
+    def __iter__(self):
+        yield self.batch
+
+
+def validation_names(accelerator, model, loader, evaluate):
+    """The names of the numbers the script's evaluation returns, in its order: `evaluate(batches)` run once, before
+    training, on one batch (OneBatch) of the validation `loader` (unprepared), on every rank (its gathers are
+    collectives). What --metric_for_best_model may then name comes from evaluate() itself, and a broken evaluate()
+    fails in seconds rather than after the first epoch (Lightning's sanity check, num_sanity_val_steps).
+
+    The run goes on as it would have without it: the model is put back on its device and each module in its mode, and
+    every random generator a training step draws from back where it was (exact resumes compare bitwise)."""
+    generators = _rng_states()
+    modes = [(module, module.training) for module in model.modules()]
+    home = next((tensor.device for tensor in model.parameters()), None)
+    try:
+        model.to(accelerator.device)
+        with torch.no_grad():
+            metrics = evaluate(OneBatch(loader, loader.batch_size // accelerator.num_processes, accelerator.device))
+    finally:
+        if home is not None:
+            model.to(home)
+        for module, training in modes:
+            module.training = training
+        _set_rng_states(generators)
+    return list(number_entries(metrics))
 
 
 @dataclass(frozen=True)

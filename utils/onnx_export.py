@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.checkpoint import this_launch
+from utils.checkpoint import roles_beside, this_launch
 
 # how the ONNX export is made and checked concerns that launch only (utils/checkpoint.py ROLE_MEANINGS)
 ONNX_ROLES = this_launch("--export_onnx", "--onnx_int8", "--onnx_check_samples")
@@ -43,6 +43,7 @@ LATENCY_REPEATS = 20  # timed runs of one sample after one warm-up; the median i
 BATCH_REPEATS = 5  # the same for the first batch (a 256-image batch at 224 px: seconds per run in int8)
 
 
+@roles_beside("ONNX_ROLES")
 def add_onnx_args(parser):
     group = parser.add_argument_group("ONNX export (optional: pip install onnx onnxruntime)")
     group.add_argument("--export_onnx", action="store_true",

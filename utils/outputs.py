@@ -1,5 +1,5 @@
-"""What a run writes about itself, and the policy of its output directory: metrics.jsonl, all_results.json,
-run_config.json, the training curves, the experiment trackers (TensorBoard, MLflow, W&B, Comet through accelerate:
+"""What a run writes about itself, and the policy of its output directory: metrics.jsonl, all_results.json (and
+all_results_settings.json), run_config.json, the training curves, the experiment trackers (TensorBoard, MLflow, W&B, Comet through accelerate:
 tracker_settings says where each one writes), the model card of the selected model (ModelCard); the console lines
 and the progress bar.
 
@@ -9,11 +9,19 @@ a failure to write (a full disk) stops every rank with one line naming the direc
 (utils/runtime.py `writing`), and the JSON files are replaced atomically, never left half-written. A crash or a full
 disk can leave metrics.jsonl's last line cut short: a resumed run drops it with a note.
 
+Results files are flat, as the Trainer's all_results.json and eval_results.json are: numbers, strings, booleans and
+nulls, which `pandas.read_json(path, typ="series")` reads as a table. What a result holds that is no such value (what
+each group of numbers was measured with, `eval_settings`/`test_settings`; the run's `launches`) goes beside it into
+NAME_settings.json (all_results_settings.json, eval_results_settings.json: `write_results`), and `read_results` joins
+the two back.
+
 Neighbours: utils/checkpoint.py (the checkpoints in output_dir/checkpoints), utils/export.py (the exported
 models).
 """
 import importlib.metadata
 import json
+import math
+import numbers
 import os
 import platform
 import secrets
@@ -124,6 +132,12 @@ class RunLog:
         with writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 _write_atomically(self.output_dir / name, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+    def write_results(self, name, results):
+        """`results` as a flat results file `name` and its nested entries in NAME_settings.json (main process)."""
+        with writing(self.accelerator, self.output_dir):
+            if self.accelerator.is_main_process:
+                write_results(self.output_dir / name, results)
 
     def merge_results(self, results, prefixes=("eval_", "test_")):
         """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
@@ -365,6 +379,20 @@ def _version(name):
         return None
 
 
+def number_entries(values):
+    """The entries of `values` that are numbers (a bool is not one), in its order: of what an `evaluate` of the
+    scripts returns, what --metric_for_best_model may name and the console's evaluation lines print (a report or a
+    confusion matrix beside them is written as a file)."""
+    return {key: value for key, value in values.items()
+            if isinstance(value, numbers.Real) and not isinstance(value, bool)}
+
+
+def format_numbers(values):
+    """`loss 0.4123 | accuracy 0.9100 | samples 99` of `values`' numbers: a fraction to 4 decimals, a count whole."""
+    return " | ".join(f"{key} {value}" if isinstance(value, numbers.Integral) else f"{key} {value:.4f}"
+                      for key, value in number_entries(values).items())
+
+
 def format_step_line(epoch, step, total_steps, values):
     """`epoch 1 step 120/900 | loss 0.4123 | lr 2.0e-05 | 41.2 ms/step | 1,550 samples/s | eval 3.1 s`."""
     parts = [f"epoch {epoch} step {step}/{total_steps}"]
@@ -392,8 +420,8 @@ def progress(accelerator, iterable=None, **kwargs):
 def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, panels, title="training curves"):
     """One plot per panel against epochs: training at each log line, validation after each epoch.
 
-    panels: (metrics.jsonl key, axis label) each, e.g. ("loss", "loss"); train_events: dicts with step and those keys;
-    eval_events: dicts with epoch and those keys.
+    panels: (metrics.jsonl key, axis label) each, e.g. ("loss", "loss"); train_events: dicts with step, and those keys
+    that training measures too (the others have a validation curve alone); eval_events: dicts with epoch and those keys.
     """
     import matplotlib  # imported where used: it adds about half a second to every process start
 
@@ -404,8 +432,10 @@ def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, p
     train_x = [e["step"] / steps_per_epoch for e in train_events]
     eval_x = [e["epoch"] for e in eval_events]
     for ax, (key, label) in zip(axes[0], panels):
-        ax.plot(train_x, [e[key] for e in train_events], label="train", alpha=0.7)
-        ax.plot(eval_x, [e[key] for e in eval_events], "o-", label="validation")
+        # a gap (NaN) where an event lacks the key: a run resumed after its evaluate() changed
+        if any(key in e for e in train_events):
+            ax.plot(train_x, [e.get(key, math.nan) for e in train_events], label="train", alpha=0.7)
+        ax.plot(eval_x, [e.get(key, math.nan) for e in eval_events], "o-", label="validation")
         ax.set_xlabel("epoch")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -416,7 +446,8 @@ def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, p
     plt.close(fig)
 
 
-RUN_MARKERS = ("all_results.json", "metrics.jsonl", "checkpoints", "best_model", "model_best.pth", "model_card.md")
+RUN_MARKERS = ("all_results.json", "all_results_settings.json", "metrics.jsonl", "checkpoints", "best_model",
+               "model_best.pth", "model_card.md")
 
 
 def check_output_dir(output_dir, overwrite, resume):
@@ -453,29 +484,60 @@ def clear_previous_run(output_dir):
             path.unlink()
 
 
+def settings_path(path):
+    """NAME_settings.json, beside the results file NAME.json: its entries that are no single value."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}_settings.json")
+
+
+def write_results(path, results):
+    """`results` as a flat results file (numbers, strings, booleans, nulls) at `path`, and its other entries (dicts,
+    lists) in settings_path(path), each swapped in atomically, the settings first: the results file is what says
+    that a run finished."""
+    path = Path(path)
+    flat = {key: value for key, value in results.items() if not isinstance(value, (dict, list, tuple))}
+    nested = {key: value for key, value in results.items() if key not in flat}
+    if nested:
+        _write_atomically(settings_path(path), json.dumps(nested, indent=2, ensure_ascii=False) + "\n")
+    else:
+        settings_path(path).unlink(missing_ok=True)
+    _write_atomically(path, json.dumps(flat, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_results(path):
+    """A results file joined with its NAME_settings.json (write_results), as one dict; a file written before the
+    split, with its entries nested inside, reads the same."""
+    path = Path(path)
+    results = {}
+    for part in (path, settings_path(path)):
+        if part.is_file():
+            try:
+                results.update(json.loads(part.read_text(encoding="utf-8")))
+            except json.JSONDecodeError as err:
+                raise UserError(f"{part}: not valid JSON ({err}), so the results cannot be added to it; move it "
+                                "aside") from None
+    return results
+
+
 def merge_results(path, results, prefixes=("eval_", "test_")):
     """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process): the
     training results there are kept, and the run information stays that of the training run. Each prefix's
-    `{prefix}settings` entry says what its numbers were measured with (max_seq_len, image sizes, ...): numbers that
-    all_results.json holds for other settings than this run's are never replaced (this run's are in its own results
-    file). Returns one line per prefix kept that way."""
+    `{prefix}settings` entry (in all_results_settings.json) says what its numbers were measured with (max_seq_len,
+    image sizes, ...): numbers that all_results.json holds for other settings than this run's are never replaced
+    (this run's are in its own results file). Returns one line per prefix kept that way."""
     path = Path(path)
     kept = []
     if not path.is_file():
         merged = dict(results)
     else:
-        try:
-            merged = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}: not valid JSON ({err}), so the results cannot be added to it; move it "
-                            "aside") from None
+        merged = read_results(path)
         for prefix in prefixes:
             settings = f"{prefix}settings"
             if (any(k.startswith(prefix) for k in results) and settings in merged
                     and merged[settings] != results.get(settings)):
                 kept.append(prefix)
         merged.update({k: v for k, v in results.items() if k.startswith(prefixes) and not k.startswith(tuple(kept))})
-    _write_atomically(path, json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
+    write_results(path, merged)
     return [f"{path}: keeps its {prefix}* numbers, measured with {merged[f'{prefix}settings']} (this evaluation: "
             f"{results.get(f'{prefix}settings')}, in its own {prefix}results.json)" for prefix in kept]
 

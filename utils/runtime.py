@@ -6,6 +6,14 @@ accelerate_configs/*.yaml; the flags here only cover what a config file cannot s
 (--report_to, Trainer's names; resolve_trackers refuses a tracker whose package is missing before anything starts,
 where accelerate would drop it without a word).
 
+Kernels (`choose_kernels`, before anything touches CUDA): by default cuDNN's autotuner times the candidate
+convolution algorithms for each input shape and keeps the fastest (main.py's and torchvision's default), and GPU
+kernels that add with atomics (many backward passes) sum in whatever order their threads finish: a GPU run is not
+bitwise reproducible. --use_deterministic_algorithms (torchvision's spelling; the Trainer's --full_determinism) asks
+torch for deterministic kernels only, turns the autotuner off and gives cuBLAS a workspace setting that torch counts as
+deterministic; a kernel that torch has no deterministic version of stops the run at its first use, in one line
+naming it (`run_cli`).
+
 Flags: every count, interval and size is checked by the parser itself (`positive_int`, `nonnegative_int`,
 `positive_float`, `nonnegative_float` as argparse types), so `--logging_steps 0` is one line naming the flag, not a
 ZeroDivisionError an hour later.
@@ -50,12 +58,14 @@ utils/outputs.py.
 """
 import argparse
 import atexit
+import copy
 import ctypes
 import datetime
 import importlib.util
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -113,7 +123,8 @@ def stop_outside_training():
 
 
 def run_cli(main, args):
-    """Call `main(args)`; turn a UserError into one line on stderr and exit status 2, Ctrl-C into one line per
+    """Call `main(args)`; turn a UserError (and, under --use_deterministic_algorithms, torch's error for an op without
+    a deterministic kernel) into one line on stderr and exit status 2, Ctrl-C into one line per
     process and exit status 130 (a shell's code for SIGINT), and SIGTERM outside the training steps (Stopped) into
     one line per process and exit status 143 (128 + SIGTERM). A process started with SIGTERM ignored keeps it
     ignored outside its training steps, as programs started under nohup do: slurm/node_launch.sh starts the ranks so
@@ -135,12 +146,19 @@ def run_cli(main, args):
         record_for_launcher(line)
         code = 2
     except RuntimeError as err:
-        if not is_lost_peer(err):
+        op = nondeterministic_op(err) if getattr(args, "use_deterministic_algorithms", False) else None
+        if op is None and not is_lost_peer(err):
             raise
-        line = lost_peer_line(err, getattr(args, "ddp_timeout", None))
-        tqdm.write(line, file=sys.stderr)
+        if op is not None:  # printed once per machine, as a UserError is: every rank meets the op at the same step
+            line = f"error: {nondeterministic_op_line(op)}"
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                tqdm.write(line, file=sys.stderr)
+            code = 2
+        else:
+            line = lost_peer_line(err, getattr(args, "ddp_timeout", None))
+            tqdm.write(line, file=sys.stderr)
+            code = 1
         record_for_launcher(line)
-        code = 1
     except KeyboardInterrupt as err:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on too: one line, not two
         line = str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)"
@@ -167,6 +185,26 @@ def run_cli(main, args):
     if code:
         sys.exit(code)
     return result
+
+
+# torch's words for an op without a deterministic kernel under torch.use_deterministic_algorithms(True), raised at the
+# op's first use (in a DataLoader worker or a compiled graph, inside the message of the error that carries it on)
+NONDETERMINISTIC_OP = re.compile(r"(\S+) does not have a deterministic implementation, but you set "
+                                 r"'torch\.use_deterministic_algorithms\(True\)'")
+
+
+def nondeterministic_op(err):
+    """The op torch names in `err` when it has no deterministic kernel for it, else None."""
+    found = NONDETERMINISTIC_OP.search(str(err))
+    return found.group(1) if found else None
+
+
+def nondeterministic_op_line(op):
+    """The one line of a run that met an op without a deterministic kernel under --use_deterministic_algorithms."""
+    return (f"{op}: torch {torch.__version__} has no deterministic kernel for this op, and --use_deterministic_algorithms "
+            "(--full_determinism) allows deterministic kernels only: drop the flag (the run is then not bitwise "
+            "reproducible on a GPU: docs/gpu.md#reproducibility), or change the model or loss (the script's "
+            "adaptation section) to do without the op")
 
 
 TIMEOUT_MARK = "Timed out waiting"  # gloo's words for a collective that waited --ddp_timeout
@@ -348,10 +386,19 @@ def record_for_launcher(line):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help keeps the module docstring's layout (its commands) and shows every flag's default; a flag whose default
-    is None (decided later: by the device, the data or the trained model) says in its own help what it will be."""
+    is None (decided later: by the device, the data or the trained model) says in its own help what it will be. A
+    flag with a role (`role_help`, set by utils/checkpoint.py FlagRoles) ends with it in brackets."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
+
+    def _format_action(self, action):
+        role = getattr(action, "role_help", None)
+        if role and action.help is not argparse.SUPPRESS:
+            action = copy.copy(action)  # the parser's own action keeps its help
+            # the default's placeholder is in the text now, so it is not added twice
+            action.help = f"{self._get_help_string(action) or ''} [{role}]".lstrip()
+        return super()._format_action(action)
 
 
 def _number(text, kind, accept, what):
@@ -439,6 +486,12 @@ def add_runtime_args(parser):
                        help="seconds a collective waits for a missing rank before the job fails")
     group.add_argument("--data_parallel", action="store_true",
                        help="legacy single-process nn.DataParallel over all visible GPUs (slower than DDP)")
+    group.add_argument("--use_deterministic_algorithms", "--use-deterministic-algorithms", "--full_determinism",
+                       action="store_true",
+                       help="bitwise-reproducible runs on a GPU, usually slower: deterministic kernels only, cuDNN's "
+                            f"autotuner off, CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]} (torchvision's flag, the "
+                            "Trainer's --full_determinism); an op without a deterministic kernel stops the run in one "
+                            "line naming it (docs/gpu.md#reproducibility)")
     group.add_argument("--report_to", nargs="+", choices=REPORT_TO, default=None, metavar="TRACKER",
                        help=f"experiment trackers, one or more of {', '.join(REPORT_TO)} (Trainer's names; 'all': "
                             "every one accelerate finds installed); default: none")
@@ -544,12 +597,13 @@ class HostChannel:
     could not queue the next one meanwhile.
 
     `any` blocks until every rank has contributed; it does not start the all-reduce in one step to read it in the
-    next. What it waits for is the other ranks' hosts, which run ahead of their devices and meet again in every step's
-    gradient all-reduce anyway: tens of microseconds on one machine, a network round trip across machines. The answer
-    then holds at the step where it was asked: a stop saves the step every rank stands at, and the out-of-memory
-    agreement, which must come before the backward pass, is the same call. An all-reduce read a step late would make
-    every caller carry one in flight across steps, evaluations and retries, to save a wait that does not hold up the
-    device.
+    next. What it waits for is the other ranks' hosts, not any device: hosts that run ahead of their devices and meet
+    again in every step's gradient all-reduce anyway, over loopback on one machine, over the network across machines
+    (gloo's small all-reduce takes longer the more processes there are). It delays only the host, and a device whose
+    step takes longer than the host's work plus this wait never waits for it. The answer then holds at the step where
+    it was asked: a stop saves the step every rank stands at, and the out-of-memory agreement, which must come before
+    the backward pass, is the same call. An all-reduce read a step late would hide the wait too, but every caller
+    would carry one in flight across steps, evaluations and retries.
 
     Opened once per run by build_accelerator, on every rank at the same point (creating a group is a collective), with
     the run's --ddp_timeout: a rank that stops answering ends the job here as it would in the training group
@@ -589,12 +643,40 @@ class HostChannel:
         return bool(self.flag.item())  # a read of host memory: the device is not involved
 
 
+# The cuBLAS workspace settings torch counts as deterministic: a workspace of fixed size for each stream, so that cuBLAS
+# computes a product the same way every time, with other streams active too (without one it may pick another
+# implementation). The first is 8 buffers of 4 MiB, about 24 MiB more GPU memory than cuBLAS's default; the second's
+# 16 KiB buffers may slow the matrix products. A setting of the user's that is one of these is kept; the first is the
+# default.
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+def choose_kernels(args):
+    """How this process picks its GPU kernels (the module header), set before anything touches CUDA: cuBLAS takes its
+    workspace setting from the environment when it starts. Returns the line that names the deterministic settings
+    (None without --use_deterministic_algorithms). A CUBLAS_WORKSPACE_CONFIG that torch would refuse at the first
+    matrix product is refused here instead, before anything is written."""
+    deterministic = args.use_deterministic_algorithms
+    torch.backends.cudnn.benchmark = not deterministic
+    if not deterministic:
+        return None
+    workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
+    if workspace not in DETERMINISTIC_CUBLAS:
+        raise UserError(f"--use_deterministic_algorithms: CUBLAS_WORKSPACE_CONFIG={workspace} is not deterministic "
+                        f"(torch accepts {' or '.join(DETERMINISTIC_CUBLAS)}): unset it, or set one of those")
+    # implies cuDNN's deterministic convolutions, and Inductor's deterministic mode under torch.compile
+    torch.use_deterministic_algorithms(True)
+    return (f"deterministic kernels (--use_deterministic_algorithms): torch.use_deterministic_algorithms(True), cuDNN "
+            f"autotuner off, CUBLAS_WORKSPACE_CONFIG={workspace}; an op without a deterministic kernel stops the run")
+
+
 def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast_buffers=True):
     """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives; and the
     run's HostChannel. `broadcast_buffers`: DDP's copy of rank 0's buffers to every rank before each forward pass (a
     collective on the training group every step), which a model whose buffers training changes (BatchNorm's
     statistics) needs, and one whose buffers are constants does not."""
     hide_gpus_under_cpu(args)
+    determinism = choose_kernels(args)
     check_launch(args)
     stop_with_launcher()
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
@@ -624,7 +706,8 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
     if effective_precision(accelerator) != accelerator.mixed_precision:
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")
-    for note in (cpu_bf16_note(accelerator.device, effective_precision(accelerator)), elastic_restart_warning()):
+    for note in (determinism, cpu_bf16_note(accelerator.device, effective_precision(accelerator)),
+                 elastic_restart_warning()):
         if note:
             accelerator.print(note)
     return accelerator
@@ -693,6 +776,7 @@ def run_info(accelerator, global_batch_size):
         "device": str(accelerator.device),
         "global_batch_size": global_batch_size,
         "per_device_batch_size": global_batch_size // accelerator.num_processes,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),  # --use_deterministic_algorithms
     }
 
 

@@ -43,7 +43,8 @@ instead of a uniform random draw; the batches' order is shuffled again, so long 
 
 Long texts (`--truncation`, `--doc_stride`; `LongText`): a text longer than --max_seq_len keeps its first tokens
 (head, the default), its last ones (tail), or --head_tokens first and the rest last (head_tail; Sun et al., How to
-Fine-Tune BERT for Text Classification, 2019: 128 + 382 of 512 best); or it becomes sliding windows of --max_seq_len
+Fine-Tune BERT for Text Classification, 2019: 128 + 382 of 512 best, so the head is a quarter of the text tokens by
+default, at any --max_seq_len: `resolve_head_tokens`); or it becomes sliding windows of --max_seq_len
 tokens overlapping by --doc_stride tokens (the tokenizer's own `stride` and `return_overflowing_tokens`). Each window
 of a training text is a training sample with the text's label; an evaluated or predicted text's windows carry its
 index (`doc`), gathered with the logits, so that its windows are pooled into one prediction (utils/text_metrics.py
@@ -83,7 +84,7 @@ from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
 from utils.checkpoint import (DATA_KEY, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, DataFingerprint, data_fingerprint,
-                              keep_as, kept_by, this_launch)
+                              keep_as, kept_by, roles_beside, this_launch)
 from utils.runtime import UserError, hf_bool, nonnegative_int, positive_int
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
@@ -156,9 +157,12 @@ TEXT_FORMAT_ROLES = {**dict.fromkeys(("--text_column", "--text_column_names", "-
                      "--do_regression": keep_as("regression")}
 
 
+@roles_beside("TEXT_FORMAT_ROLES")
 def add_text_format_args(group):
     """The flags of `TextFormat` (transformers' run_classification names where it has them)."""
-    group.add_argument("--text_column", default="text", help="csv/json field of the text")
+    group.add_argument("--text_column", default=None,
+                       help="csv/json field of the text (default: text; where the data have a 'sentence' field and no "
+                            "'text', sentence, run_classification.py's default, said once)")
     group.add_argument("--text_column_names", "--text_column_name", default=None,
                        help="run_classification.py's: one field (= --text_column), or several, comma-separated, "
                             "joined into one text by --text_column_delimiter")
@@ -181,7 +185,7 @@ def add_text_format_args(group):
 
 def check_text_format_args(args):
     """The flag combinations `text_format` cannot take, found while parsing the command line."""
-    if args.text_column_names and args.text_column != "text":
+    if args.text_column_names and args.text_column is not None:
         raise UserError("--text_column and --text_column_names name the same thing: pass one")
     if args.text_column_delimiter is not None and len((args.text_column_names or "").split(",")) < 2:
         raise UserError("--text_column_delimiter joins several --text_column_names (comma-separated); here there "
@@ -191,15 +195,63 @@ def check_text_format_args(args):
 
 
 def text_format(args):
+    """The TextFormat of the flags (--text_column: `text` until resolve_text_column has looked at the data)."""
     check_encoding(args.encoding)
     if args.multi_label and not args.label_separator:
         raise UserError("--label_separator: must not be empty")
     names = [name.strip() for name in (args.text_column_names or "").split(",") if name.strip()]
     joined = tuple(names) if len(names) > 1 else ()
-    text_column = names[0] if len(names) == 1 else args.text_column
+    text_column = names[0] if len(names) == 1 else args.text_column or DEFAULT_FORMAT.text_column
     return TextFormat(text_column, args.text_pair_column, args.label_column,
                       args.label_separator if args.multi_label else None, args.encoding, joined,
                       " " if args.text_column_delimiter is None else args.text_column_delimiter, args.do_regression)
+
+
+def resolve_text_column(args, columns, source, say=print):
+    """--text_column where neither it nor --text_column_names is given: `text`, or `sentence` where the data
+    (`columns`, the fields of `source`) have that and no `text`, as run_classification.py reads them by default (said
+    once). It is then set on args like a given one: the cache key, the training data's fingerprint and
+    run_config.json hold it."""
+    if args.text_column is not None or args.text_column_names:
+        return
+    sentence = "sentence" in columns and DEFAULT_FORMAT.text_column not in columns
+    args.text_column = "sentence" if sentence else DEFAULT_FORMAT.text_column
+    if sentence:
+        say(f"--text_column sentence: {source} has a 'sentence' field and no 'text' (run_classification.py's default "
+            "text column)")
+
+
+def resolve_file_text_column(args, say=print):
+    """resolve_text_column from the fields of the first file of the run (--train_file, --validation_file,
+    --test_file or --data_dir's, --predict_file)."""
+    if args.text_column is not None or args.text_column_names:
+        return
+    files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
+                                        "test": args.test_file}, say=lambda line: None)
+    first = next((Path(path) for path in (*files.values(), args.predict_file) if path is not None), None)
+    resolve_text_column(args, file_fields(first, text_format(args)) if first else (), first, say)
+
+
+def file_fields(path, fmt):
+    """The field names of a file's first record: a .csv's header, a .txt/.tsv's header row, the keys of a JSON
+    file's first object; none for label<TAB>text lines. Only the first line is read, but from a JSON array."""
+    suffix = path.suffix.lower()
+    if suffix in CSV_SUFFIXES:
+        return next((fields for _, fields in _table_records(path, check_encoding(fmt.encoding), ",") if fields), [])
+    if suffix in JSON_SUFFIXES:
+        first = next((line for _, line in _decoded_lines(path, fmt.encoding) if line.strip()), "")
+        rows = _json_rows(path, fmt) if first.lstrip().startswith("[") else [(1, _json_line(path, first))]
+        row = next((row for _, row in rows if row is not None), None)
+        return list(row) if isinstance(row, dict) else []
+    header = _header_row(path, fmt) if suffix in TEXT_SUFFIXES else None
+    return header[1] if header else []
+
+
+def _json_line(path, line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None  # read as the file is read, later, where the error names its line
 
 
 def label_set(example):
@@ -812,8 +864,9 @@ def _label_names(ids, class_label, where):
     return class_label.names[ids]
 
 
-def read_dataset_splits(args, fmt):
-    """--dataset_name's splits this run needs, as Examples, and its test split to predict without --predict_file."""
+def read_dataset_splits(args):
+    """--dataset_name's splits this run needs, as Examples, and its test split to predict without --predict_file; the
+    text column resolved from the first one's columns (resolve_text_column)."""
     dataset_dict = load_dataset_dict(args.dataset_name, args.dataset_config_name, args.cache_dir, args.token)
     dataset_dict = removed_splits(dataset_dict, args.remove_splits, args.dataset_name)
     roles = {role: dataset_split(dataset_dict, role, getattr(args, f"{role}_split_name"), args.dataset_name)
@@ -829,6 +882,11 @@ def read_dataset_splits(args, fmt):
         raise UserError(f"--do_predict needs --predict_file or a test split: {args.dataset_name} has "
                         f"{', '.join(dataset_dict)} (--test_split_name NAME)")
     where = {role: f"{args.dataset_name} split '{key}'" for role, key in roles.items()}
+    first = next(role for role, need in needed.items() if need) if any(needed.values()) else "test"
+    column_notes = []
+    if roles[first] is not None:
+        resolve_text_column(args, dataset_dict[roles[first]].column_names, where[first], column_notes.append)
+    fmt = text_format(args)
     labels, labels_note = (dataset_labels(dataset_dict[roles["train"]], fmt, where["train"]) if needed["train"]
                            else (None, None))
     used = [f"{role} <- split '{roles[role]}' ({len(dataset_dict[roles[role]]):,} rows)"
@@ -837,7 +895,8 @@ def read_dataset_splits(args, fmt):
         used.append(f"predict <- split '{roles['test']}' (its labels unused)")
     splits = Splits({role: dataset_examples(dataset_dict[roles[role]], fmt, where[role])
                      for role, need in needed.items() if need}, labels,
-                    [note for note in (f"--dataset_name {args.dataset_name}: {', '.join(used)}", labels_note) if note])
+                    [note for note in (*column_notes, f"--dataset_name {args.dataset_name}: {', '.join(used)}",
+                                       labels_note) if note])
     if args.do_predict and not args.predict_file:
         splits.examples["predict"] = dataset_examples(dataset_dict[roles["test"]], fmt, where["test"], False)
     return splits
@@ -875,6 +934,7 @@ DATASET_ROLES = {**dict.fromkeys(("--dataset_name", "--dataset_config_name", "--
                  "--shuffle_train_dataset": MUST_KEEP, "--shuffle_seed": MUST_KEEP}
 
 
+@roles_beside("DATASET_ROLES")
 def add_dataset_args(group):
     """run_classification.py's dataset flags: a `datasets` dataset instead of files, and the quick-try cuts."""
     group.add_argument("--dataset_name", default=None,
@@ -1013,6 +1073,7 @@ COMPILE_PAD_MULTIPLE = 32  # at 512 tokens: at most 16 lengths per batch size to
 PADDING_ROLES = this_launch("--pad_to_multiple_of", "--pad_to_max_length")
 
 
+@roles_beside("PADDING_ROLES")
 def add_padding_args(group):
     padding = group.add_mutually_exclusive_group()
     padding.add_argument("--pad_to_multiple_of", type=positive_int, default=None,
@@ -1025,18 +1086,22 @@ def add_padding_args(group):
 TRUNCATION = ("head", "tail", "head_tail")
 POOLING = ("mean", "max")
 # the cut changes the training inputs (a resume keeps it); the pooling, an evaluation's, may change; the export records
-# them all, so an evaluation of the model cuts and pools as its training did (the defaults: where none is recorded)
-LONG_TEXT_ROLES = {"--truncation": MUST_KEEP.recorded("head"), "--head_tokens": MUST_KEEP.recorded(128),
+# what applies, so an evaluation of the model cuts and pools as its training did (the defaults: where none is
+# recorded; --head_tokens': resolve_head_tokens, from --max_seq_len)
+LONG_TEXT_ROLES = {"--truncation": MUST_KEEP.recorded("head"),
+                   "--head_tokens": MUST_KEEP.recorded(None, only_with="truncation=head_tail"),
                    "--doc_stride": MUST_KEEP.recorded(None), "--pool": MAY_CHANGE.recorded("mean", only_with="doc_stride")}
 
 
+@roles_beside("LONG_TEXT_ROLES")
 def add_long_text_args(group):
     group.add_argument("--truncation", choices=TRUNCATION, default=None,
                        help="which tokens of a text longer than --max_seq_len are kept: the first (head), the last "
                             "(tail), or --head_tokens first and the rest last (head_tail) (default: head; without "
                             "--do_train: the model's)")
     group.add_argument("--head_tokens", type=positive_int, default=None,
-                       help="--truncation head_tail: tokens kept from the head (default: 128, Sun et al. 2019)")
+                       help="--truncation head_tail: tokens kept from the head (default: a quarter of --max_seq_len's "
+                            "text tokens, as Sun et al. 2019's 128 of 510; without --do_train: the model's)")
     group.add_argument("--doc_stride", type=nonnegative_int, default=None,
                        help="tokens: a longer text becomes windows of --max_seq_len tokens overlapping by this many; "
                             "each window trains with its text's label, evaluation and prediction pool a text's windows "
@@ -1060,6 +1125,29 @@ class LongText:
                 "head_tail": f"the first {self.head_tokens} tokens and the last ones"}[self.truncation]
 
 
+def default_head_tokens(max_seq_len):
+    """--head_tokens' default: a quarter of the text tokens of `max_seq_len` (all but [CLS] and [SEP]), rounded up:
+    128 of 510 at 512, Sun et al.'s head; the rest, the tail, is three quarters."""
+    return math.ceil((max_seq_len - 2) / 4)
+
+
+def resolve_head_tokens(args, say=print):
+    """--head_tokens where neither the command line nor the trained model gives one, once --max_seq_len is resolved:
+    with --truncation head_tail, default_head_tokens (said once); with the other cuts it cuts nothing (the export
+    leaves it out) and keeps LongText's 128, the value their checkpoints have always recorded, so that they resume."""
+    if args.head_tokens is not None:
+        return
+    if args.truncation != "head_tail":
+        args.head_tokens = LongText.head_tokens
+        return
+    args.head_tokens = default_head_tokens(args.max_seq_len)
+    room = args.max_seq_len - 2
+    if args.head_tokens < room:
+        say(f"--head_tokens {args.head_tokens}: --truncation head_tail keeps the first {args.head_tokens} and the "
+            f"last {room - args.head_tokens} of the {room} text tokens of --max_seq_len {args.max_seq_len} (a "
+            "quarter from the head, as Sun et al.'s 128 of 510)")
+
+
 def long_text(args, max_seq_len, paired):
     """The LongText of the resolved flags, checked against max_seq_len and the data (one line each)."""
     settings = LongText(args.truncation, args.head_tokens, args.doc_stride, args.pool)
@@ -1072,6 +1160,9 @@ def long_text(args, max_seq_len, paired):
     if settings.doc_stride is not None and settings.doc_stride >= max_seq_len - 2:
         raise UserError(f"--doc_stride {settings.doc_stride}: windows of --max_seq_len {max_seq_len} tokens hold "
                         f"{max_seq_len - 2} text tokens; the overlap must be smaller")
+    if settings.truncation == "head_tail" and max_seq_len - 2 < 2:
+        raise UserError(f"--truncation head_tail: --max_seq_len {max_seq_len} holds {max_seq_len - 2} text tokens; "
+                        "a head and a tail need 2 or more")
     if settings.truncation == "head_tail" and settings.head_tokens >= max_seq_len - 2:
         raise UserError(f"--head_tokens {settings.head_tokens}: --max_seq_len {max_seq_len} holds {max_seq_len - 2} "
                         "text tokens; leave some for the tail")

@@ -1,7 +1,9 @@
 """The text classifier's loss, evaluation metrics and predictions, single-label (softmax, cross-entropy),
 multi-label (sigmoid, binary cross-entropy) and regression (one output, mean squared error) chosen in one place by
-`multi_label` / `regression`; which validation metric selects the best model (`default_metric`, `selectable_metrics`); the confusion
-matrix files; and `--metric NAME_OR_PATH`, any Hugging Face `evaluate` module beside the built-in metrics.
+`multi_label` / `regression`; the validation metric that selects the best model by default (`default_metric`; the
+others a run may choose are the numbers train_bert_cls.py's evaluate returns); which of an evaluation's entries its
+results record (`recorded`); the confusion matrix files; and `--metric NAME_OR_PATH`, any Hugging Face `evaluate`
+module beside the built-in metrics.
 
 Class weights (--class_weights, single-label only) multiply each sample's cross-entropy by its class's weight, as
 torch's `cross_entropy(weight=...)` with `reduction="none"` does; the training loop then takes the mean over the
@@ -17,7 +19,8 @@ onto the last batch).
 `--metric`: a hub id (`matthews_correlation`) needs the hub or its cache; a local path works offline: a metric
 script (`my_metric.py`) or a folder `my_metric/` holding `my_metric.py`. Every module is loaded, and computed once
 on every class id, before training starts, so that a metric that cannot load or cannot take these predictions fails
-in seconds rather than after the run; `selectable_metrics` names the keys --metric_for_best_model may then choose.
+in seconds rather than after the run; its number-valued keys are then among evaluate's numbers, which
+--metric_for_best_model may name.
 
 Neighbours: utils/text_data.py, utils/text_model.py.
 """
@@ -28,14 +31,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from utils.outputs import number_entries
 from utils.runtime import UserError
 
 # scikit-learn and matplotlib are imported where used: together they add about a second to every process start.
-
-
-# The headline numbers of an evaluation (the eval events, the `eval_*`/`test_*` results), in this order, of those
-# evaluation_metrics computed: classification or regression.
-HEADLINE_SCORES = ("loss", "accuracy", "macro_f1", "micro_f1", "mse", "rmse", "mae", "pearson", "spearmanr", "samples")
 
 
 def training_loss(logits, targets, multi_label, label_smoothing=0.0, class_weights=None, regression=False):
@@ -50,14 +49,6 @@ def training_loss(logits, targets, multi_label, label_smoothing=0.0, class_weigh
                            reduction="none")
 
 
-# What --metric_for_best_model may name besides the --metric modules' keys, per task.
-TASK_METRICS = {"classification": ("accuracy", "macro_f1", "micro_f1", "loss"),
-                "regression": ("mse", "rmse", "mae", "pearson", "spearmanr", "loss")}
-SELECTION_HELP = ("accuracy, macro_f1, micro_f1, loss (regression: mse, rmse, mae, pearson, spearmanr, loss) or a "
-                  "--metric module's key, with or without Trainer's eval_ prefix; default (None): macro_f1, for "
-                  "regression mse")
-
-
 def default_metric(regression):
     """Classification: macro-F1 (rare classes count as much as frequent ones). Regression: the mean squared error,
     the training loss itself and run_classification.py's default regression metric (Pearson and Spearman ignore the
@@ -65,9 +56,11 @@ def default_metric(regression):
     return "mse" if regression else "macro_f1"
 
 
-def headline_scores(metrics):
-    """{name: value} of the HEADLINE_SCORES that `metrics` (evaluation_metrics' result) holds."""
-    return {key: metrics[key] for key in HEADLINE_SCORES if key in metrics}
+def recorded(metrics):
+    """What an evaluation's result (train_bert_cls.py evaluate) gives metrics.jsonl, all_results.json and the model
+    card, in its order: its numbers, and the lists a --metric module may return (one number per class); the per-class
+    report and the confusion matrix are written as files."""
+    return {**number_entries(metrics), **{key: value for key, value in metrics.items() if isinstance(value, list)}}
 
 
 def check_task_args(args):
@@ -139,13 +132,15 @@ def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5, regr
     else:
         y_true, y_pred = targets.numpy(), logits.argmax(-1).numpy()  # (N,)
         loss = F.cross_entropy(logits, targets)
-    return {**classification_metrics(y_true, y_pred, labels), "loss": loss.item()}
+    return {"loss": loss.item(), **classification_metrics(y_true, y_pred, labels)}
 
 
 def pool_windows(logits, targets, docs, how="mean"):
     """One row per text from the rows of its windows (utils/text_data.py tokenize_windows): logits (W, C) pooled by
     their mean or maximum, the text's target (every window carries it) taken from its first window. docs (W,): each
-    window's text index, 0..N-1 in order (an evaluation's windows come in dataset order). Returns (N, C), (N, ...)."""
+    window's text index, in order (an evaluation's windows come in dataset order), with gaps where texts are left out
+    (the one batch of utils/loop.py validation_names: N texts numbered 0..N-1 again). Returns (N, C), (N, ...)."""
+    docs = torch.unique_consecutive(docs, return_inverse=True)[1]
     count = int(docs[-1]) + 1
     rows = docs.view(-1, 1).expand_as(logits)
     if how == "max":
@@ -289,22 +284,9 @@ def load_metrics(names_or_paths, num_labels, cache_dir=None):
     return modules
 
 
-def selectable_metrics(modules, num_labels, regression=False):
-    """The validation metrics --metric_for_best_model may name: the task's own and the number-valued keys of the
-    --metric modules, under the names their results get (computed once, on every class id, as load_metrics does)."""
-    own = TASK_METRICS["regression" if regression else "classification"]
-    every_class = list(range(num_labels))
-    # the keys evaluation_metrics returns are taken: a module's key among them gets its module's name in front
-    extra = compute_metrics(modules, every_class, every_class,
-                            reserved=dict.fromkeys((*own, "samples", "report", "confusion_matrix")))
-    numbers = [key for key, value in extra.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
-    return [*own, *numbers]
-
-
 def flat_metrics(metrics, prefix):
-    """`{prefix}_*` entries of an evaluation's headline scores and --metric results."""
-    return {**{f"{prefix}_{k}": v for k, v in headline_scores(metrics).items()},
-            **{f"{prefix}_{k}": v for k, v in metrics["extra"].items()}}
+    """`{prefix}_*` entries of what an evaluation's result records."""
+    return {f"{prefix}_{key}": value for key, value in recorded(metrics).items()}
 
 
 def compute_metrics(modules, predictions, references, reserved):

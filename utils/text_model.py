@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 import torch
 from transformers import Adafactor, get_scheduler
 
-from utils.checkpoint import MUST_KEEP, kept_by, this_launch
+from utils.checkpoint import MUST_KEEP, kept_by, roles_beside, this_launch
 from utils.export import load_torch_checkpoint, safetensors_problem, settings_from_model
 from utils.outputs import ModelCard, command_line
 from utils.runtime import UserError, hf_bool
@@ -57,6 +57,7 @@ MODEL_SOURCE_ROLES = {"--config_name": kept_by("model"), "--tokenizer_name": MUS
                       **this_launch("--cache_dir", "--model_revision", "--token", "--use_fast_tokenizer")}
 
 
+@roles_beside("MODEL_SOURCE_ROLES")
 def add_model_source_args(group):
     """Where the config, tokenizer and weights come from, with run_classification.py's flags."""
     group.add_argument("--config_name", default=None,
@@ -444,12 +445,14 @@ def recorded_settings(model_name_or_path):
     return {"multi_label": problem_type == "multi_label_classification"} if problem_type else {}
 
 
-def use_model_settings(args, say, settings):
-    """The settings a trained model records (`settings`: {args attribute: default}, the script's FlagRoles.exported:
-    --max_seq_len, --multi_label, --threshold): given, else (a run without --do_train, which evaluates or predicts
-    with a trained model) the model's, else the defaults (--max_seq_len's once the config is read: fit_max_seq_len).
-    The label mode first: the others' meaning depends on it. Returns settings_from_model's results tag."""
-    recorded = {} if args.do_train else recorded_settings(args.model_name_or_path)
+def use_model_settings(args, say, roles):
+    """The settings a trained model records (`roles`: the script's FlagRoles, whose `exported` ones are --max_seq_len,
+    --multi_label, --threshold, the long-text cut): given, else (a run without --do_train, which evaluates or predicts
+    with a trained model) the model's, else the defaults (--max_seq_len's once the config is read: fit_max_seq_len;
+    --head_tokens' once --max_seq_len is: utils/text_data.py resolve_head_tokens). The label mode first: the others'
+    meaning depends on it. Returns settings_from_model's results tag."""
+    settings = roles.exported()
+    recorded = {} if args.do_train else roles.model_settings(recorded_settings(args.model_name_or_path))
     if args.multi_label is None:
         args.multi_label = bool(recorded.get("multi_label", settings["multi_label"]))
         if args.multi_label and args.metric:

@@ -206,11 +206,13 @@ if MODES or DEVICE_AGREEMENT:
             """accelerate's set_trigger/check_trigger: the flag all-reduced on the training device, then read."""
             if self.group is None:
                 return bool(flag)
-            from accelerate.state import PartialState
+            if not hasattr(self, "on_the_device"):  # made once, as accelerate's flag_tensor
+                from accelerate.state import PartialState
 
-            agreed = torch.tensor(float(bool(flag)), device=PartialState().device)
-            dist.all_reduce(agreed)
-            return agreed.item() > 0
+                self.on_the_device = torch.zeros((), device=PartialState().device)
+            self.on_the_device.fill_(float(bool(flag)))
+            dist.all_reduce(self.on_the_device)
+            return self.on_the_device.item() > 0
 
         channel.__init__ = init_noted
         channel.any = any_on_the_device if DEVICE_AGREEMENT else any_on_the_host
