@@ -654,7 +654,7 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
                               resume_settings(args, flag_roles().resumable()), exports=["best_model"],
                               allow_data_change=args.allow_data_change,
                               best_export_step=lambda: selected_step(args.output_dir / "best_model"),
-                              per_process=per_process_differences(model))
+                              per_process=per_process_differences(model), say=log.console)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None, state=state)
@@ -745,12 +745,8 @@ class TrainResult:
 def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, loaders, log, task, attempt.resume)
-    model = training.model
-    optimizer = training.optimizer
-    scheduler = training.scheduler
-    state = training.state
-    cadence = training.cadence
-    selection = training.selection
+    model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
+    state, cadence, selection = training.state, training.cadence, training.selection
     best_dir = args.output_dir / "best_model"
     guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
     meter = LossMeter(accelerator.device)
@@ -798,8 +794,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
                 if guard.stops_inside_window(completed_steps, window, model):
                     preempted, batches_in_epoch = True, window.first_batch
                     with speed.pause("save"):
-                        path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
-                    log.console(f"saved checkpoint {path}")
+                        training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
                     break
                 continue
             window = None
@@ -821,8 +816,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
-                    path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
-                log.console(f"saved checkpoint {path}")
+                    training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
             if preempted or due.finished or stopped_at is not None:
                 break
         if cadence.finished(completed_steps):

@@ -708,7 +708,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
                               allow_data_change=args.allow_data_change,
                               best_export_step=lambda: exported_step(args.output_dir / "model_best.pth",
                                                                      steps_per_epoch),
-                              per_process=per_process_differences(model))
+                              per_process=per_process_differences(model), say=log.console)
     # Another run's file: its best was measured elsewhere, model_best.pth is the best of this run. This directory's
     # own file (the run goes on): the best it records stays the one to beat.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
@@ -743,14 +743,8 @@ class TrainResult:
 def train(args, accelerator, model, data, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, data, log, task, attempt.resume)
-    model = training.model
-    optimizer = training.optimizer
-    scheduler = training.scheduler
-    selection = task.selection
-    ema = training.ema
-    mixer = training.mixer
-    state = training.state
-    cadence = training.cadence
+    model, optimizer, scheduler, state = training.model, training.optimizer, training.scheduler, training.state
+    ema, mixer, cadence, selection = training.ema, training.mixer, training.cadence, task.selection
     guard = PreemptionGuard(accelerator, training.checkpoints.latest)
     meter = LossMeter(accelerator.device)
     speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
@@ -764,8 +758,7 @@ def train(args, accelerator, model, data, log, task, attempt):
     last_metrics = None  # the last validation's
     stopped_at = None  # the step of an early stop
     bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
-    start_time = time.perf_counter()
-    state["start_time"] = start_time
+    state["start_time"] = start_time = time.perf_counter()
     model.train()
     if state[VALIDATION_DUE]:  # a stop abandoned the validation of the epoch this checkpoint ends: it comes first
         # (stopped again during it, the run leaves that checkpoint as it was: the latest, with its validation due)
@@ -803,8 +796,7 @@ def train(args, accelerator, model, data, log, task, attempt):
                 if guard.stops_inside_window(completed_steps, window, model):
                     preempted, batches_in_epoch = True, window.first_batch
                     with speed.pause("save"):
-                        path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
-                    accelerator.print(f"saved checkpoint {path}")
+                        training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
                     break
                 continue
             window = None
@@ -830,8 +822,7 @@ def train(args, accelerator, model, data, log, task, attempt):
             if (due.checkpoint and stopped_at is None) or preempted:
                 health.check(completed_steps, parameters=True)
                 with speed.pause("save"):
-                    path = training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
-                accelerator.print(f"saved checkpoint {path}")
+                    training.checkpoints.save(completed_steps, state, epoch, batches_in_epoch)
             if preempted or stopped_at is not None:
                 break
     bar.close()

@@ -306,8 +306,9 @@ class Checkpoints:
     node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
 
     def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), modules=None,
-                 allow_data_change=False, best_export_step=lambda: None, per_process=()):
+                 allow_data_change=False, best_export_step=lambda: None, per_process=(), say=None):
         self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
+        self.say = say or accelerator.print  # the "saved checkpoint" line (the script's console, beside its bar)
         self.dir = self.output_dir / "checkpoints"
         self.must_match, self.settings, self.exports = must_match, settings, exports
         self.best_export_step, self.per_process = best_export_step, per_process
@@ -335,8 +336,8 @@ class Checkpoints:
 
     def save(self, step, state, epoch, batches_in_epoch):
         """Write checkpoint `step_<step>` atomically on all ranks, with `training_state` beside the weights; keep only
-        the newest `total_limit`. An existing step_<step> (a SIGTERM right after resuming from it) is replaced, not
-        kept: the log's "saved" must be true of the file. A failure to write (a full disk) on any rank stops every
+        the newest `total_limit`, and say "saved checkpoint PATH". An existing step_<step> (a SIGTERM right after
+        resuming from it) is replaced, not kept: the log's "saved" must be true of the file. A failure to write (a full disk) on any rank stops every
         rank with one line; the unfinished `.tmp-step_<step>` is removed and the previous checkpoint stays the latest.
         """
         final, tmp = self.dir / f"step_{step}", self.dir / f".tmp-step_{step}"
@@ -367,6 +368,7 @@ class Checkpoints:
             latest = self.latest()
             raise UserError(f"{err}: checkpoint step_{step} not saved; the latest complete checkpoint is still "
                             f"{latest if latest else 'none'}") from None
+        self.say(f"saved checkpoint {final}")
         return final
 
     def finish(self):
