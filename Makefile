@@ -22,7 +22,8 @@ GPU_READY := $(GPU_SITE)/.installed
 GPU_ENV := PYTHONPATH=$(GPU_SITE)
 endif
 
-.PHONY: install install-dev demo test test-long test-slurm test-lower-bounds gpu-wheels gpu-check gpu-check-suite clean
+.PHONY: install install-dev demo test test-long test-slurm test-lower-bounds gpu-wheels gpu-check gpu-check-suite \
+	gpu-bench clean
 
 $(VENV)/.installed: requirements.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +85,13 @@ $(GPU_SITE)/.installed:
 # on a machine without a GPU it says so and exits 0.
 gpu-check: $(GPU_READY)
 	$(GPU_ENV) $(OFFLINE) $(GPU_PYTHON) tools/gpu_check.py
+
+# The GPU benchmark (benchmarks/gpu_bench.py): one table, appended to benchmarks/RESULTS.md with the machine; about 6
+# minutes on one H200 (its --budget). It reads data/thucnews_titles/ and data/bert-base-chinese/ (docs/data.md);
+# GPU_BENCH_ARGS passes flags on (--budget SECONDS, --only TEXT...). Without a visible GPU it says so and exits 0.
+GPU_BENCH_ARGS ?=
+gpu-bench: $(GPU_READY)
+	$(GPU_ENV) $(OFFLINE) $(GPU_PYTHON) benchmarks/gpu_bench.py $(GPU_BENCH_ARGS)
 
 # The whole test suite with the GPU machine's Python (it must pass where a GPU is visible, too).
 gpu-check-suite: $(GPU_READY)

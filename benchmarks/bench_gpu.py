@@ -68,12 +68,22 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def mfu(parameters, samples_per_second, tokens_per_sample, peak_tflops):
+    """Model FLOPs utilisation as the module docstring defines it; None without a known peak."""
+    if not peak_tflops:
+        return None
+    return 6 * parameters * samples_per_second * tokens_per_sample / (peak_tflops * 1e12)
+
+
 class Workload:
     """One model + optimizer, eager or compiled, stepping on a fixed synthetic batch under bf16 autocast."""
 
-    def __init__(self, model, optimizer, batch, loss_fn, compiled, batch_size):
+    def __init__(self, model, optimizer, batch, loss_fn, compiled, batch_size, backend="inductor"):
         self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
-        self.forward = torch.compile(model) if compiled else model
+        # dynamic=False: each workload keeps the static shapes it was built for. Without it, a second workload of the
+        # same model class with another shape (batch 32 after 64, seq 512 after 128) makes dynamo recompile the
+        # shared forward with dynamic shapes, and that arm would time other kernels than a lone run of it.
+        self.forward = torch.compile(model, backend=backend, dynamic=False) if compiled else model
         self.device, self.batch_size, self.compile_seconds = next(model.parameters()).device, batch_size, None
 
     def step(self, batch=None):
@@ -118,72 +128,84 @@ def timed(device, steps, units, step, before=lambda: None, memory_of=None):
     return run
 
 
-def resnet50_workloads(args, device, modes):
+def resnet50_workloads(device, batch, image_size, modes, backend="inductor"):
+    """{compile mode: ResNet-50 Workload} on one synthetic channels_last batch; the same initial weights in each."""
     torch.manual_seed(SEED)
     base = torchvision.models.resnet50().to(memory_format=torch.channels_last)
-    size, batch = args.resnet_image_size, args.resnet_batch
-    images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+    images = torch.randn(batch, 3, image_size, image_size, device=device).contiguous(memory_format=torch.channels_last)
     data = images, torch.randint(0, 1000, (batch,), device=device)
 
     def workload(compiled):
         model = copy.deepcopy(base).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
         return Workload(model, optimizer, data, lambda forward, d: F.cross_entropy(forward(d[0]), d[1]), compiled,
-                        batch)
-    return {f"resnet50 bf16 channels_last, compile {mode}": workload(mode == "on") for mode in modes}
+                        batch, backend)
+    return {mode: workload(mode == "on") for mode in modes}
 
 
-def bert_workloads(args, device, modes, seq):
-    config_dir = args.data_root / "bert-base-chinese"
-    config = AutoConfig.from_pretrained(config_dir, num_labels=10) if config_dir.is_dir() else BertConfig(num_labels=10)
-    if args.quick and device.type == "cpu":
-        config.update({"num_hidden_layers": 2})  # a syntax check, not a measurement
+def bert_config(config_dir, labels=10):
+    """The BERT shape: config_dir's config.json (bert-base-chinese's), or transformers' default BertConfig without
+    one."""
+    config_dir = Path(config_dir)
+    if (config_dir / "config.json").is_file():
+        return AutoConfig.from_pretrained(config_dir, num_labels=labels)
+    return BertConfig(num_labels=labels)
+
+
+def bert_workloads(config, device, batch, seq, modes, backend="inductor"):
+    """({compile mode: BERT Workload}, parameters): a randomly initialised classifier of `config` on one synthetic
+    batch of `batch` x `seq` tokens, none of them padding; the same initial weights in each."""
     torch.manual_seed(SEED)
-    base, batch = BertForSequenceClassification(config), args.bert_batch
-    data = {"input_ids": torch.randint(1000, config.vocab_size, (batch, seq), device=device),
+    base = BertForSequenceClassification(config)
+    # token ids from 1000 on: bert-base-chinese's first thousand are special and unused tokens (a tiny test vocabulary
+    # has fewer: its upper half)
+    first_id = min(1000, config.vocab_size // 2)
+    data = {"input_ids": torch.randint(first_id, config.vocab_size, (batch, seq), device=device),
             "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device),
-            "labels": torch.randint(0, 10, (batch,), device=device)}
+            "labels": torch.randint(0, config.num_labels, (batch,), device=device)}
 
     def workload(compiled):
         model = copy.deepcopy(base).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5, fused=device.type in ("cuda", "cpu"))
-        return Workload(model, optimizer, data, lambda forward, d: forward(**d).loss, compiled, batch)
-    workloads = {f"bert-base seq{seq} bf16, compile {mode}": workload(mode == "on") for mode in modes}
-    return workloads, sum(p.numel() for p in base.parameters()), config.num_hidden_layers
+        return Workload(model, optimizer, data, lambda forward, d: forward(**d).loss, compiled, batch, backend)
+    return {mode: workload(mode == "on") for mode in modes}, sum(p.numel() for p in base.parameters())
 
 
-def input_arms(args, device, workload, work_dir):
-    """ResNet-50's input on ImageNet-sized JPEGs (utils/demo_data.py write_photo_imagefolder): the CPU loader (decode
-    and augment in the workers) and --decode_on_device (the workers read the bytes; decode and augment on `device`),
-    each alone (images/s delivered on the device) and feeding `workload`'s steps; and how far apart the two paths'
-    images are for the same crops (levels of 255, over the first 64 images)."""
-    root = write_photo_imagefolder(work_dir, args.input_images, longer_side=64 if args.quick else 500) / "train"
+def input_arm_names(workers):
+    """The input arms' names, in input_arms' order: each loader alone, then feeding the step."""
+    loaders = (f"CPU loader ({workers} workers)", "device decode")
+    return [arm for name in loaders for arm in (f"resnet50 input alone: {name}", f"resnet50 step fed by {name}")]
+
+
+def input_arms(device, workload, root, image_size, batch_size, workers, quick=False):
+    """ResNet-50's input on the JPEGs of the ImageFolder `root` (utils/demo_data.py write_photo_imagefolder): the CPU
+    loader (decode and augment in `workers` workers) and --decode_on_device (the workers read the bytes; decode and
+    augment on `device`), each alone (images/s delivered on the device) and feeding `workload`'s steps; and how far
+    apart the two paths' images are for the same crops (levels of 255, over the first 64 images)."""
     augment = argparse.ArgumentParser()
     add_augment_args(augment)
-    augment = augment.parse_args(["--image_size", str(args.resnet_image_size)])
+    augment = augment.parse_args(["--image_size", str(image_size)])
     resolve_augment_args(augment)  # train_resnet.py's defaults: RandomResizedCrop, flip, normalise
-    cpu, encoded = (folder(root, train_transform(augment), args.resnet_image_size, SEED)
+    cpu, encoded = (folder(root, train_transform(augment), image_size, SEED)
                     for folder in (RGBImageFolder, EncodedImageFolder))
     first = range(min(64, len(cpu)))
     expected = torch.stack([cpu[i][0] for i in first])
     got = encoded.collate([encoded[i] for i in first]).decode(device)[0].cpu()
     levels = (got - expected).abs() * torch.tensor(IMAGENET_STD)[:, None, None] * 255  # undo the normalisation
     agreement = {"images": len(first), "mean_abs_levels": levels.mean().item(), "max_abs_levels": levels.max().item()}
-    workers = args.loader_workers
     # 2 rounds of batches per worker: after the drain every worker starts a batch at once, so whole rounds time them
-    steps = 1 if args.quick else 2 * max(1, workers)
-    arms = {}
-    for name, dataset in ((f"CPU loader ({workers} workers)", cpu), ("device decode", encoded)):
-        loader = DataLoader(dataset, args.resnet_batch, collate_fn=collate_for(dataset), num_workers=workers,
+    steps = 1 if quick else 2 * max(1, workers)
+    arms, names = {}, iter(input_arm_names(workers))
+    for dataset in (cpu, encoded):
+        loader = DataLoader(dataset, batch_size, collate_fn=collate_for(dataset), num_workers=workers,
                             pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                             sampler=RandomSampler(dataset, num_samples=1 << 30))  # one endless epoch
         # as accelerate moves them, then as the training loop takes them (decode_on_device)
         batches = decode_on_device((send_to_device(batch, device, non_blocking=True) for batch in loader), device)
-        for arm, consume in ((f"resnet50 input alone: {name}", lambda batch: None),
-                             (f"resnet50 step fed by {name}",
-                              lambda batch: workload.step((batch[0].contiguous(memory_format=torch.channels_last),
-                                                           batch[1])))):
-            arms[arm] = timed(device, steps, args.resnet_batch, lambda c=consume, b=batches: c(next(b)),
+        for arm, consume in ((next(names), lambda batch: None),
+                             (next(names), lambda batch: workload.step((batch[0].contiguous(
+                                 memory_format=torch.channels_last), batch[1])))):
+            arms[arm] = timed(device, steps, batch_size, lambda c=consume, b=batches: c(next(b)),
                               # prefetched while other arms ran (prefetch_factor 2 per worker): not a rate
                               before=lambda b=batches: [next(b) for _ in range(2 * workers)])
     return arms, agreement
@@ -221,17 +243,24 @@ def main():
     steps = args.steps or (1 if args.quick else 20)
     modes = ["off", "on"] if args.torch_compile == "both" else [args.torch_compile]
 
-    resnet = resnet50_workloads(args, device, modes)
-    berts = {}
+    resnet = {f"resnet50 bf16 channels_last, compile {mode}": w
+              for mode, w in resnet50_workloads(device, args.resnet_batch, args.resnet_image_size, modes).items()}
+    config = bert_config(args.data_root / "bert-base-chinese")
+    if args.quick and device.type == "cpu":
+        config.update({"num_hidden_layers": 2})  # a syntax check, not a measurement
+    bert_layers, berts = config.num_hidden_layers, {}
     for seq in args.bert_seq_len:
-        berts[seq], bert_parameters, bert_layers = bert_workloads(args, device, modes, seq)
+        by_mode, bert_parameters = bert_workloads(config, device, args.bert_batch, seq, modes)
+        berts[seq] = {f"bert-base seq{seq} bf16, compile {mode}": w for mode, w in by_mode.items()}
     workloads = {**resnet, **{name: w for group in berts.values() for name, w in group.items()}}
     for name, workload in workloads.items():
         workload.warm_up(2 if args.quick else 5)
         print(f"  warm-up {name}: {workload.compile_seconds:.1f} s")
     model_step = list(resnet)[-1]  # compiled where it is: the step the input has to keep up with (goal: 0.9x)
     fixture = tempfile.TemporaryDirectory(prefix="bench_gpu_jpegs_")
-    inputs, agreement = input_arms(args, device, resnet[model_step], Path(fixture.name))
+    jpegs = write_photo_imagefolder(fixture.name, args.input_images, longer_side=64 if args.quick else 500) / "train"
+    inputs, agreement = input_arms(device, resnet[model_step], jpegs, args.resnet_image_size, args.resnet_batch,
+                                   args.loader_workers, args.quick)
     samples = harness.run_rounds({**{name: timed(device, steps, w.batch_size, w.step, memory_of=w)
                                     for name, w in workloads.items()}, **inputs}, rounds)
 
@@ -240,13 +269,13 @@ def main():
     for group, tokens_per_sample in groups:
         stats = harness.summarize({name: samples[name] for name in group}, next(iter(group)))
         for name, s in stats.items():
-            mfu = None
-            if tokens_per_sample and args.peak_tflops:
-                mfu = 6 * bert_parameters * s["median_rate"] * tokens_per_sample / (args.peak_tflops * 1e12)
+            utilisation = (mfu(bert_parameters, s["median_rate"], tokens_per_sample, args.peak_tflops)
+                           if tokens_per_sample else None)
             peak = max((r.get("peak_memory_gib", 0) for r in samples[name]), default=0) or None
-            s.update(mfu=mfu, warm_up_seconds=workloads[name].compile_seconds, peak_memory_gib=peak)
+            s.update(mfu=utilisation, warm_up_seconds=workloads[name].compile_seconds, peak_memory_gib=peak)
             summary[name] = s
-            rows.append([name, s["median_rate"], s["ratio_to_baseline"], f"{mfu:.1%}" if mfu is not None else "",
+            rows.append([name, s["median_rate"], s["ratio_to_baseline"],
+                         f"{utilisation:.1%}" if utilisation is not None else "",
                          peak, workloads[name].compile_seconds])
     table = harness.format_table(["arm", "images or samples/s (median)", "vs compile off", "MFU",
                                  "peak memory GiB", "warm-up s (incl. compile)"], rows)

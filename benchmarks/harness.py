@@ -21,8 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "data"  # where docs/data.md (prepare_data.py) puts the real data in a clone
 DATA_LAYOUT = "thucnews_titles/, cnews_sample/, bert-base-chinese/, imagenette_112/"
 SEED = 42
-# What a measurement depends on in this repository: a change here, uncommitted, is named in the record's revision.
-MEASURED_CODE = ("train_bert_cls.py", "train_resnet.py", "utils", "benchmarks", "accelerate_configs")
+# What a measurement depends on in this repository: a change here, uncommitted, is named in the record's revision
+# (tools/step_probe: what gpu_bench.py's probed runs load before the script).
+MEASURED_CODE = ("train_bert_cls.py", "train_resnet.py", "utils", "benchmarks", "accelerate_configs",
+                 "tools/step_probe")
 
 # Offline, and the fast tokenizer on one thread like everything else (it would otherwise batch-encode on all cores).
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
@@ -56,6 +58,14 @@ def require_data(data_root, *relative_paths):
     if missing:
         raise UserError(f"{', '.join(missing)}: not found; pass --data_root DIR (the folder holding {DATA_LAYOUT}) "
                         "or put the data there as docs/data.md says (python prepare_data.py ...)")
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 now, for a launch's rendezvous."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def set_threads(threads):
