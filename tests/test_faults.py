@@ -1,5 +1,6 @@
 """Faults around a run: a dead rank, a diverging loss, a full disk, Ctrl-C, a taken port, legacy DataParallel, two
 runs on one directory."""
+import contextlib
 import json
 import os
 import shutil
@@ -12,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import (ACCELERATE, FAKE_GPU, GRACE, HANG_S, ROOT, TORCHRUN, alive, descendants, free_port, gone_within,
-                      launch, launch_cmd, read_json, read_jsonl, run, run_here, start, wait_for, workers)
+from conftest import (ACCELERATE, FAKE_GPU, GRACE, HANG_S, ROOT, TORCHRUN, alive, descendants, free_port, launch,
+                      launch_cmd, read_json, read_jsonl, run, run_here, start, wait_for, workers)
 from safetensors.torch import load_file
 
 from utils.checkpoint import latest_checkpoint
@@ -87,17 +88,19 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_previous_checkpoint_
 
 def test_ctrl_c_is_one_line_per_process_and_the_last_checkpoint_resumes(text_data, tmp_path):
     """A terminal's Ctrl-C: SIGINT to the launcher's process group; the launcher passes it on to the ranks (in
-    sessions of their own) one after another. Here in the order that is hardest for the ranks, and that a busy
-    machine produces at random: rank 0 has it first and has already left when the terminal's Ctrl-C reaches the
-    launcher, so rank 1 meets its collective broken by rank 0's leaving before (or while) its own Ctrl-C arrives."""
+    sessions of their own) one after another, and on a busy machine a rank can have left before the next one's
+    arrives. Here in the order that is hardest for the ranks: rank 0 alone has it and leaves, so rank 1 learns of it
+    only as its collective broken by rank 0's leaving, and still prints its own Ctrl-C line; then the terminal's
+    Ctrl-C reaches the launcher, which passes it on to whatever is left: at the end of a run it changes nothing."""
     out = tmp_path / "out"
     args = bert_args(text_data, out, "--max_train_steps", "5000", "--checkpointing_steps", "10")
     job = start(launch_cmd(SCRIPT, args, num_processes=2), tmp_path / "job.log")
     wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
     first = next(pid for pid in workers(job, out) if "RANK=0\0" in Path(f"/proc/{pid}/environ").read_text())
-    os.kill(first, signal.SIGINT)
-    assert gone_within([first], HANG_S)
-    os.killpg(job.pid, signal.SIGINT)  # the launcher's process group only, as a terminal does: not kill_job
+    os.kill(first, signal.SIGINT)  # as the launcher passing it on to rank 0 first
+    wait_for(lambda: "rank 1: interrupted (Ctrl-C)" in (tmp_path / "job.log").read_text(), job)
+    with contextlib.suppress(ProcessLookupError):  # the launcher may have ended already, with both ranks
+        os.killpg(job.pid, signal.SIGINT)  # the launcher's process group only, as a terminal does: not kill_job
     job.wait(timeout=GRACE + HANG_S)
     log = (tmp_path / "job.log").read_text()
     last = latest_checkpoint(out / "checkpoints")
