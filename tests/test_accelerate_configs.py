@@ -17,13 +17,12 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
-from conftest import ENV, FAKE_GPU, kill_job
+from conftest import ENV, FAKE_GPU, HANG_S, kill_job
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "accelerate_configs"
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.yaml"))
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-LAUNCH_TIMEOUT_S = 180  # a broken rendezvous hangs; fail instead
 
 # Prints what each rank sees, as JSON, one file per rank. `--cpu` mirrors the training scripts' flag.
 PROBE_SCRIPT = textwrap.dedent(
@@ -97,7 +96,7 @@ def run_launchers(commands, tmp_path, env):
                 )
             )
     try:
-        return [(p.wait(timeout=LAUNCH_TIMEOUT_S), log.read_text()) for p, log in zip(procs, logs)]
+        return [(p.wait(timeout=HANG_S), log.read_text()) for p, log in zip(procs, logs)]
     finally:
         for p in procs:
             if p.poll() is None:  # a test that failed: end the whole job (its ranks run in sessions of their own)

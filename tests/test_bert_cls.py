@@ -7,10 +7,11 @@ import math
 import shutil
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
-from conftest import ENV, ROOT, launch, one_thread, read_json, read_jsonl, run_here, run_on
+from conftest import ENV, HANG_S, ROOT, STARTED, launch, one_thread, read_json, read_jsonl, run_here, run_on
 
 SCRIPT = "train_bert_cls.py"
 
@@ -83,7 +84,7 @@ def test_demo_prints_a_command_that_runs_in_a_plain_shell(trained, monkeypatch):
     monkeypatch.chdir(ROOT)  # where `make demo` runs
     command = demo.try_command(trained[1][0] / "best_model")
     assert command.startswith((".venv/bin/python ", f"{sys.executable} "))
-    proc = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
                           env={**ENV, "PATH": "/usr/bin:/bin"})  # a plain shell: no venv on the PATH
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "'label': '体育'" in proc.stdout, proc.stdout
@@ -300,7 +301,7 @@ def test_startup_and_pauses_are_reported_apart_from_the_speed(trained):
     results = read_json(out / "all_results.json")
     events = read_jsonl(out / "metrics.jsonl")
     windows = [e for e in events if e["event"] == "train"]
-    assert 0 < results["startup_seconds"] < 300
+    assert 0 < results["startup_seconds"] < time.time() - STARTED + 1
     assert windows[0]["startup_seconds"] == results["startup_seconds"]  # in the first log line, once
     assert "startup" in proc.stdout and not any("startup_seconds" in w for w in windows[1:])
     assert all(e["eval_seconds"] > 0 for e in events if e["event"] == "eval")

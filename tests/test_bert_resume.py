@@ -6,7 +6,7 @@ import shutil
 import signal
 
 import pytest
-from conftest import (ELASTIC, TORCHRUN, assert_group_restarted, assert_job_left_in_grace, assert_same_curve,
+from conftest import (ELASTIC, HANG_S, TORCHRUN, assert_group_restarted, assert_job_left_in_grace, assert_same_curve,
                       assert_same_weights, descendants, end_all, free_port, kill_job, launch, launch_cmd, read_json,
                       run_here, run_on, start, stop_job, wait_for, workers)
 from safetensors.torch import load_file
@@ -78,7 +78,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(uninterrup
     job = start(cmd, tmp_path / "elastic.log", env=ELASTIC)
     wait_for(complete(out, 20), job)
     os.kill(max(workers(job, out)), signal.SIGKILL)
-    job.wait(timeout=300)
+    job.wait(timeout=HANG_S)
     log = (tmp_path / "elastic.log").read_text()
     assert job.returncode == 0, log[-3000:]
     assert_group_restarted(log)  # a restart, not a run that went on
@@ -116,7 +116,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, t
         end_all([job.pid, *processes])
     log = (tmp_path / "preempted.log").read_text()
     assert "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
-    assert_job_left_in_grace(log, SCRIPT, seconds, ended)
+    assert_job_left_in_grace(log, SCRIPT, ended)
     assert not (out / ".lock").exists()  # the first run ended as a preempted run does, and let go
     results = read_json(out / "all_results.json")
     assert results["preempted"] is True

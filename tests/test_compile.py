@@ -23,7 +23,7 @@ COMPILED = "Step 2: calling compiler function"
 def compiled_launch(backend, script, args):
     head = [*ACCELERATE, "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
             "--dynamo_backend", backend]
-    return run([*head, script, "--cpu", *args], env={"TORCH_LOGS": "dynamo"}, timeout=600)
+    return run([*head, script, "--cpu", *args], env={"TORCH_LOGS": "dynamo"})
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,7 @@ def barrier_on_fake_gpu(before, tmp_path):
     from conftest import free_port
     script = tmp_path / "barrier.py"
     script.write_text(textwrap.dedent(BARRIER.format(before=before, port=free_port())))
-    return run(["python", script], env=pythonpath(ROOT / "tests" / "fake_gpu", "."), check=False,
-               timeout=120)
+    return run(["python", script], env=pythonpath(ROOT / "tests" / "fake_gpu", "."), check=False)
 
 
 @pytest.mark.skipif(REAL_GPUS > 0, reason="a real GPU would serve the barrier: the simulation is for "

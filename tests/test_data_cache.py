@@ -161,15 +161,14 @@ def test_each_long_text_cut_makes_a_new_entry(data, tmp_path):
 def test_a_bad_line_or_a_missing_file_stops_both_processes_with_one_line(data, tmp_path):
     with open(data / "train.txt", "a", encoding="utf-8") as f:
         f.write("a line without a tab\n")
-    proc = launch(SCRIPT, small_args(data, tmp_path / "o", tmp_path / "cache"), num_processes=2, check=False,
-                  timeout=180)
+    proc = launch(SCRIPT, small_args(data, tmp_path / "o", tmp_path / "cache"), num_processes=2, check=False)
     assert proc.returncode != 0
     line = f"error: {data / 'train.txt'}:801: expected 'label<TAB>text', found no TAB"
     assert line in proc.stderr, proc.stderr[-3000:]
     assert 'train_bert_cls.py", line' not in proc.stderr  # no traceback on either rank
     assert entries(tmp_path / "cache") == [] and not list((tmp_path / "cache").glob(".*tmp*"))
     missing = launch(SCRIPT, [*small_args(data, tmp_path / "o", tmp_path / "cache"), "--test_file",
-                              tmp_path / "missing.txt", "--do_test"], num_processes=2, check=False, timeout=180)
+                              tmp_path / "missing.txt", "--do_test"], num_processes=2, check=False)
     assert missing.returncode != 0  # found while the cache key is computed, by the main process, said by both
     assert f"error: {tmp_path / 'missing.txt'}: file not found" in missing.stderr, missing.stderr[-3000:]
     assert 'train_bert_cls.py", line' not in missing.stderr

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENV, ROOT, read_json
+from conftest import ENV, HANG_S, ROOT, read_json
 
 from utils.checkpoint import EXPORTED_HELP, EXPORTED_MEANING, ROLE_HELP, ROLE_MEANINGS
 
@@ -149,7 +149,8 @@ def test_help_tiny_run_runs_as_printed(module, tmp_path):
     assert len(commands) == 2, commands
     env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}  # `python` and `accelerate`: this venv's
     for command in commands:
-        proc = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=HANG_S)
         assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     out = tmp_path / re.search(r"--output_dir (\S+)", commands[-1]).group(1)
     assert read_json(out / "all_results.json")[key] > threshold
@@ -304,7 +305,7 @@ def test_readme_stays_scannable():
 def pytest_line(target):
     """The arguments of the pytest that `make TARGET` runs, as make prints it without running anything (`make -n`)."""
     proc = subprocess.run(["make", "-n", "--no-print-directory", target, "PY=python"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     lines = [shlex.split(line) for line in proc.stdout.splitlines() if " -m pytest " in line]
     assert len(lines) == 1, proc.stdout

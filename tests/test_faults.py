@@ -1,5 +1,6 @@
 """Faults around a run: a dead rank, a diverging loss, a full disk, Ctrl-C, a taken port, legacy DataParallel, two
 runs on one directory."""
+import contextlib
 import json
 import os
 import shutil
@@ -7,12 +8,13 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import (ACCELERATE, FAKE_GPU, ROOT, TORCHRUN, alive, descendants, free_port, launch, launch_cmd,
-                      read_json, read_jsonl, run, run_here, start, wait_for)
+from conftest import (ACCELERATE, FAKE_GPU, GRACE, HANG_S, ROOT, TORCHRUN, alive, descendants, free_port, launch,
+                      launch_cmd, read_json, read_jsonl, run, run_here, start, wait_for, workers)
 from safetensors.torch import load_file
 
 from utils.checkpoint import latest_checkpoint
@@ -27,6 +29,8 @@ def bert_args(data, out, *extra):
 
 
 def test_a_killed_rank_ends_the_whole_job_quickly(text_data, tmp_path):
+    """The survivor does not wait out its collective (--ddp_timeout 30 s here; its line would say so): it sees its
+    peer's connection close, or the launcher ends it on the dead rank's exit."""
     out = tmp_path / "out"
     job = start(launch_cmd(SCRIPT, bert_args(text_data, out, "--max_train_steps", "5000", "--checkpointing_steps",
                                              "10", "--ddp_timeout", "30"), num_processes=2), tmp_path / "job.log")
@@ -34,13 +38,12 @@ def test_a_killed_rank_ends_the_whole_job_quickly(text_data, tmp_path):
     workers = [pid for pid in descendants(job.pid) if f"--output_dir {out}" in
                open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
     assert len(workers) == 2, workers
-    killed_at = time.time()
     os.kill(max(workers), signal.SIGKILL)
-    job.wait(timeout=120)
+    job.wait(timeout=GRACE + HANG_S)
     assert job.returncode != 0
-    assert time.time() - killed_at < 60  # not the default 10-minute collective timeout
     log = (tmp_path / "job.log").read_text()
     assert "exitcode  : -9" in log and "SIGKILL" in log, log[-3000:]  # the failing rank is named
+    assert "no reply within --ddp_timeout" not in log, log[-3000:]
     assert not alive(workers)
 
 
@@ -69,7 +72,7 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_previous_checkpoint_
     args = ["--train_file", text_data / "train.txt", "--model_name_or_path", text_data / "model", "--from_scratch",
             "--do_train", "--max_seq_len", "32", "--train_batch_size", "16", "--max_train_steps", "3",
             "--checkpointing_steps", "1", "--logging_steps", "1"]
-    proc = launch(SCRIPT, [*args, "--output_dir", out], num_processes=2, check=False, timeout=120)
+    proc = launch(SCRIPT, [*args, "--output_dir", out], num_processes=2, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -84,13 +87,21 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_previous_checkpoint_
 
 
 def test_ctrl_c_is_one_line_per_process_and_the_last_checkpoint_resumes(text_data, tmp_path):
-    """A terminal's Ctrl-C: SIGINT to the launcher's process group (the launcher passes it on to the workers)."""
+    """A terminal's Ctrl-C: SIGINT to the launcher's process group; the launcher passes it on to the ranks (in
+    sessions of their own) one after another, and on a busy machine a rank can have left before the next one's
+    arrives. Here in the order that is hardest for the ranks: rank 0 alone has it and leaves, so rank 1 learns of it
+    only as its collective broken by rank 0's leaving, and still prints its own Ctrl-C line; then the terminal's
+    Ctrl-C reaches the launcher, which passes it on to whatever is left: at the end of a run it changes nothing."""
     out = tmp_path / "out"
     args = bert_args(text_data, out, "--max_train_steps", "5000", "--checkpointing_steps", "10")
     job = start(launch_cmd(SCRIPT, args, num_processes=2), tmp_path / "job.log")
     wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
-    os.killpg(job.pid, signal.SIGINT)  # the launcher's process group only, as a terminal does: not kill_job
-    job.wait(timeout=60)
+    first = next(pid for pid in workers(job, out) if "RANK=0\0" in Path(f"/proc/{pid}/environ").read_text())
+    os.kill(first, signal.SIGINT)  # as the launcher passing it on to rank 0 first
+    wait_for(lambda: "rank 1: interrupted (Ctrl-C)" in (tmp_path / "job.log").read_text(), job)
+    with contextlib.suppress(ProcessLookupError):  # the launcher may have ended already, with both ranks
+        os.killpg(job.pid, signal.SIGINT)  # the launcher's process group only, as a terminal does: not kill_job
+    job.wait(timeout=GRACE + HANG_S)
     log = (tmp_path / "job.log").read_text()
     last = latest_checkpoint(out / "checkpoints")
     for rank in (0, 1):
@@ -129,7 +140,7 @@ def test_a_taken_port_and_a_forced_gloo_backend(text_data, tmp_path):
         assert results["num_processes"] == 2 and results["distributed_type"] == "MULTI_CPU"
         proc = run([*ACCELERATE, "--multi_gpu", "--num_machines", "2", "--machine_rank", "0", "--num_processes", "2",
                     "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--same_network", SCRIPT, "--cpu",
-                    *bert_args(text_data, tmp_path / "two", "--max_train_steps", "2")], check=False, timeout=60)
+                    *bert_args(text_data, tmp_path / "two", "--max_train_steps", "2")], check=False)
     assert proc.returncode != 0
     assert f"port `{port}`, but another process is utilizing it" in proc.stderr
     assert not (tmp_path / "two").exists()
@@ -256,7 +267,7 @@ signal.signal(signal.SIGTERM, on_sigterm)
 runtime.stop_with_launcher()
 libc.prctl(2, ctypes.byref(asked))  # PR_GET_PDEATHSIG
 print(f"asked {asked.value} parent {os.getppid()}", flush=True)
-for _ in range(600):  # 30 s at most: the launcher's death, then the signal
+for _ in range(12000):  # 600 s at most (a hang): the launcher's death, then the signal
     if received:
         break
     time.sleep(0.05)
@@ -267,7 +278,7 @@ print(f"asked {asked.value} parent {os.getppid()}", flush=True)
 LAUNCHER = """
 import subprocess, sys, time
 subprocess.Popen([sys.executable, *sys.argv[1:]], start_new_session=True)
-time.sleep(120)
+time.sleep(3600)  # until the test kills it
 """
 
 
@@ -279,11 +290,11 @@ def test_an_orphan_is_signalled_once_at_its_launchers_death(tmp_path):
     log = tmp_path / "rank.log"
     launcher = start([sys.executable, tmp_path / "launcher.py", tmp_path / "rank.py", ROOT], log,
                      env={"TORCHELASTIC_RUN_ID": "none"})
-    wait_for(lambda: "asked" in log.read_text(), launcher, timeout=60)
+    wait_for(lambda: "asked" in log.read_text(), launcher)
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
-    deadline = time.time() + 30
-    while log.read_text().count("asked") < 2 and time.time() < deadline:
+    deadline = time.monotonic() + HANG_S
+    while log.read_text().count("asked") < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     lines = log.read_text().splitlines()
     assert lines[0] == f"asked {int(signal.SIGTERM)} parent {launcher.pid}", lines
@@ -292,6 +303,7 @@ def test_an_orphan_is_signalled_once_at_its_launchers_death(tmp_path):
 
 LOCK_CHECK = """
 import json, os, sys
+from pathlib import Path
 from pathlib import Path
 from types import SimpleNamespace
 

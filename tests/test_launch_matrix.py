@@ -18,8 +18,8 @@ import subprocess
 
 import pytest
 import torch
-from conftest import (ACCELERATE, ENV, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, ROOT, TORCHRUN, free_port, kill_job, read_json,
-                      run, run_here)
+from conftest import (ACCELERATE, ENV, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, HANG_S, ROOT, TORCHRUN, free_port, kill_job,
+                      read_json, run, run_here)
 from launch_options import default_config, launch_with_config
 from safetensors.torch import load_file
 
@@ -51,7 +51,7 @@ def launch_two_machines(args):
                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         proc = run([*ACCELERATE, *common, "--machine_rank", "0", *args])
-        output, _ = node1.communicate(timeout=120)
+        output, _ = node1.communicate(timeout=HANG_S)
     finally:  # a test that failed: end the whole job (its ranks run in sessions of their own)
         if node1.poll() is None:
             kill_job(node1, signal.SIGKILL)

@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import urllib.error
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, assert_group_restarted,
+from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, HANG_S, STARTED, assert_group_restarted,
                       assert_job_left_in_grace, assert_one_line_error, assert_same_curve, assert_same_weights,
                       descendants, end_all, free_port, launch, launch_cmd, one_thread, read_json, read_jsonl, run_here,
                       run_on, start, stop_job, wait_for, workers)
@@ -350,7 +351,7 @@ def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, few_
         end_all([job.pid, *processes])
     log = (tmp_path / "job.log").read_text()
     assert "at step 6" in log and "stopped on SIGTERM after saving a checkpoint" in log, log[-3000:]
-    assert_job_left_in_grace(log, SCRIPT, seconds, ended)
+    assert_job_left_in_grace(log, SCRIPT, ended)
     assert not (out / ".lock").exists()
     results = read_json(out / "all_results.json")
     assert results["preempted"] is True and 9 <= results["train_steps"] < STEPS
@@ -381,7 +382,7 @@ def test_sigkill_then_accelerate_max_restarts_resumes_latest_exactly(trained, fe
     holder = read_json(out / ".lock")["pid"]  # rank 0
     assert holder in workers(job, out)
     os.kill(holder, signal.SIGKILL)
-    job.wait(timeout=300)
+    job.wait(timeout=HANG_S)
     log = (tmp_path / "job.log").read_text()
     assert job.returncode == 0, log[-3000:]
     assert_group_restarted(log)
@@ -635,7 +636,7 @@ def test_refuses_to_overwrite_another_run(small_digits, tmp_path):
 def test_startup_seconds_is_recorded(trained):
     """The launched run (the 1-process one runs in the pytest process, whose start is long past)."""
     results = read_json(trained[2] / "all_results.json")
-    assert 0.5 < results["startup_seconds"] < 600  # importing torch alone takes more than 0.5 s
+    assert 0.5 < results["startup_seconds"] < time.time() - STARTED + 1  # importing torch alone takes over 0.5 s
 
 
 def test_class_weights_balanced_from_the_image_counts(small_digits, tmp_path, capsys):

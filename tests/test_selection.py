@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import (assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json, read_jsonl,
-                      run_here, start, wait_for)
+from conftest import (GRACE, HANG_S, assert_same_curve, assert_same_weights, kill_job, launch, launch_cmd, read_json,
+                      read_jsonl, run_here, start, wait_for)
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
@@ -215,9 +215,9 @@ def test_sigterm_and_resume_stop_where_one_process_does_and_continue_one_tracker
 
     env = {**TRACKING, **{f"WANDB_{d}_DIR": str(tmp_path / f"wandb_{d.lower()}") for d in ("CONFIG", "CACHE", "DATA")}}
     job = start(launch_cmd(BERT, args, num_processes=2), tmp_path / "preempted.log", env=env)
-    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job, timeout=300)
+    wait_for(lambda: (out / "checkpoints" / "step_10" / "training_state.json").exists(), job)
     kill_job(job, signal.SIGTERM)
-    job.wait(timeout=120)
+    job.wait(timeout=GRACE + HANG_S)
     assert read_json(out / "all_results.json")["preempted"] is True, (tmp_path / "preempted.log").read_text()[-3000:]
     stopped_at = read_json(out / "all_results.json")["train_steps"]
     first_runs = read_training_state(out / "checkpoints" / f"step_{stopped_at}")["tracker_runs"]

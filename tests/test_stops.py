@@ -13,8 +13,9 @@ from pathlib import Path
 import psutil
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from conftest import (FEW_DIGITS_TRAIN, GRACE, assert_job_left_in_grace, descendants, end_all, gone_within, kill_job,
-                      launch_cmd, rank_tracebacks, read_json, read_jsonl, run_here, start, stop_job, wait_for, workers)
+from conftest import (FEW_DIGITS_TRAIN, GRACE, HANG_S, LAUNCHER_SIGKILL, assert_job_left_in_grace, descendants, end_all,
+                      gone_within, kill_job, launch_cmd, rank_tracebacks, read_json, read_jsonl, run_here, start,
+                      stop_job, wait_for, workers)
 
 from utils.runtime import loader_settings
 
@@ -47,6 +48,14 @@ def checkpoint_steps(out):
     return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
 
 
+def signals_pending(pid):
+    """Whether a signal sent to `pid` is still waiting for it (/proc's SigPnd and ShdPnd masks): one it ignores is
+    dropped as it is sent, one it blocks stays pending until the thread that waits for it takes it."""
+    masks = [line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(int(mask, 16) for mask in masks)
+
+
 def test_loader_workers_leave_on_their_parents_sigterm_alone():
     """A worker ignores Ctrl-C and a SIGTERM from anyone else (a scheduler signalling every process): the epoch goes
     on. Its parent's SIGTERM (multiprocessing's exit ends daemon workers so) ends it at once, with exit status 0."""
@@ -63,12 +72,15 @@ def test_loader_workers_leave_on_their_parents_sigterm_alone():
     assert len(pids) == 2
     for sig in ("-TERM", "-INT"):
         subprocess.run(["kill", sig, *pids], check=True)  # from another process
-    time.sleep(1)
-    assert len(list(batches)) == 14 and all(child.is_running() for child in started)
+    deadline = time.monotonic() + HANG_S  # until each worker has taken the signals (a dead one has none pending)
+    while any(child.is_running() and signals_pending(child.pid) for child in started):
+        assert time.monotonic() < deadline, "a worker left a signal pending"
+        time.sleep(0.01)
+    assert len(list(batches)) == 14 and all(child.status() != psutil.STATUS_ZOMBIE for child in started)
     started[0].send_signal(signal.SIGTERM)  # from the parent
-    assert started[0].wait(timeout=10) == 0
+    assert started[0].wait(timeout=HANG_S) == 0
     started[1].send_signal(signal.SIGTERM)
-    assert started[1].wait(timeout=10) == 0
+    assert started[1].wait(timeout=HANG_S) == 0
 
 
 def long_validation_copy(digits, root, copies):
@@ -86,9 +98,11 @@ def long_validation_copy(digits, root, copies):
 
 
 def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves(few_digits, tmp_path):
-    """docker stop, kubectl delete: SIGTERM to PID 1 (the launcher), which passes it on and SIGKILLs the ranks
-    GRACE seconds later. The stop abandons the epoch's validation (minutes long here), saves the epoch's end with the
-    validation still due, and the resumed run validates that epoch first."""
+    """docker stop, kubectl delete: SIGTERM to PID 1 (the launcher), which passes it on and SIGKILLs the ranks once
+    its grace is over (30 s by default). The stop abandons the epoch's validation (minutes long here, longer than
+    that grace) instead of finishing it, saves the epoch's end with the validation still due, leaves without the
+    launcher's SIGKILL, and the resumed run validates that epoch first. The signal is sent once epoch 1's last step
+    is logged: the next thing each rank does is that validation, which checks for a stop before every batch."""
     data, out = long_validation_copy(few_digits, tmp_path / "data", copies=800), tmp_path / "out"
     args = resnet_args(data, out, "--epochs", "2", "--checkpointing_steps", "1000")  # no checkpoint but the stop's
     job = start(launch_cmd("train_resnet.py", args, num_processes=2), tmp_path / "job.log")
@@ -97,14 +111,13 @@ def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves
         # the log line of epoch 1's last step (5), which ends the epoch and starts the validation
         wait_for(lambda: (out / "metrics.jsonl").exists() and any(
             e["event"] == "train" and e["step"] == RESNET_STEPS_PER_EPOCH for e in read_jsonl(out / "metrics.jsonl")),
-            job, timeout=240)
-        time.sleep(5)
+            job)
         processes = [job.pid, *descendants(job.pid)]
-        signaled = time.time()
+        signaled = time.monotonic()
         os.kill(job.pid, signal.SIGTERM)
-        job.wait(timeout=GRACE + 60)
-        seconds = time.time() - signaled
-        ended = gone_within(processes, 10)
+        job.wait(timeout=GRACE + HANG_S)
+        seconds = time.monotonic() - signaled
+        ended = gone_within(processes, HANG_S)
     finally:
         end_all([job.pid, *processes])
     log = (tmp_path / "job.log").read_text()
@@ -112,7 +125,7 @@ def test_sigterm_to_the_launcher_during_a_validation_longer_than_its_grace_saves
     assert checkpoint_steps(out) == [RESNET_STEPS_PER_EPOCH], log[-3000:]
     state = json.loads((out / "checkpoints" / f"step_{RESNET_STEPS_PER_EPOCH}" / "training_state.json").read_text())
     assert state["validation_due"] is True
-    assert seconds < GRACE and ended, f"{seconds:.1f} s"
+    assert LAUNCHER_SIGKILL not in log and ended, log[-3000:]
     print(f"launcher SIGTERM during validation: launcher exit {job.returncode}, checkpoint step "
           f"{RESNET_STEPS_PER_EPOCH}, {seconds:.1f} s")
     for copy in (data / "val").rglob("copy*.png"):
@@ -134,13 +147,13 @@ def test_sigkill_to_the_launcher_stops_the_ranks_and_frees_the_directory(text_da
                            num_processes=2), tmp_path / "job.log")
     processes = []
     try:
-        wait_for(complete(out, 10), job, timeout=240)
+        wait_for(complete(out, 10), job)
         processes = [*descendants(job.pid)]
-        killed = time.time()
+        killed = time.monotonic()
         os.kill(job.pid, signal.SIGKILL)
         job.wait()
-        ended = gone_within(processes, 30)
-        seconds = time.time() - killed
+        ended = gone_within(processes, HANG_S)
+        seconds = time.monotonic() - killed
     finally:
         end_all(processes)
     assert ended, f"processes of the job still running {seconds:.0f} s after the launcher's death"
@@ -156,28 +169,29 @@ def test_sigkill_to_the_launcher_stops_the_ranks_and_frees_the_directory(text_da
 
 def test_a_frozen_rank_is_named_by_the_survivor_and_the_job_ends_within_the_timeout(text_data, tmp_path):
     """A rank SIGSTOPped (or stuck on a filesystem): the survivor's collective times out after --ddp_timeout and it
-    prints one line naming the rank; the frozen process on its machine is ended, so the launcher does not wait its
-    grace for it."""
+    prints one line naming the rank; the frozen process on its machine is ended by the survivor, so the launcher does
+    not wait its grace for it (its log would say it SIGKILLed one)."""
     out, timeout = tmp_path / "out", 15
     job = start(launch_cmd("train_bert_cls.py", bert_args(text_data, out, "--max_train_steps", "5000",
                                                           "--ddp_timeout", str(timeout)), num_processes=2),
                 tmp_path / "job.log")
     processes = []
     try:
-        wait_for(complete(out, 10), job, timeout=240)
+        wait_for(complete(out, 10), job)
         processes = [*descendants(job.pid)]
         rank1 = [pid for pid in workers(job, out) if "RANK=1\0" in Path(f"/proc/{pid}/environ").read_text()]
-        stopped = time.time()
+        stopped = time.monotonic()
         os.kill(rank1[0], signal.SIGSTOP)
-        job.wait(timeout=timeout + GRACE + 30)
-        seconds = time.time() - stopped
+        job.wait(timeout=timeout + GRACE + HANG_S)
+        seconds = time.monotonic() - stopped
     finally:
         end_all([job.pid, *processes])
     log = (tmp_path / "job.log").read_text()
     lines = [line for line in log.splitlines() if line.startswith("rank 0: rank 1 stopped answering")]
     assert len(lines) == 1 and f"no reply within --ddp_timeout {timeout} s" in lines[0], log[-3000:]
+    assert "ended the frozen process of rank 1 on this machine" in lines[0], lines[0]
     assert not rank_tracebacks(log, "train_bert_cls.py"), log[-3000:]
-    assert job.returncode != 0 and seconds < timeout + 20, f"{seconds:.1f} s"  # the launcher's grace: 30 s more
+    assert job.returncode != 0 and LAUNCHER_SIGKILL not in log, log[-3000:]
     print(f"frozen rank: launcher exit {job.returncode}, {seconds:.1f} s")
 
 
@@ -198,7 +212,7 @@ def test_sigterm_to_every_process_of_a_prediction_run_stops_it_at_once_with_one_
                 tmp_path / "job.log")
     processes = []
     try:
-        wait_for(lambda: (out / ".lock").exists(), job, timeout=240)  # the run's main() holds its directory
+        wait_for(lambda: (out / ".lock").exists(), job)  # the run's main() holds its directory
         kill_job(job, signal.SIGSTOP)
         processes = [job.pid, *descendants(job.pid)]
         seconds, ended = stop_job(job, processes, signal.SIGTERM, signal.SIGCONT)
@@ -207,7 +221,7 @@ def test_sigterm_to_every_process_of_a_prediction_run_stops_it_at_once_with_one_
     log = (tmp_path / "job.log").read_text()
     for rank in (0, 1):
         assert f"rank {rank}: stopped on SIGTERM outside the training steps" in log, log[-3000:]
-    assert_job_left_in_grace(log, "train_bert_cls.py", seconds, ended)
+    assert_job_left_in_grace(log, "train_bert_cls.py", ended)
     assert job.returncode != 0, job.returncode
     assert not (out / "predictions.jsonl").exists() and not (out / ".lock").exists()
     print(f"prediction run, SIGTERM to every process: launcher exit {job.returncode}, {seconds:.1f} s")

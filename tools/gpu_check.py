@@ -78,6 +78,10 @@ class Harness:
         self.digits = write_digits_imagefolder(work / "digits", size=16, limit=DRY_DIGITS if self.cpu else None)
 
     def remaining(self, limit):
+        """Seconds a check (or one launch of it) may still run: its own `limit`, cut by the run's budget. The limits
+        fit the GPU run into its budget; dry mode proves the harness, not how fast a CPU trains, and has the run's
+        budget alone (a launch of a few seconds of CPU took 17 times that in wall time on a busy 2-core machine)."""
+        limit = math.inf if self.cpu else limit
         return max(0.0, min(limit, self.deadline - time.monotonic()))
 
     def launch(self, script, args, out, limit, precision="no", compile_=False, processes=1, wait=True):

@@ -60,7 +60,8 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by, roles_beside
 from .outputs import number_entries
-from .runtime import HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, stop_outside_training
+from .runtime import (HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, on_ctrl_c,
+                      stop_outside_training)
 
 
 class Due(NamedTuple):
@@ -413,6 +414,7 @@ class PreemptionGuard:
         self.step = None  # the last optimizer step taken, as of the last should_stop
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
+        on_ctrl_c(self.where)  # a peer's Ctrl-C that reaches this process as a broken collective says where, too
 
     def close(self, preempted):
         """The training steps are over: SIGTERM stops the rest of the run at once again (utils/runtime.py

@@ -122,19 +122,47 @@ def stop_outside_training():
     signal.signal(signal.SIGTERM, _outside_training)
 
 
+_where_on_ctrl_c = None  # what this run says on Ctrl-C: where it stands (utils/loop.py PreemptionGuard.where)
+
+
+def on_ctrl_c(where):
+    """Register `where()`, the line this process prints when the run stops on Ctrl-C: its own, or a peer's whose
+    leaving broke this process's collective first (run_cli)."""
+    global _where_on_ctrl_c
+    _where_on_ctrl_c = where
+
+
+def _ctrl_c_line():
+    return _where_on_ctrl_c() if _where_on_ctrl_c else "interrupted (Ctrl-C)"
+
+
+def _after_the_end(signum, frame):
+    """SIGINT's handler once the run is over (run_cli): a Ctrl-C that arrives now changes nothing."""
+
+
+def say(line):
+    """`line` on stderr in one write, on its own line even under a progress bar: the processes of a launch share one
+    log, and a line written in two parts (text, then its newline) can get another process's line between them."""
+    tqdm.write(f"{line}\n", file=sys.stderr, end="")
+
+
 def run_cli(main, args):
     """Call `main(args)`; turn a UserError (and, under --use_deterministic_algorithms, torch's error for an op without
     a deterministic kernel) into one line on stderr and exit status 2, Ctrl-C into one line per
     process and exit status 130 (a shell's code for SIGINT), and SIGTERM outside the training steps (Stopped) into
-    one line per process and exit status 143 (128 + SIGTERM). A process started with SIGTERM ignored keeps it
+    one line per process and exit status 143 (128 + SIGTERM). The launcher passes a Ctrl-C on to its processes one
+    after another, so a process may first see its collective broken by a peer that already left on it: the peer
+    said so in the launcher's store (RollCall), and this process then stops with its own Ctrl-C line too; a Ctrl-C
+    that arrives once the run is over changes nothing. A process started with SIGTERM ignored keeps it
     ignored outside its training steps, as programs started under nohup do: slurm/node_launch.sh starts the ranks so
     and forwards a stop to each one once it handles SIGTERM, which is where its training steps can save it. The
     output directory's lock is released however the run ends, with SIGTERM ignored while it is (a late one must not
     cut the release short). A process of a multi-process launch then leaves through leave_process; otherwise the
-    caller's SIGTERM handler is put back."""
+    caller's SIGTERM and SIGINT handlers are put back."""
     global _outside_training
     code, result = 0, None
-    entry = signal.getsignal(signal.SIGTERM)
+    on_ctrl_c(None)  # a run before this one in the same process (tests) said where it stood, not this one
+    entry, interrupt = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     _outside_training = signal.SIG_IGN if entry == signal.SIG_IGN else stop_at_once
     stop_outside_training()
     try:
@@ -142,37 +170,40 @@ def run_cli(main, args):
     except UserError as err:
         line = f"error: {err}"
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            tqdm.write(line, file=sys.stderr)  # on its own line even under a progress bar
+            say(line)
         record_for_launcher(line)
         code = 2
     except RuntimeError as err:
+        signal.signal(signal.SIGINT, _after_the_end)  # first: the launcher's Ctrl-C may still be on its way here
         op = nondeterministic_op(err) if getattr(args, "use_deterministic_algorithms", False) else None
         if op is None and not is_lost_peer(err):
+            signal.signal(signal.SIGINT, signal.SIG_DFL if interrupt is None else interrupt)
             raise
+        stopped_on_ctrl_c = op is None and RollCall.left_on_ctrl_c()
         if op is not None:  # printed once per machine, as a UserError is: every rank meets the op at the same step
-            line = f"error: {nondeterministic_op_line(op)}"
+            line, code = f"error: {nondeterministic_op_line(op)}", 2
             if os.environ.get("LOCAL_RANK", "0") == "0":
-                tqdm.write(line, file=sys.stderr)
-            code = 2
+                say(line)
         else:
-            line = lost_peer_line(err, getattr(args, "ddp_timeout", None))
-            tqdm.write(line, file=sys.stderr)
-            code = 1
+            if stopped_on_ctrl_c:
+                line, code = _ranked(_ctrl_c_line()), 130
+            else:
+                line, code = lost_peer_line(err, getattr(args, "ddp_timeout", None)), 1
+            say(line)
         record_for_launcher(line)
+        if stopped_on_ctrl_c:
+            RollCall.leave_on_ctrl_c()
     except KeyboardInterrupt as err:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on too: one line, not two
-        line = str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)"
-        if launched_world_size() > 1:
-            line = f"rank {os.environ.get('RANK', '?')}: {line}"
-        tqdm.write(line, file=sys.stderr)
+        signal.signal(signal.SIGINT, _after_the_end)  # the launcher passes Ctrl-C on too: one line, not two
+        line = _ranked(str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)")
+        say(line)
         record_for_launcher(line)
+        RollCall.leave_on_ctrl_c()
         code = 130
     except Stopped as err:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the launcher passes its own on) changes nothing
-        line = str(err)
-        if launched_world_size() > 1:
-            line = f"rank {os.environ.get('RANK', '?')}: {line}"
-        tqdm.write(line, file=sys.stderr)
+        line = _ranked(str(err))
+        say(line)
         record_for_launcher(line)
         code = 143
     finally:
@@ -182,6 +213,7 @@ def run_cli(main, args):
     if launched_world_size() > 1:
         leave_process(code)
     signal.signal(signal.SIGTERM, signal.SIG_DFL if entry is None else entry)  # the caller's again
+    signal.signal(signal.SIGINT, signal.SIG_DFL if interrupt is None else interrupt)
     if code:
         sys.exit(code)
     return result
@@ -205,6 +237,11 @@ def nondeterministic_op_line(op):
             "(--full_determinism) allows deterministic kernels only: drop the flag (the run is then not bitwise "
             "reproducible on a GPU: docs/gpu.md#reproducibility), or change the model or loss (the script's "
             "adaptation section) to do without the op")
+
+
+def _ranked(line):
+    """`line` with this process's rank in front under a multi-process launch."""
+    return f"rank {os.environ.get('RANK', '?')}: {line}" if launched_world_size() > 1 else line
 
 
 TIMEOUT_MARK = "Timed out waiting"  # gloo's words for a collective that waited --ddp_timeout
@@ -238,7 +275,9 @@ class RollCall:
     """Who is still there, asked through the launcher's store (torch elastic's TCPStore at MASTER_ADDR:MASTER_PORT,
     which a frozen rank does not hold up): each rank enters its host, PID and start time when the run starts
     (`enter`); after a failed collective, each surviving rank answers, and the ranks that do not within a few
-    seconds are the ones that stopped answering (`absent`)."""
+    seconds are the ones that stopped answering (`absent`). A rank that stops on Ctrl-C says so before it leaves
+    (`leave_on_ctrl_c`), so that a peer whose collective it broke knows why (`left_on_ctrl_c`), whatever the order
+    in which the launcher's Ctrl-C reached them."""
     ANSWER_SECONDS = 5.0  # how long survivors wait for each other's answers: their collectives time out together
     _store = None
 
@@ -262,6 +301,25 @@ class RollCall:
                     {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid())}))
         except (RuntimeError, OSError):
             cls._store = None  # no store to reach: a lost rank is then not named
+
+    @classmethod
+    def leave_on_ctrl_c(cls):
+        """Record in the store that this rank stops on Ctrl-C (under a multi-process launch), before it leaves."""
+        try:
+            store = cls.store() if launched_world_size() > 1 else None
+            if store is not None:
+                store.set(f"ctrl_c/{os.environ['RANK']}", "1")
+        except (RuntimeError, OSError):
+            pass  # a peer then names this rank as one that stopped answering
+
+    @classmethod
+    def left_on_ctrl_c(cls):
+        """Whether a rank of this launch stopped on Ctrl-C (leave_on_ctrl_c); False where the store cannot be reached."""
+        try:
+            store = cls.store() if launched_world_size() > 1 else None
+            return store is not None and any(store.check([f"ctrl_c/{rank}"]) for rank in range(launched_world_size()))
+        except (RuntimeError, OSError):
+            return False
 
     @classmethod
     def absent(cls):
