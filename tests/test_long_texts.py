@@ -194,8 +194,8 @@ def test_head_tail_trains_with_a_quarter_of_the_text_as_head_and_records_it(text
     assert read_json(tmp_path / "later" / "eval_results.json")["eval_accuracy"] == results["eval_accuracy"]
     shorter = run_here(SCRIPT, [*evaluate, "--max_seq_len", "12", "--output_dir", tmp_path / "shorter"])
     assert "--head_tokens 4" in shorter.stdout  # the model's head, not a quarter of 10 text tokens
-    assert read_json(tmp_path / "shorter" / "eval_max_seq_len_12_results.json")["eval_max_seq_len_12_settings"][
-        "head_tokens"] == 4
+    assert read_json(tmp_path / "shorter" / "eval_max_seq_len_12_results_settings.json")[
+        "eval_max_seq_len_12_settings"]["head_tokens"] == 4
 
 
 def test_a_head_recorded_beside_another_cut_is_not_the_models():
