@@ -114,6 +114,7 @@ def run_here(script, args, check=True):
     as the process's exit would. The run has one torch thread (one_thread), as a
     launched process has."""
     import importlib
+    import importlib.machinery
     import io
     import signal
 
@@ -121,7 +122,11 @@ def run_here(script, args, check=True):
 
     from utils.runtime import run_cli
 
-    module = importlib.import_module(Path(script).stem)
+    name = Path(script).stem
+    found = importlib.machinery.PathFinder.find_spec(name)  # where `python SCRIPT` finds it now, sys.path first
+    if name in sys.modules and found is not None and getattr(sys.modules[name], "__file__", None) != found.origin:
+        del sys.modules[name]  # another test's script of the same name, imported from elsewhere
+    module = importlib.import_module(name)
     argv = [str(a) for a in args]
     stdout, stderr = io.StringIO(), io.StringIO()
     sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)

@@ -96,6 +96,34 @@ def test_unk_check_stops_every_process_with_one_line(text_data, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_the_first_rank_to_meet_a_users_error_prints_it_whichever_rank_it_is(monkeypatch):
+    """The launcher ends the other ranks as soon as one exits: the rank that prints the line is the first to fail,
+    rank 1 here, and the ones after it stay silent; a launch without a store prints from each machine's first
+    process."""
+    from utils.runtime import RollCall
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setattr(RollCall, "_store", None)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "first_to_fail")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    answers = []
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        RollCall._store = None  # a process of its own
+        answers.append(RollCall.first_to_fail())
+    assert answers == [True, False]
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # no launcher's store
+    RollCall._store = None
+    printed = []
+    for local_rank in ("1", "0"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        printed.append(RollCall.first_to_fail())
+    assert printed == [False, True]
+
+
 def runtime_args(*argv):
     parser = argparse.ArgumentParser()
     add_runtime_args(parser)

@@ -148,17 +148,17 @@ def say(line):
 
 def run_cli(main, args):
     """Call `main(args)`; turn a UserError (and, under --use_deterministic_algorithms, torch's error for an op without
-    a deterministic kernel) into one line on stderr and exit status 2, Ctrl-C into one line per
-    process and exit status 130 (a shell's code for SIGINT), and SIGTERM outside the training steps (Stopped) into
-    one line per process and exit status 143 (128 + SIGTERM). The launcher passes a Ctrl-C on to its processes one
-    after another, so a process may first see its collective broken by a peer that already left on it: the peer
-    said so in the launcher's store (RollCall), and this process then stops with its own Ctrl-C line too; a Ctrl-C
-    that arrives once the run is over changes nothing. A process started with SIGTERM ignored keeps it
-    ignored outside its training steps, as programs started under nohup do: slurm/node_launch.sh starts the ranks so
-    and forwards a stop to each one once it handles SIGTERM, which is where its training steps can save it. The
-    output directory's lock is released however the run ends, with SIGTERM ignored while it is (a late one must not
-    cut the release short). A process of a multi-process launch then leaves through leave_process; otherwise the
-    caller's SIGTERM and SIGINT handlers are put back."""
+    a deterministic kernel) into one line on stderr, printed by the first rank to meet it (RollCall.first_to_fail),
+    and exit status 2, Ctrl-C into one line per process and exit status 130 (a shell's code for SIGINT), and SIGTERM
+    outside the training steps (Stopped) into one line per process and exit status 143 (128 + SIGTERM). The launcher
+    passes a Ctrl-C on to its processes one after another, so a process may first see its collective broken by a
+    peer that already left on it: the peer said so in the launcher's store (RollCall), and this process then stops
+    with its own Ctrl-C line too; a Ctrl-C that arrives once the run is over changes nothing. A process started with
+    SIGTERM ignored keeps it ignored outside its training steps, as programs started under nohup do:
+    slurm/node_launch.sh starts the ranks so and forwards a stop to each one once it handles SIGTERM, which is where
+    its training steps can save it. The output directory's lock is released however the run ends, with SIGTERM
+    ignored while it is (a late one must not cut the release short). A process of a multi-process launch then leaves
+    through leave_process; otherwise the caller's SIGTERM and SIGINT handlers are put back."""
     global _outside_training
     code, result = 0, None
     on_ctrl_c(None)  # a run before this one in the same process (tests) said where it stood, not this one
@@ -169,7 +169,7 @@ def run_cli(main, args):
         result = main(args)
     except UserError as err:
         line = f"error: {err}"
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        if RollCall.first_to_fail():
             say(line)
         record_for_launcher(line)
         code = 2
@@ -180,9 +180,9 @@ def run_cli(main, args):
             signal.signal(signal.SIGINT, signal.SIG_DFL if interrupt is None else interrupt)
             raise
         stopped_on_ctrl_c = op is None and RollCall.left_on_ctrl_c()
-        if op is not None:  # printed once per machine, as a UserError is: every rank meets the op at the same step
+        if op is not None:  # printed once, as a UserError is: every rank meets the op at the same step
             line, code = f"error: {nondeterministic_op_line(op)}", 2
-            if os.environ.get("LOCAL_RANK", "0") == "0":
+            if RollCall.first_to_fail():
                 say(line)
         else:
             if stopped_on_ctrl_c:
@@ -277,7 +277,8 @@ class RollCall:
     (`enter`); after a failed collective, each surviving rank answers, and the ranks that do not within a few
     seconds are the ones that stopped answering (`absent`). A rank that stops on Ctrl-C says so before it leaves
     (`leave_on_ctrl_c`), so that a peer whose collective it broke knows why (`left_on_ctrl_c`), whatever the order
-    in which the launcher's Ctrl-C reached them."""
+    in which the launcher's Ctrl-C reached them. The first rank to stop on an error of the user's takes a number
+    from the store, and prints the error (`first_to_fail`)."""
     ANSWER_SECONDS = 5.0  # how long survivors wait for each other's answers: their collectives time out together
     _store = None
 
@@ -320,6 +321,19 @@ class RollCall:
             return store is not None and any(store.check([f"ctrl_c/{rank}"]) for rank in range(launched_world_size()))
         except (RuntimeError, OSError):
             return False
+
+    @classmethod
+    def first_to_fail(cls):
+        """Whether this rank is the first of its launch to stop on an error of the user's (a UserError): that rank
+        prints it, once, before it leaves, so the line is there even when the launcher ends the other ranks before
+        they reach the same error. Without a launcher's store to ask: the first process of each machine."""
+        try:
+            store = cls.store() if launched_world_size() > 1 else None
+            if store is not None:
+                return store.add("user_error", 1) == 1
+        except (RuntimeError, OSError):
+            pass
+        return os.environ.get("LOCAL_RANK", "0") == "0"
 
     @classmethod
     def absent(cls):
