@@ -146,7 +146,8 @@ def test_a_name_bert_evaluate_does_not_return_stops_before_training(bert_copy, b
     out = tmp_path / "out"
     proc = run_copy(bert_copy, ["--cpu", *bert_args(text_data, out, "--metric_for_best_model", "weighted_f2")],
                     monkeypatch)
-    assert_refused_before_training(proc, out, "weighted_f2", evaluated_names(read_json(bert_run[0] / "all_results.json")))
+    names = evaluated_names(read_json(bert_run[0] / "all_results.json"))
+    assert_refused_before_training(proc, out, "weighted_f2", names)
 
 
 # ---- train_resnet.py with balanced accuracy ----
@@ -224,7 +225,8 @@ def test_a_name_resnet_evaluate_does_not_return_stops_before_training(resnet_cop
     out = tmp_path / "out"
     proc = run_copy(resnet_copy, ["--cpu", few_digits, *RESNET_FAST, "--epochs", "1", "--eval-metric", "balanced",
                                   "--output_dir", out], monkeypatch)
-    assert_refused_before_training(proc, out, "balanced", evaluated_names(read_json(resnet_run[0] / "all_results.json")))
+    names = evaluated_names(read_json(resnet_run[0] / "all_results.json"))
+    assert_refused_before_training(proc, out, "balanced", names)
 
 
 def test_a_broken_evaluate_fails_before_training(few_digits, tmp_path, monkeypatch):

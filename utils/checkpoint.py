@@ -337,8 +337,9 @@ class Checkpoints:
     def save(self, step, state, epoch, batches_in_epoch):
         """Write checkpoint `step_<step>` atomically on all ranks, with `training_state` beside the weights; keep only
         the newest `total_limit`, and say "saved checkpoint PATH". An existing step_<step> (a SIGTERM right after
-        resuming from it) is replaced, not kept: the log's "saved" must be true of the file. A failure to write (a full disk) on any rank stops every
-        rank with one line; the unfinished `.tmp-step_<step>` is removed and the previous checkpoint stays the latest.
+        resuming from it) is replaced, not kept: the log's "saved" must be true of the file. A failure to write (a full
+        disk) on any rank stops every rank with one line; the unfinished `.tmp-step_<step>` is removed and the previous
+        checkpoint stays the latest.
         """
         final, tmp = self.dir / f"step_{step}", self.dir / f".tmp-step_{step}"
         try:

@@ -396,15 +396,16 @@ class PreemptionGuard:
     utils/runtime.py stop_with_launcher) becomes "checkpoint at the next step boundary, then exit"; Ctrl-C (SIGINT)
     stops at once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
 
-    The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one all-reduce of
-    a flag per optimizer step on the host channel, utils/runtime.py HostChannel, which never waits for the device;
-    none on a single process), so every rank saves the same checkpoint, at the same step, and none hangs. An
-    evaluation iterates `batches`, which checks the same way before each batch and abandons the evaluation
-    (EvaluationAbandoned) once the ranks agreed: the launcher's grace between its SIGTERM and its SIGKILL (30 s under
-    torchrun and accelerate launch) is spent saving, not evaluating. DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C saves nothing: a save it
-    interrupts leaves only a `.tmp-step_N` that is never `latest`, and the line names the last complete checkpoint
-    (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag). Once the training steps are over,
-    `close` hands SIGTERM back to what stops the rest of the run at once (utils/runtime.py Stopped).
+    The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one all-reduce of a
+    flag per optimizer step on the host channel, utils/runtime.py HostChannel, which never waits for the device; none on
+    a single process), so every rank saves the same checkpoint, at the same step, and none hangs. An evaluation iterates
+    `batches`, which checks the same way before each batch and abandons the evaluation (EvaluationAbandoned) once the
+    ranks agreed: the launcher's grace between its SIGTERM and its SIGKILL (30 s under torchrun and accelerate launch)
+    is spent saving, not evaluating. DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C
+    saves nothing: a save it interrupts leaves only a `.tmp-step_N` that is never `latest`, and the line names the last
+    complete checkpoint (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag). Once the
+    training steps are over, `close` hands SIGTERM back to what stops the rest of the run at once (utils/runtime.py
+    Stopped).
     """
 
     def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
@@ -760,13 +761,13 @@ class OutOfMemoryRetry:
 
     Several processes: the error may hit one of them only, and all must retry together. A forward hook on the model
     (always_call: it also runs when the forward raised) ends every training forward pass with an all-reduce of "did I
-    run out?" on the host channel (utils/runtime.py HostChannel: one per micro-batch, on several processes only,
-    without a device sync: the allocator's error reaches the host when the forward pass asks for the memory); when
-    one ran out, the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward
-    pass or the optimizer step cannot be agreed on (the others wait inside DDP's gradient all-reduce): that process
-    stops with one line and the launcher ends the others. Under FSDP and DeepSpeed the forward pass itself runs
-    collectives (and DeepSpeed counts micro-batches itself), so the flag is refused there. An out-of-memory error while evaluating
-    stops with one line too: the evaluation batches are not split.
+    run out?" on the host channel (utils/runtime.py HostChannel: one per micro-batch, on several processes only, without
+    a device sync: the allocator's error reaches the host when the forward pass asks for the memory); when one ran out,
+    the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward pass or the
+    optimizer step cannot be agreed on (the others wait inside DDP's gradient all-reduce): that process stops with one
+    line and the launcher ends the others. Under FSDP and DeepSpeed the forward pass itself runs collectives (and
+    DeepSpeed counts micro-batches itself), so the flag is refused there. An out-of-memory error while evaluating stops
+    with one line too: the evaluation batches are not split.
     """
 
     def __init__(self, accelerator, model, per_device_batch, accumulation_steps, checkpoint_dir, enabled):

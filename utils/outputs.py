@@ -1,7 +1,7 @@
 """What a run writes about itself, and the policy of its output directory: metrics.jsonl, all_results.json (and
-all_results_settings.json), run_config.json, the training curves, the experiment trackers (TensorBoard, MLflow, W&B, Comet through accelerate:
-tracker_settings says where each one writes), the model card of the selected model (ModelCard); the console lines
-and the progress bar.
+all_results_settings.json), run_config.json, the training curves, the experiment trackers (TensorBoard, MLflow, W&B,
+Comet through accelerate: tracker_settings says where each one writes), the model card of the selected model
+(ModelCard); the console lines and the progress bar.
 
 Every RunLog method may be called on every process; only the main process writes, so the training scripts need
 no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):

@@ -233,10 +233,10 @@ def nondeterministic_op(err):
 
 def nondeterministic_op_line(op):
     """The one line of a run that met an op without a deterministic kernel under --use_deterministic_algorithms."""
-    return (f"{op}: torch {torch.__version__} has no deterministic kernel for this op, and --use_deterministic_algorithms "
-            "(--full_determinism) allows deterministic kernels only: drop the flag (the run is then not bitwise "
-            "reproducible on a GPU: docs/gpu.md#reproducibility), or change the model or loss (the script's "
-            "adaptation section) to do without the op")
+    return (f"{op}: torch {torch.__version__} has no deterministic kernel for this op, and "
+            "--use_deterministic_algorithms (--full_determinism) allows deterministic kernels only: drop the flag "
+            "(the run is then not bitwise reproducible on a GPU: docs/gpu.md#reproducibility), or change the model "
+            "or loss (the script's adaptation section) to do without the op")
 
 
 def _ranked(line):
@@ -315,7 +315,7 @@ class RollCall:
 
     @classmethod
     def left_on_ctrl_c(cls):
-        """Whether a rank of this launch stopped on Ctrl-C (leave_on_ctrl_c); False where the store cannot be reached."""
+        """Whether a rank of this launch stopped on Ctrl-C (leave_on_ctrl_c); False where no store can be reached."""
         try:
             store = cls.store() if launched_world_size() > 1 else None
             return store is not None and any(store.check([f"ctrl_c/{rank}"]) for rank in range(launched_world_size()))
@@ -561,9 +561,9 @@ def add_runtime_args(parser):
     group.add_argument("--use_deterministic_algorithms", "--use-deterministic-algorithms", "--full_determinism",
                        action="store_true",
                        help="bitwise-reproducible runs on a GPU, usually slower: deterministic kernels only, cuDNN's "
-                            f"autotuner off, CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]} (torchvision's flag, the "
-                            "Trainer's --full_determinism); an op without a deterministic kernel stops the run in one "
-                            "line naming it (docs/gpu.md#reproducibility)")
+                            f"autotuner off, CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]} (torchvision's flag, "
+                            "the Trainer's --full_determinism); an op without a deterministic kernel stops the run in "
+                            "one line naming it (docs/gpu.md#reproducibility)")
     group.add_argument("--report_to", nargs="+", choices=REPORT_TO, default=None, metavar="TRACKER",
                        help=f"experiment trackers, one or more of {', '.join(REPORT_TO)} (Trainer's names; 'all': "
                             "every one accelerate finds installed); default: none")
