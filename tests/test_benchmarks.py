@@ -103,6 +103,7 @@ QUICK = {"bench_bert_input": (["--quick_samples", "200"], 4), "bench_overhead": 
          "bench_cpu_precision": (["--bert_config", TINY_BERT], 5)}
 
 
+@pytest.mark.long  # a benchmark's quick run: every arm trains
 @pytest.mark.parametrize("name", QUICK)
 def test_quick_run_on_tiny_data(name, data_root, tmp_path):
     """--quick end to end on tiny data laid out like the real data: every arm trains and lands in the results JSON
@@ -119,6 +120,7 @@ def test_quick_run_on_tiny_data(name, data_root, tmp_path):
     assert len(rates) == arms and all(rate > 0 for rate in rates), rates
 
 
+@pytest.mark.long  # a benchmark's quick run, launched on 2 processes
 def test_ddp_scaling_quick_on_two_processes(data_root, tmp_path):
     """2-process gloo DDP: the DDP arm's gradient equals the 1-process one up to float summation order."""
     output = tmp_path / "r.json"
@@ -132,6 +134,7 @@ def test_ddp_scaling_quick_on_two_processes(data_root, tmp_path):
     assert ddp["gradient_relative_error"] < 1e-5 and ddp["efficiency"] > 0
 
 
+@pytest.mark.long  # a benchmark's quick run
 def test_checkpointing_quick(tmp_path):
     """Both workloads, both arms: a rate each, and a peak memory of a step from the profiler's memory timeline. The
     tiny BERT's step needs less with checkpointing (allocated bytes are counted, not timed: the same on every run)."""

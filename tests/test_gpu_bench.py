@@ -46,6 +46,8 @@ def planned_arms():
     return [(part.name, arm.name) for tier in gpu_bench.plan(Stand()) for part in tier for arm in part.arms]
 
 
+# The dry run's tests are `long` (make test-long, which .ci/run runs too): minutes of launches, one module fixture.
+@pytest.mark.long
 def test_dry_run_has_one_row_per_planned_arm(dry_run):
     rows = table_rows(dry_run["record"])
     assert rows[0] == gpu_bench.TABLE_HEADERS
@@ -55,6 +57,7 @@ def test_dry_run_has_one_row_per_planned_arm(dry_run):
     assert [(part, arm) for part, p in parts.items() for arm in p["arms"]] == planned_arms()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("part, arm", [pair for pair in planned_arms() if not pair[0].startswith(("steady", "2 proc"))])
 def test_dry_run_every_timed_arm_has_a_figure(dry_run, part, arm):
     """Every BERT and ResNet arm ran its round and has a rate, in the results JSON and in its row of the table."""
@@ -71,6 +74,7 @@ def test_dry_run_every_timed_arm_has_a_figure(dry_run, part, arm):
         assert "x Trainer" in row[3] and "x bare step" in row[3] and "?" not in row[3], row
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not gpu_bench.PROBE.is_file(), reason=PROBE_MISSING)
 def test_dry_run_probes_the_steady_steps_and_two_processes(dry_run):
     """The step probe's parts: each script's steady steps counted (sync_debug needs CUDA), and the 2-process run on
@@ -91,6 +95,7 @@ def test_dry_run_probes_the_steady_steps_and_two_processes(dry_run):
     assert "x the device agreement's rate" in rows["2 processes, one GPU (gloo)", "host channel"][3]
 
 
+@pytest.mark.long
 def test_dry_run_says_its_figures_mean_nothing_and_leaves_results_md_alone(dry_run):
     assert dry_run["stdout"].count(gpu_bench.CPU_FIGURES_WARNING) >= 2  # at the start and after the table
     assert gpu_bench.CPU_FIGURES_WARNING in dry_run["record"]

@@ -32,6 +32,7 @@ def test_make_gpu_check_runs_with_the_project_venv_and_says_no_gpu():
     assert "no GPU visible here, nothing to check" in proc.stdout
 
 
+@pytest.mark.long  # a GPU tool's end-to-end dry run: minutes of launches
 def test_dry_mode_runs_every_check_on_cpu(tmp_path):
     """The budget is for a hang only: dry mode's checks take about a minute of CPU in all, and have no time limits
     of their own there."""
