@@ -74,8 +74,8 @@ def test_check_unk_rate_returns_the_rate_and_refuses_a_vocabulary_that_does_not_
 
 
 def test_unk_check_stops_every_process_with_one_line(text_data, tmp_path):
-    """A vocabulary big enough to pass the size check but without the text's characters: both ranks stop at once
-    with the main process's verdict, before anything is written."""
+    """A vocabulary big enough to pass the size check but without the text's characters: both ranks stop at once,
+    the verdict printed once (by the first rank to meet it), before anything is written."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text((text_data / "model" / "config.json").read_text().replace(
