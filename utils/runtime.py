@@ -293,6 +293,11 @@ class RollCall:
         return cls._store
 
     @classmethod
+    def shared_store(cls):
+        """store() under a launch of several processes, None for one: what the ranks tell each other on leaving."""
+        return cls.store() if launched_world_size() > 1 else None
+
+    @classmethod
     def enter(cls):
         """Record this rank's host, PID and start time (at start-up, on every rank of a multi-process launch)."""
         try:
@@ -307,7 +312,7 @@ class RollCall:
     def leave_on_ctrl_c(cls):
         """Record in the store that this rank stops on Ctrl-C (under a multi-process launch), before it leaves."""
         try:
-            store = cls.store() if launched_world_size() > 1 else None
+            store = cls.shared_store()
             if store is not None:
                 store.set(f"ctrl_c/{os.environ['RANK']}", "1")
         except (RuntimeError, OSError):
@@ -317,7 +322,7 @@ class RollCall:
     def left_on_ctrl_c(cls):
         """Whether a rank of this launch stopped on Ctrl-C (leave_on_ctrl_c); False where no store can be reached."""
         try:
-            store = cls.store() if launched_world_size() > 1 else None
+            store = cls.shared_store()
             return store is not None and any(store.check([f"ctrl_c/{rank}"]) for rank in range(launched_world_size()))
         except (RuntimeError, OSError):
             return False
@@ -328,7 +333,7 @@ class RollCall:
         prints it, once, before it leaves, so the line is there even when the launcher ends the other ranks before
         they reach the same error. Without a launcher's store to ask: the first process of each machine."""
         try:
-            store = cls.store() if launched_world_size() > 1 else None
+            store = cls.shared_store()
             if store is not None:
                 return store.add("user_error", 1) == 1
         except (RuntimeError, OSError):
