@@ -44,7 +44,7 @@ demo: install
 # first (LONGEST_FIRST in tests/conftest.py), then name order:
 # most of a test is one process starting or one thread training, so a 2-core machine's second core would idle.
 # `make test` leaves out the tests marked `long` (learning checks that need many steps, the GPU tools' dry modes, the
-# benchmarks' quick runs); `make test-long` runs only those, and .ci/run both.
+# benchmarks' quick runs, the BERT runs under inductor); `make test-long` runs only those, and .ci/run both.
 # The 15 slowest tests are listed at the end, so a slow one is seen the day it lands.
 TEST_WORKERS ?= 2
 PYTEST := $(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15

@@ -188,21 +188,22 @@ pytest_plugins = ["shared_image_runs"]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "long: a learning check that needs many steps (an accuracy reached, a curve "
-                                       "matched against a peer), or an end-to-end run of a tool beside the scripts "
-                                       "(the GPU tools' dry modes, the benchmarks' quick runs); `make test` leaves it "
+                                       "matched against a peer), an end-to-end run of a tool beside the scripts "
+                                       "(the GPU tools' dry modes, the benchmarks' quick runs), or a run under "
+                                       "inductor (its compiling alone costs a minute of CPU); `make test` leaves it "
                                        "out, `make test-long` runs it, .ci/run both")
 
 
 # The files that take longest (`make test`'s durations; docs/results.md), longest first, handed out before the others;
-# test_gpu_bench and test_gpu_check, short in `make test`, hold the two longest of `make test-long`, so they come next:
+# test_gpu_bench, test_gpu_check and test_compile hold the longest of `make test-long`, so they come next:
 # pytest-xdist gives a worker a whole file at a time (--dist loadfile), in collection order, so a long file left near
 # the end keeps one worker busy minutes after the other has run out of work. A file not named here runs after these,
 # in name order. (test_onnx_export and test_image_predict read the shared digits_model, which test_resnet, first,
 # builds and evaluates on 2 processes: not listed, they start long after and wait for no one's build of it.)
-LONGEST_FIRST = ("test_resnet.py", "test_gpu_bench.py", "test_gpu_check.py", "test_edges.py", "test_faults.py",
-                 "test_bert_resume.py", "test_compile.py", "test_launch_matrix.py", "test_selection.py",
-                 "test_sync_free_step.py", "test_between_runs.py", "test_stops.py", "test_bert_cls.py",
-                 "test_data_cache.py", "test_metric_names.py", "test_docs.py")
+LONGEST_FIRST = ("test_resnet.py", "test_gpu_bench.py", "test_gpu_check.py", "test_compile.py", "test_edges.py",
+                 "test_faults.py", "test_bert_resume.py", "test_stops.py", "test_selection.py", "test_launch_matrix.py",
+                 "test_bert_cls.py", "test_between_runs.py", "test_sync_free_step.py", "test_metric_names.py",
+                 "test_data_cache.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(config, items):

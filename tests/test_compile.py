@@ -2,9 +2,11 @@
 
 Compiled, every state_dict key gains `_orig_mod.`; a file with those names loads into a fresh model as random
 weights with no error. One BERT run under inductor (1 layer, hidden 32: inductor on CPU costs tens of seconds
-per graph) is shared by the export, pipeline, same-predictions and resume checks. The ResNet run uses dynamo's
-`eager` backend: the `_orig_mod.` names come from the OptimizedModule wrapper every backend shares, and a
-resnet18 under inductor would cost as much again (checked by hand: see docs/bert_checkpoints_and_compile.md).
+per graph) is shared by the export, pipeline, same-predictions and resume checks; its two launches cost a minute and
+a half of CPU, nearly all of it inductor compiling, so those checks are `long` (`make test-long`). `make test` keeps
+the names' proof: the ResNet run uses dynamo's `eager` backend (the `_orig_mod.` names come from the OptimizedModule
+wrapper every backend shares, and a resnet18 under inductor would cost as much again; checked by hand: see
+docs/bert_checkpoints_and_compile.md), and the last test strips accelerate's own inductor wrapper in this process.
 """
 import shutil
 
@@ -46,11 +48,13 @@ def compiled_bert(text_data, tmp_path_factory):
     return {"out": out, "resumed": resumed, "texts": texts, "logs": (proc.stderr, resume.stderr)}
 
 
+@pytest.mark.long
 def test_bert_run_was_compiled_by_inductor(compiled_bert):
     for log in compiled_bert["logs"]:
         assert f"{COMPILED} inductor" in log
 
 
+@pytest.mark.long
 def test_compiled_bert_exports_names_that_pipeline_loads(compiled_bert):
     from transformers import AutoModelForSequenceClassification
 
@@ -60,6 +64,7 @@ def test_compiled_bert_exports_names_that_pipeline_loads(compiled_bert):
     assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
+@pytest.mark.long
 def test_uncompiled_pipeline_predicts_what_the_compiled_run_did(compiled_bert):
     from transformers import pipeline
 
@@ -71,6 +76,7 @@ def test_uncompiled_pipeline_predicts_what_the_compiled_run_did(compiled_bert):
         assert {s["label"]: pytest.approx(s["score"], abs=1e-5) for s in scores} == row["probabilities"]
 
 
+@pytest.mark.long
 def test_compiled_run_resumes_from_latest(compiled_bert):
     out, resumed = compiled_bert["out"], compiled_bert["resumed"]
     reference = load_file(out / "checkpoints" / "step_6" / "model.safetensors")
