@@ -124,6 +124,42 @@ def test_the_first_rank_to_meet_a_users_error_prints_it_whichever_rank_it_is(mon
     assert printed == [False, True]
 
 
+# what each way of leaving is met with, and the exit status it leaves with
+LEAVING = {
+    "a user's error": (UserError("--train_batch_size 15 is the GLOBAL batch"), 2),
+    "an op without a deterministic kernel": (RuntimeError(
+        "max_unpooling2d_forward_out does not have a deterministic implementation, but you set "
+        "'torch.use_deterministic_algorithms(True)'"), 2),
+    "Ctrl-C": (KeyboardInterrupt(), 130),
+}
+
+
+@pytest.mark.parametrize("met", LEAVING)
+def test_the_launchers_sigterm_to_a_rank_leaving_on_an_error_changes_nothing(met, monkeypatch, capsys):
+    """Once one rank exits, the launcher sends SIGTERM to the others; a rank that is leaving on the same error at that
+    moment (asking the launcher's store whether it met it first), or on Ctrl-C (telling the store it leaves), still
+    leaves with its exit status and at most its one line: no traceback of the error it was leaving on. The SIGTERM
+    is sent from inside that very call, the moment a busy machine can deliver it."""
+    from utils.runtime import RollCall, run_cli
+
+    def sigterm_now():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
+
+    monkeypatch.setattr(RollCall, "first_to_fail", staticmethod(sigterm_now))
+    monkeypatch.setattr(RollCall, "leave_on_ctrl_c", staticmethod(sigterm_now))
+    error, code = LEAVING[met]
+
+    def main(args):
+        raise error
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(main, argparse.Namespace(use_deterministic_algorithms=True))
+    assert exit_.value.code == code
+    printed = capsys.readouterr().err
+    assert len(printed.splitlines()) == 1 and "Traceback" not in printed, printed
+
+
 def runtime_args(*argv):
     parser = argparse.ArgumentParser()
     add_runtime_args(parser)

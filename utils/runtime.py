@@ -158,7 +158,10 @@ def run_cli(main, args):
     slurm/node_launch.sh starts the ranks so and forwards a stop to each one once it handles SIGTERM, which is where
     its training steps can save it. The output directory's lock is released however the run ends, with SIGTERM
     ignored while it is (a late one must not cut the release short). A process of a multi-process launch then leaves
-    through leave_process; otherwise the caller's SIGTERM and SIGINT handlers are put back."""
+    through leave_process; otherwise the caller's SIGTERM and SIGINT handlers are put back. A process leaving on an
+    error or a Ctrl-C ignores SIGTERM from then on: once one rank exits, the launcher sends SIGTERM to the others, which
+    may be leaving on the same error already (printing it, or asking the store whether they met it first), and their
+    way out must stay one line, not become a traceback."""
     global _outside_training
     code, result = 0, None
     on_ctrl_c(None)  # a run before this one in the same process (tests) said where it stood, not this one
@@ -168,12 +171,14 @@ def run_cli(main, args):
     try:
         result = main(args)
     except UserError as err:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving (the docstring): first, before anything can wait
         line = f"error: {err}"
         if RollCall.first_to_fail():
             say(line)
         record_for_launcher(line)
         code = 2
     except RuntimeError as err:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving, as after a UserError
         signal.signal(signal.SIGINT, _after_the_end)  # first: the launcher's Ctrl-C may still be on its way here
         op = nondeterministic_op(err) if getattr(args, "use_deterministic_algorithms", False) else None
         if op is None and not is_lost_peer(err):
@@ -194,6 +199,7 @@ def run_cli(main, args):
         if stopped_on_ctrl_c:
             RollCall.leave_on_ctrl_c()
     except KeyboardInterrupt as err:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving, as after a UserError
         signal.signal(signal.SIGINT, _after_the_end)  # the launcher passes Ctrl-C on too: one line, not two
         line = _ranked(str(err) if isinstance(err, Interrupted) else "interrupted (Ctrl-C)")
         say(line)
