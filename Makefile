@@ -4,6 +4,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # Everything runs offline: no model, dataset or metric hub.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Every pytest run here: a passing test's temporary directory is removed when it ends, and a green run leaves nothing
+# under /tmp/pytest-of-<user> (a run writes several GB of checkpoints there; pytest would keep the last three runs).
+# A failing test's directory stays, to look at.
+PYTEST_TMP := -o tmp_path_retention_policy=failed
 
 # `make test-lower-bounds`: the oldest versions requirements.txt admits, installed exactly, in their own venv.
 LOWER  := .venv-lower
@@ -47,7 +51,7 @@ demo: install
 # benchmarks' quick runs, the BERT runs under inductor); `make test-long` runs only those, and .ci/run both.
 # The 15 slowest tests are listed at the end, so a slow one is seen the day it lands.
 TEST_WORKERS ?= 2
-PYTEST := $(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+PYTEST := $(OFFLINE) $(PY) -m pytest -q $(PYTEST_TMP) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 test: install-dev
 	$(PYTEST) -m "not long" tests
 
@@ -58,7 +62,7 @@ test-long: install-dev
 # installs Debian's Slurm 22.05 and munge with apt-get if they are missing. 5 to 8 minutes on 2 cores.
 test-slurm: install-dev
 	tests/slurm/install_slurm.sh
-	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests/slurm/check_multinode.py
+	$(OFFLINE) $(PY) -m pytest -q $(PYTEST_TMP) -p no:cacheprovider tests/slurm/check_multinode.py
 
 $(LOWER)/.installed: requirements.txt requirements-dev.txt
 	rm -rf $(LOWER)
@@ -69,7 +73,7 @@ $(LOWER)/.installed: requirements.txt requirements-dev.txt
 
 # The learning tests of both scripts (1 and 2 processes, exports loaded back) on the lower bounds.
 test-lower-bounds: $(LOWER)/.installed
-	$(OFFLINE) $(LOWER)/bin/python -m pytest -q -p no:cacheprovider tests/test_bert_cls.py tests/test_resnet.py \
+	$(OFFLINE) $(LOWER)/bin/python -m pytest -q $(PYTEST_TMP) -p no:cacheprovider tests/test_bert_cls.py tests/test_resnet.py \
 		-k "learns_and_counts_exactly or outputs_load_anywhere or exports_load_into_plain_torchvision"
 
 # Pure-Python wheels (and TorchCodec's) for a Python 3.12 x86_64 GPU machine; a few MB, git-ignored.
@@ -96,7 +100,7 @@ gpu-bench: $(GPU_READY)
 
 # The whole test suite with the GPU machine's Python (it must pass where a GPU is visible, too).
 gpu-check-suite: $(GPU_READY)
-	$(GPU_ENV) $(OFFLINE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests
+	$(GPU_ENV) $(OFFLINE) $(GPU_PYTHON) -m pytest -q $(PYTEST_TMP) -p no:cacheprovider -n 8 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) $(LOWER) $(GPU_SITE) demo_data outputs
