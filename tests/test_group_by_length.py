@@ -2,6 +2,7 @@
 own sharding and skipping: 2 processes see the 1-process batches split in two, a resumed epoch the same batches."""
 import random
 
+import numpy as np
 import pytest
 import torch
 from accelerate.data_loader import prepare_data_loader, skip_first_batches
@@ -33,6 +34,16 @@ def test_each_sample_once_in_batches_of_similar_length(lengths):
     # the batches' order is shuffled, not longest-to-shortest within each megabatch
     longest = [max(lengths[i] for i in batch) for batch in batches[:50]]
     assert longest != sorted(longest, reverse=True)
+
+
+def test_lengths_read_from_the_data_cache_are_copied_not_shared(lengths):
+    """token_lengths() gives Arrow's read-only NumPy array; a tensor sharing it would make torch warn of undefined
+    behaviour in the middle of the user's run."""
+    cached = np.array(lengths)
+    cached.setflags(write=False)
+    sampler = LengthGroupedSampler(cached, BATCH, seed=42)
+    assert not np.shares_memory(sampler.lengths.numpy(), cached)
+    assert sampler.lengths.tolist() == lengths
 
 
 def test_order_depends_on_seed_and_epoch_only(lengths):

@@ -1352,7 +1352,7 @@ MEGABATCH_BATCHES = 50  # transformers' choice: large enough to group well, smal
 
 class LengthGroupedSampler(Sampler):
     def __init__(self, lengths, batch_size, seed, megabatch_batches=MEGABATCH_BATCHES):
-        self.lengths = torch.as_tensor(lengths)
+        self.lengths = torch.tensor(lengths)  # a copy: token_lengths() gives Arrow's read-only array
         self.batch_size = batch_size  # the GLOBAL batch size of the DataLoader that batches these indices
         self.seed = seed
         self.megabatch = batch_size * megabatch_batches
