@@ -43,7 +43,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -61,7 +60,7 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by, roles_beside
 from .outputs import number_entries
 from .runtime import (HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, on_ctrl_c,
-                      stop_outside_training)
+                      random_states, set_random_states, stop_outside_training)
 
 
 class Due(NamedTuple):
@@ -387,40 +386,44 @@ class AccumulationWindow(NamedTuple):
     """The start of an accumulation window (PreemptionGuard.start_window)."""
     first_batch: int  # its first batch's index in the epoch
     micro_step: int  # accelerator.step before its first batch: accelerate's count of batches into the window, saved
-    rng: dict  # _rng_states() before its first batch
+    rng: dict  # random_states() before its first batch
     buffers: list  # copies of the model's buffers before its first batch
 
 
 class PreemptionGuard:
     """SIGTERM (what Slurm and cloud preemption send, and what a rank gets when its launcher dies:
-    utils/runtime.py stop_with_launcher) becomes "checkpoint at the next step boundary, then exit"; Ctrl-C (SIGINT)
-    stops at once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
+    utils/runtime.py stop_with_launcher) becomes "checkpoint at a step boundary, then exit"; Ctrl-C (SIGINT) stops at
+    once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
 
-    The SIGTERM may reach only some ranks; `should_stop` turns it into a decision all ranks share (one all-reduce of a
-    flag per optimizer step on the host channel, utils/runtime.py HostChannel, which never waits for the device; none on
-    a single process), so every rank saves the same checkpoint, at the same step, and none hangs. An evaluation iterates
-    `batches`, which checks the same way before each batch and abandons the evaluation (EvaluationAbandoned) once the
-    ranks agreed: the launcher's grace between its SIGTERM and its SIGKILL (30 s under torchrun and accelerate launch)
-    is spent saving, not evaluating. DataLoader workers ignore the signal (utils/runtime.py ignore_stop_signals). Ctrl-C
-    saves nothing: a save it interrupts leaves only a `.tmp-step_N` that is never `latest`, and the line names the last
-    complete checkpoint (`last_checkpoint()`) and how to continue (`resume`, the script's resume flag). Once the
-    training steps are over, `close` hands SIGTERM back to what stops the rest of the run at once (utils/runtime.py
-    Stopped).
+    The SIGTERM may reach only some ranks; the checks (`should_stop` after each optimizer step, `stops_inside_window`
+    after each batch of an accumulation window, `batches` before each evaluation batch) turn it into a decision all
+    ranks share, so every rank saves the same checkpoint at the same step. Each check reads the agreement the previous
+    check started on the host channel (utils/runtime.py HostChannel.start) and starts the next one: the all-reduce runs
+    while the step computes, and a step waits for it only if it took longer than the step. A signal is therefore acted
+    on at the second check after it arrived: one step (or batch) later than it would be with a blocking check
+    (docs/launching.md#at-scale). Ctrl-C saves nothing: the line names the last complete checkpoint
+    (`last_checkpoint()`) and how to continue (`resume`). `close` ends the training steps: SIGTERM then stops the rest
+    of the run at once (utils/runtime.py Stopped).
     """
 
     def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
         self.accelerator, self.last_checkpoint, self.resume = accelerator, last_checkpoint, resume
         self.channel = HostChannel.of(accelerator)
         self.received = None
-        self.step = None  # the last optimizer step taken, as of the last should_stop
+        self.step = None  # the last optimizer step taken, as of the last check
+        self.pending = None  # the agreement the last check started
+        self.agreed = False  # the ranks agreed to stop: every later check says so without a collective
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
         on_ctrl_c(self.where)  # a peer's Ctrl-C that reaches this process as a broken collective says where, too
 
     def close(self, preempted):
-        """The training steps are over: SIGTERM stops the rest of the run at once again (utils/runtime.py
-        stop_outside_training, as run_cli chose). A SIGTERM that came after the last should_stop and was not acted on
-        (`preempted` False) is delivered again now, so that it stops what follows instead of being lost."""
+        """The training steps are over (every rank, at the same point): the agreement in flight is finished, and SIGTERM
+        stops the rest of the run at once again (utils/runtime.py stop_outside_training, as run_cli chose). A SIGTERM
+        that was not acted on (`preempted` False) is delivered again now, so that it stops what follows."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
         stop_outside_training()
         if self.received and not preempted:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -443,10 +446,13 @@ class PreemptionGuard:
                 f"{self.resume}")
 
     def should_stop(self, completed_steps=None):
-        """True on every rank once any rank has received the signal (an all-reduce on the host channel). Call on all
-        ranks at the same points."""
+        """True on every rank, at the same check, once a rank had received the signal by the check before. A
+        collective: call it on all ranks at the same points."""
         self.step = completed_steps
-        return self.channel.any(self.received is not None)
+        if not self.agreed:
+            self.agreed = self.pending is not None and self.pending.result()
+            self.pending = None if self.agreed else self.channel.start(self.received is not None)
+        return self.agreed
 
     def start_window(self, batches_in_epoch, model):
         """Where an accumulation window begins (--gradient_accumulation_steps): its first batch's index in the epoch,
@@ -454,7 +460,7 @@ class PreemptionGuard:
         window goes back to. None when every batch is an optimizer step."""
         if self.accelerator.gradient_accumulation_steps == 1:
             return None
-        return AccumulationWindow(batches_in_epoch, self.accelerator.step, _rng_states(),
+        return AccumulationWindow(batches_in_epoch, self.accelerator.step, random_states(),
                                   [b.detach().clone() for b in model.buffers()])
 
     def stops_inside_window(self, completed_steps, window, model):
@@ -465,7 +471,7 @@ class PreemptionGuard:
         run did. A long window does not hold a stop past the launcher's grace."""
         if window is None or not self.should_stop(completed_steps):
             return False
-        _set_rng_states(window.rng)
+        set_random_states(window.rng)
         self.accelerator.step = window.micro_step  # save_state keeps it: the resumed window syncs after all its batches
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), window.buffers):
@@ -476,12 +482,13 @@ class PreemptionGuard:
         return True
 
     def batches(self, loader):
-        """An evaluation's batches of `loader`, abandoned (EvaluationAbandoned) before the next one once every rank
-        agreed to stop. A collective per batch: every rank iterates the same number of evaluation batches (the
-        prepared loader pads the last one)."""
+        """An evaluation's batches of `loader`, abandoned (EvaluationAbandoned) once every rank agreed to stop. A
+        check per batch: every rank iterates the same number of evaluation batches (the prepared loader pads the last
+        one)."""
         for batch in loader:
             if self.should_stop(self.step):
-                raise EvaluationAbandoned(f"evaluation after step {self.step} abandoned on {self.received or 'SIGTERM'}")
+                reason = self.received or "SIGTERM"
+                raise EvaluationAbandoned(f"evaluation after step {self.step} abandoned on {reason}")
             yield batch
 
 
@@ -603,7 +610,7 @@ def validation_names(accelerator, model, loader, evaluate):
 
     The run goes on as it would have without it: the model is put back on its device and each module in its mode, and
     every random generator a training step draws from back where it was (exact resumes compare bitwise)."""
-    generators = _rng_states()
+    generators = random_states()
     modes = [(module, module.training) for module in model.modules()]
     home = next((tensor.device for tensor in model.parameters()), None)
     try:
@@ -615,7 +622,7 @@ def validation_names(accelerator, model, loader, evaluate):
             model.to(home)
         for module, training in modes:
             module.training = training
-        _set_rng_states(generators)
+        set_random_states(generators)
     return list(number_entries(metrics))
 
 
@@ -733,20 +740,6 @@ class Attempt:
                 yield start, part
 
 
-def _rng_states():
-    """Every random generator a training step may draw from (dropout, drop path, augmentation in this process)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_states(states):
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] is not None:
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 class OutOfMemoryRetry:
     """--auto_find_batch_size (the Trainer's name): a training step that runs out of device memory does not end the
     run. `run(train)` calls train(Attempt) and, after an out-of-memory error, again with half the per-device
@@ -852,11 +845,11 @@ class OutOfMemoryRetry:
     def _snapshot(self):
         scaler = self.accelerator.scaler
         return {"weights": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-                "rng": _rng_states(), "scaler": scaler.state_dict() if scaler is not None else None}
+                "rng": random_states(), "scaler": scaler.state_dict() if scaler is not None else None}
 
     def _restore(self, start):
         self.model.load_state_dict(start["weights"])
-        _set_rng_states(start["rng"])
+        set_random_states(start["rng"])
         if start["scaler"] is not None:
             self.accelerator.scaler.load_state_dict(start["scaler"])
 

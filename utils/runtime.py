@@ -65,6 +65,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import re
 import secrets
 import shutil
@@ -76,11 +77,14 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
+import accelerate
+import numpy as np
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import PartialState
 from accelerate.tracking import get_available_trackers
-from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
+from accelerate.utils import (DataLoaderConfiguration, DistributedType,
                               InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, gather_object,
                               is_comet_ml_available, is_mlflow_available, is_tensorboard_available, is_wandb_available,
                               parse_flag_from_env)
@@ -671,34 +675,19 @@ def hide_gpus_under_cpu(args):
 
 
 class HostChannel:
-    """Where the ranks agree, inside a training step, on what any one of them may decide alone: a stop signal that
-    reached some ranks (utils/loop.py PreemptionGuard), an out-of-memory error in one rank's forward pass
-    (OutOfMemoryRetry). A gloo process group over every process, beside the training group (NCCL on GPUs, gloo on the
-    CPU), all-reducing a flag in host memory: the agreement never touches the device. The same all-reduce on the
-    training group (accelerate's set_trigger/check_trigger) is queued on the device stream behind the step's kernels
-    and read back with `.item()`: every step the host would wait there until the device had finished the step, and
-    could not queue the next one meanwhile.
-
-    `any` blocks until every rank has contributed; it does not start the all-reduce in one step to read it in the
-    next. What it waits for is the other ranks' hosts, not any device: hosts that run ahead of their devices and meet
-    again in every step's gradient all-reduce anyway, over loopback on one machine, over the network across machines
-    (gloo's small all-reduce takes longer the more processes there are). It delays only the host, and a device whose
-    step takes longer than the host's work plus this wait never waits for it. The answer then holds at the step where
-    it was asked: a stop saves the step every rank stands at, and the out-of-memory agreement, which must come before
-    the backward pass, is the same call. An all-reduce read a step late would hide the wait too, but every caller
-    would carry one in flight across steps, evaluations and retries.
-
-    Opened once per run by build_accelerator, on every rank at the same point (creating a group is a collective), with
-    the run's --ddp_timeout: a rank that stops answering ends the job here as it would in the training group
-    (is_lost_peer). It ends with the training group: end_training's destroy_process_group destroys every group, and
-    a launched process leaves without the interpreter's finalization (leave_process), where gloo's worker threads
-    could abort it. On one process there is nothing to agree on: no group, no collective."""
+    """Where the ranks agree, during training, on what any one of them may decide alone: a stop signal that reached
+    some ranks (utils/loop.py PreemptionGuard), an out-of-memory error in one rank's forward pass (OutOfMemoryRetry).
+    A gloo process group over every process, beside the training group, all-reducing a flag in host memory: the
+    agreement never touches the device (the same all-reduce on the training group, accelerate's check_trigger, would
+    wait behind the step's kernels). `start` does not wait, so a decision read a step later costs the step nothing;
+    `any` waits. Opened once per run by build_accelerator, on every rank (creating a group is a collective), with the
+    run's --ddp_timeout; ended with the training group. On one process: no group, no collective. What it costs as the
+    number of processes grows: docs/launching.md#at-scale."""
 
     _run = None  # the channel build_accelerator opened
 
     def __init__(self, group=None):
         self.group = group  # the gloo group; None on one process
-        self.flag = torch.zeros(1, dtype=torch.int32)  # in host memory, on any machine
 
     @classmethod
     def open(cls, accelerator, timeout):
@@ -727,13 +716,30 @@ class HostChannel:
         return cls._run
 
     def any(self, flag):
-        """True on every rank if any rank passed True. On several processes a collective: every rank calls it at
-        the same points."""
+        """True on every rank if any rank passed True, waiting for every rank (the out-of-memory agreement, which must
+        come before the backward pass). On several processes a collective: every rank calls it at the same points."""
+        return self.start(flag).result()
+
+    def start(self, flag):
+        """Start agreeing on `flag` without waiting; `.result()` of what it returns is True on every rank if any rank
+        passed True. On several processes a collective: every rank calls it at the same points."""
+        value = torch.tensor([int(bool(flag))], dtype=torch.int32)  # its own tensor: several may be in flight
         if self.group is None:
-            return bool(flag)
-        self.flag.fill_(int(bool(flag)))
-        torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(self.flag.item())  # a read of host memory: the device is not involved
+            return Agreement(None, value)
+        work = torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True)
+        return Agreement(work, value)
+
+
+class Agreement(NamedTuple):
+    """A flag being all-reduced on the host channel (HostChannel.start)."""
+    work: object  # the all-reduce's handle; None on one process
+    value: torch.Tensor  # (1,) int32 in host memory
+
+    def result(self):
+        """Wait for the all-reduce (at once if it is done) and read it: host memory, the device is not involved."""
+        if self.work is not None:
+            self.work.wait()
+        return bool(self.value.item())
 
 
 # The cuBLAS workspace settings torch counts as deterministic: a workspace of fixed size for each stream, so that cuBLAS
@@ -763,6 +769,78 @@ def choose_kernels(args):
             f"autotuner off, CUBLAS_WORKSPACE_CONFIG={workspace}; an op without a deterministic kernel stops the run")
 
 
+def random_states():
+    """Every random generator a training step may draw from (dropout, drop path, augmentation in this process)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_random_states(states):
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _tensors(output):
+    """The tensors of a model's output: a tensor, or a tuple, list or dict (transformers' ModelOutput) of them."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+def settle_gradient_buckets(ddp, model):
+    """DDP all-reduces the gradients in buckets, and the sum of a bucket over 3 or more processes depends on its
+    layout; DDP uses one bucket in the first training step after it is built and rebuilds them after it, so a resumed
+    launch's first step would sum differently from the uninterrupted run's same step. Here the first training forward
+    of `model` (the prepared model, `ddp` inside it) is preceded by one forward and backward pass on the same inputs
+    whose only effect is that rebuild: its gradients are dropped, and the random generators and buffers put back.
+    Every step of every launch then sums in the same buckets (docs/faults_and_resume.md#bitwise-at-any-process-count)."""
+
+    def rebuild_first(module, args, kwargs):
+        if not (torch.is_grad_enabled() and ddp.module.training):
+            return  # an evaluation: the first training forward is still to come
+        handle.remove()
+        states, buffers = random_states(), [b.detach().clone() for b in ddp.module.buffers()]
+        sync, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, True  # also inside no_sync()
+        try:
+            outputs = [t for t in _tensors(module(*args, **kwargs)) if t.requires_grad]
+            torch.autograd.backward([t.float().sum() for t in outputs])
+        finally:
+            ddp.require_backward_grad_sync = sync
+            for parameter in ddp.module.parameters():
+                parameter.grad = None
+            with torch.no_grad():
+                for buffer, saved in zip(ddp.module.buffers(), buffers):
+                    buffer.copy_(saved)
+            set_random_states(states)
+
+    handle = model.register_forward_pre_hook(rebuild_first, with_kwargs=True)
+
+
+class Accelerator(accelerate.Accelerator):
+    """accelerate's Accelerator, whose DDP model (`prepare`) sums its gradients in the same buckets in every step of
+    every launch (settle_gradient_buckets) and copies rank 0's buffers before each forward pass only with
+    `sync_buffers`."""
+
+    def __init__(self, *args, sync_buffers=True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sync_buffers = sync_buffers
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        ddp = getattr(prepared, "_orig_mod", prepared)  # under torch.compile, DDP is inside
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            ddp.broadcast_buffers = self.sync_buffers  # torch's own setting, set after construction: no warning
+            settle_gradient_buckets(ddp, prepared)
+        return prepared
+
+
 def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast_buffers=True):
     """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives; and the
     run's HostChannel. `broadcast_buffers`: DDP's copy of rank 0's buffers to every rank before each forward pass (a
@@ -777,7 +855,6 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
     # backend=None lets accelerate choose (nccl on GPU, gloo on CPU)
     group = (InitProcessGroupKwargs(backend=backend, timeout=timeout) if backend
              else InitProcessGroupKwargs(timeout=timeout))
-    handlers = [group, DistributedDataParallelKwargs(broadcast_buffers=broadcast_buffers)]
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
@@ -788,9 +865,10 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
         dataloader_config=dataloader_config,
-        kwargs_handlers=handlers,
+        kwargs_handlers=[group],
         log_with=resolve_trackers(args) or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=os.path.join(output_dir, "runs")),
+        sync_buffers=broadcast_buffers,
     )
     check_sharding_applies(accelerator)
     if accelerator.num_processes > 1:

@@ -15,7 +15,7 @@ Environment variables (nothing is changed without one of them):
     STEP_PROBE_WARMUP steps, the step before did not log, evaluate, save or stop), and off once it is due to log,
     evaluate or save (utils/loop.py Cadence.after_step), once the ranks agree to stop, and when the training steps
     end: what a step computes runs under it; what a logging, evaluating or saving step does after that does not.
-- STEP_PROBE_DEVICE_AGREEMENT=1: the run agrees on its cross-rank decisions (utils/runtime.py HostChannel.any) the way
+- STEP_PROBE_DEVICE_AGREEMENT=1: the run agrees on its cross-rank decisions (utils/runtime.py HostChannel.start) the way
   accelerate's set_trigger/check_trigger do: an all-reduce of the flag on the training device, on the training group,
   read back with `.item()` (on one process, no collective, as then). Alone or with the modes above.
 - STEP_PROBE_WARMUP: how many steps a process takes before one can be steady (default 2: the first steps build
@@ -45,8 +45,8 @@ before this one, or null), "steps": [one object per step, in order]}, and each s
   "file:line function" of the frame that made the call, then " < " and those of its first two callers outside
   installed packages (paths relative to the working directory). On a CPU run every tensor lives on the training
   device, so two kinds of host tensor are told apart by where they are read: inside a DataLoader's fetch (the batch
-  is made on the host, in workers on a real run) and inside HostChannel.any (its flag is a CPU tensor by
-  construction; replaced under STEP_PROBE_DEVICE_AGREEMENT); calls there are not counted.
+  is made on the host, in workers on a real run) and inside HostChannel.start and Agreement.result (the flag is a CPU
+  tensor by construction; replaced under STEP_PROBE_DEVICE_AGREEMENT); calls there are not counted.
 """
 import importlib.abc
 import importlib.machinery
@@ -188,34 +188,42 @@ if MODES or DEVICE_AGREEMENT:
         loop.Cadence.after_step = after_step_noted
         loop.PreemptionGuard.should_stop = should_stop_noted
         loop.PreemptionGuard.close = close_noted
-        patch_host_channel(runtime.HostChannel)
+        patch_host_channel(runtime)
 
-    def patch_host_channel(channel):
-        init, any_ = channel.__init__, channel.any
+    def patch_host_channel(runtime):
+        channel, agreement = runtime.HostChannel, runtime.Agreement
+        init, start, result = channel.__init__, channel.start, agreement.result
 
         def init_noted(self, *args, **kwargs):
             init(self, *args, **kwargs)
             if getattr(self, "group", None) is not None:
                 host_groups.append(self.group)
 
-        def any_on_the_host(self, flag):
+        def start_on_the_host(self, flag):
             with host_tensors():
-                return any_(self, flag)
+                return start(self, flag)
 
-        def any_on_the_device(self, flag):
-            """accelerate's set_trigger/check_trigger: the flag all-reduced on the training device, then read."""
+        def result_on_the_host(self):
+            with host_tensors():
+                return result(self)
+
+        def start_on_the_device(self, flag):
+            """accelerate's set_trigger/check_trigger: the flag all-reduced on the training device, then read; the
+            agreement it returns is already decided."""
             if self.group is None:
-                return bool(flag)
+                return agreement(None, torch.tensor([int(bool(flag))], dtype=torch.int32))
             if not hasattr(self, "on_the_device"):  # made once, as accelerate's flag_tensor
                 from accelerate.state import PartialState
 
                 self.on_the_device = torch.zeros((), device=PartialState().device)
             self.on_the_device.fill_(float(bool(flag)))
             dist.all_reduce(self.on_the_device)
-            return self.on_the_device.item() > 0
+            decided = self.on_the_device.item() > 0
+            return agreement(None, torch.tensor([int(decided)], dtype=torch.int32))
 
         channel.__init__ = init_noted
-        channel.any = any_on_the_device if DEVICE_AGREEMENT else any_on_the_host
+        channel.start = start_on_the_device if DEVICE_AGREEMENT else start_on_the_host
+        agreement.result = result_on_the_host
 
     class PatchAfterImport(importlib.abc.MetaPathFinder):
         """Runs `then(module)` once the module `name` has been executed."""
