@@ -400,8 +400,8 @@ class PreemptionGuard:
     ranks share, so every rank saves the same checkpoint at the same step. Each check reads the agreement the previous
     check started on the host channel (utils/runtime.py HostChannel.start) and starts the next one: the all-reduce runs
     while the step computes, and a step waits for it only if it took longer than the step. A signal is therefore acted
-    on at the second check after it arrived: one step (or batch) later than it would be with a blocking check
-    (docs/launching.md#at-scale). Ctrl-C saves nothing: the line names the last complete checkpoint
+    on at the second check after it arrived (at the first on one process): one step (or batch) later than a blocking
+    check would (docs/launching.md#at-scale). Ctrl-C saves nothing: the line names the last complete checkpoint
     (`last_checkpoint()`) and how to continue (`resume`). `close` ends the training steps: SIGTERM then stops the rest
     of the run at once (utils/runtime.py Stopped).
     """
@@ -446,12 +446,16 @@ class PreemptionGuard:
                 f"{self.resume}")
 
     def should_stop(self, completed_steps=None):
-        """True on every rank, at the same check, once a rank had received the signal by the check before. A
-        collective: call it on all ranks at the same points."""
+        """True on every rank, at the same check, once a rank had received the signal by the check before (one
+        process: by this one). A collective: call it on all ranks at the same points."""
         self.step = completed_steps
-        if not self.agreed:
-            self.agreed = self.pending is not None and self.pending.result()
-            self.pending = None if self.agreed else self.channel.start(self.received is not None)
+        if self.agreed:
+            return True
+        if self.channel.group is None:  # one process: nothing to agree on, nothing to wait for
+            self.agreed = self.received is not None
+            return self.agreed
+        self.agreed = self.pending is not None and self.pending.result()
+        self.pending = None if self.agreed else self.channel.start(self.received is not None)
         return self.agreed
 
     def start_window(self, batches_in_epoch, model):
