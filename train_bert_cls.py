@@ -949,7 +949,8 @@ def write_results(log, args, results, results_tag):
 def main(args):
     # BERT's buffers (position and token type ids) are constants: DDP's broadcast of them before every forward pass
     # would be a collective each step for nothing. A model whose buffers training changes (BatchNorm) needs it.
-    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps, broadcast_buffers=False)
+    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps, broadcast_buffers=False,
+                                    loader_workers=4 * args.num_workers)  # train, validation, test, predict loaders
     say_command(accelerator.print, args, batch_line("--train_batch_size", args.train_batch_size,
                                                     accelerator.num_processes, BERT_BATCH_RULE))
     hold_output_dir(accelerator, args.output_dir)

@@ -840,7 +840,8 @@ def train(args, accelerator, model, data, log, task, attempt):
 
 
 def main(args):
-    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps)
+    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps,
+                                    loader_workers=2 * args.workers)  # the train and validation loaders
     say_command(accelerator.print, args, batch_line("-b", args.batch_size, accelerator.num_processes, BATCH_RULE))
     hold_output_dir(accelerator, args.output_dir)
     set_seed(args.seed)

@@ -397,13 +397,13 @@ class PreemptionGuard:
 
     The SIGTERM may reach only some ranks; the checks (`should_stop` after each optimizer step, `stops_inside_window`
     after each batch of an accumulation window, `batches` before each evaluation batch) turn it into a decision all
-    ranks share, so every rank saves the same checkpoint at the same step. Each check reads the agreement the previous
-    check started on the host channel (utils/runtime.py HostChannel.start) and starts the next one: the all-reduce runs
-    while the step computes, and a step waits for it only if it took longer than the step. A signal is therefore acted
-    on at the second check after it arrived (at the first on one process): one step (or batch) later than a blocking
-    check would (docs/launching.md#at-scale). Ctrl-C saves nothing: the line names the last complete checkpoint
-    (`last_checkpoint()`) and how to continue (`resume`). `close` ends the training steps: SIGTERM then stops the rest
-    of the run at once (utils/runtime.py Stopped).
+    ranks share, so every rank saves the same checkpoint at the same step. One agreement at a time is in flight on the
+    host channel (utils/runtime.py HostChannel.start): a check reads the one started `checks_per_agreement` checks
+    before and starts the next, so the all-reduce runs while the steps compute and a step waits for it only if it
+    took longer than those steps. A signal is acted on 2 checks after it arrived (up to 2 x checks_per_agreement on
+    large launches; at once on one process): docs/launching.md#at-scale. Ctrl-C saves nothing: the line names the
+    last complete checkpoint (`last_checkpoint()`) and how to continue (`resume`). `close` ends the training steps:
+    SIGTERM then stops the rest of the run at once (utils/runtime.py Stopped).
     """
 
     def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
@@ -411,7 +411,8 @@ class PreemptionGuard:
         self.channel = HostChannel.of(accelerator)
         self.received = None
         self.step = None  # the last optimizer step taken, as of the last check
-        self.pending = None  # the agreement the last check started
+        self.pending = None  # the agreement in flight
+        self.checks = 0  # checks so far: every channel.checks_per_agreement-th reads the agreement and starts the next
         self.agreed = False  # the ranks agreed to stop: every later check says so without a collective
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
@@ -454,6 +455,9 @@ class PreemptionGuard:
         if self.channel.group is None:  # one process: nothing to agree on, nothing to wait for
             self.agreed = self.received is not None
             return self.agreed
+        self.checks += 1
+        if self.checks % self.channel.checks_per_agreement:
+            return False  # between agreements: nothing read, nothing started
         self.agreed = self.pending is not None and self.pending.result()
         self.pending = None if self.agreed else self.channel.start(self.received is not None)
         return self.agreed

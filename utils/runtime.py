@@ -79,6 +79,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+try:
+    import resource  # not on Windows
+except ImportError:
+    resource = None
+
 import accelerate
 import numpy as np
 import torch
@@ -651,6 +656,47 @@ def check_launch(args):
         )
 
 
+# Open files a rank needs besides those it holds when it starts (measured: docs/launching.md#at-scale): a gloo group is a
+# full mesh, one socket per peer plus a few of its own; a DataLoader worker costs its parent pipes and the shared-memory
+# handles of the batches in flight; NCCL connects to ring and tree neighbours, not to every rank (a budget, not
+# measured on this project's machines); the margin is for the files a run reads and writes at a time.
+FILES_PER_GLOO_GROUP = 4  # + one per process
+FILES_PER_LOADER_WORKER = 8
+FILES_FOR_NCCL = 128
+FILES_MARGIN = 64
+
+
+def open_files_needed(world_size, gpu, loader_workers, open_now):
+    """How many files a rank of a `world_size`-process launch may hold open at once: the training group (gloo on the
+    CPU, NCCL on GPUs), the host channel's gloo group on several processes, its loaders' workers."""
+    if world_size == 1:
+        groups = 0
+    else:
+        training = FILES_FOR_NCCL if gpu else world_size + FILES_PER_GLOO_GROUP
+        groups = training + world_size + FILES_PER_GLOO_GROUP  # + the host channel
+    return open_now + groups + loader_workers * FILES_PER_LOADER_WORKER + FILES_MARGIN
+
+
+def check_open_file_limit(needed, say=print):
+    """Raise the soft limit on open files (ulimit -n) to what `needed` asks for, up to the hard limit, saying so in
+    one line; stop in one line, before anything is written, when even the hard limit is lower."""
+    if resource is None:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    launch = f"this {launched_world_size():,}-process launch" if launched_world_size() > 1 else "this launch"
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        raise UserError(f"open files: each rank of {launch} may hold about {needed:,} at once (docs/launching.md"
+                        f"#at-scale), and the limit here is {soft:,} (hard limit {hard:,}): raise it before launching, "
+                        f"e.g. `ulimit -n {needed}` (under Slurm: on the nodes)")
+    raised = needed * 2 if hard == resource.RLIM_INFINITY else min(hard, needed * 2)  # room for what is not counted
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        say(f"open files: raised the soft limit (ulimit -n) from {soft:,} to {raised:,} (hard limit {hard:,}): each "
+            f"rank of {launch} may hold about {needed:,} at once")
+
+
 def hide_gpus_under_cpu(args):
     """`--cpu` means CPU on any machine: hide every GPU from this process before anything initialises CUDA.
 
@@ -674,6 +720,9 @@ def hide_gpus_under_cpu(args):
               file=sys.stderr, flush=True)
 
 
+PROCESSES_PER_AGREEMENT = 64  # see HostChannel.checks_per_agreement
+
+
 class HostChannel:
     """Where the ranks agree, during training, on what any one of them may decide alone: a stop signal that reached
     some ranks (utils/loop.py PreemptionGuard), an out-of-memory error in one rank's forward pass (OutOfMemoryRetry).
@@ -688,6 +737,10 @@ class HostChannel:
 
     def __init__(self, group=None):
         self.group = group  # the gloo group; None on one process
+        processes = torch.distributed.get_world_size(group) if group is not None else 1
+        # A ring all-reduce is 2(N-1) messages in sequence: up to 64 processes an agreement at every check; beyond,
+        # one every N/64 checks, so that the ring of 128 (or 1,024) processes has 2 (or 16) steps to go round.
+        self.checks_per_agreement = math.ceil(processes / PROCESSES_PER_AGREEMENT)
 
     @classmethod
     def open(cls, accelerator, timeout):
@@ -841,14 +894,18 @@ class Accelerator(accelerate.Accelerator):
         return prepared
 
 
-def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast_buffers=True):
+def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast_buffers=True, loader_workers=0):
     """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives; and the
     run's HostChannel. `broadcast_buffers`: DDP's copy of rank 0's buffers to every rank before each forward pass (a
     collective on the training group every step), which a model whose buffers training changes (BatchNorm's
-    statistics) needs, and one whose buffers are constants does not."""
+    statistics) needs, and one whose buffers are constants does not. `loader_workers`: the DataLoader worker
+    processes a rank may run at once (check_open_file_limit counts their files before any process group opens)."""
     hide_gpus_under_cpu(args)
     determinism = choose_kernels(args)
     check_launch(args)
+    open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    gpu = torch.cuda.is_available() and not args.cpu
+    check_open_file_limit(open_files_needed(launched_world_size(), gpu, loader_workers, open_now))
     stop_with_launcher()
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
