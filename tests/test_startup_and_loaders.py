@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from conftest import launch, run
+from conftest import HANG_S, launch, run
 from datasets import Dataset
 from PIL import Image
 from torch.utils.data import DataLoader
@@ -122,6 +122,46 @@ def test_the_first_rank_to_meet_a_users_error_prints_it_whichever_rank_it_is(mon
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         printed.append(RollCall.first_to_fail())
     assert printed == [False, True]
+
+
+def test_a_lost_peer_line_calls_frozen_only_a_stopped_process_and_ends_only_that_one(monkeypatch):
+    """After a failed collective, the survivor names each rank that missed the roll call by what its process is
+    doing: a stopped one is frozen and ended; one that runs (busy, or waiting in a collective of its own) is left to
+    the launcher; one that exited is said to have exited; another machine's is unknown from here."""
+    import json
+    import socket
+    import subprocess
+
+    from utils.runtime import RollCall, _process_start, lost_peer_line
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(store.port)),
+                        ("TORCHELASTIC_RUN_ID", "lost_peer"), ("WORLD_SIZE", "5"), ("RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(RollCall, "_store", None)
+    monkeypatch.setattr(RollCall, "ANSWER_SECONDS", 0.5)
+    frozen, running, exited = (subprocess.Popen(["sleep", "600"]) for _ in range(3))
+    exited.kill()
+    exited.wait()
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        for rank, (host, process) in enumerate([(socket.gethostname(), None), (socket.gethostname(), frozen),
+                                                (socket.gethostname(), running), (socket.gethostname(), exited),
+                                                ("another-host", running)]):
+            pid = process.pid if process else os.getpid()
+            start = _process_start(pid) if process is not exited else 12345
+            RollCall.store().set(f"process/{rank}", json.dumps({"host": host, "pid": pid, "pid_start": start}))
+        line = lost_peer_line(RuntimeError("Connection closed by peer"), 15)
+        assert line.startswith("rank 0: rank 1 stopped answering: frozen (a stopped process on this machine), ended "
+                               "here; rank 3 exited; rank 2 did not answer the roll call within 0.5 s but runs on "
+                               "this machine"), line
+        assert "rank 4 stopped answering (on another machine" in line and "(its connection closed)" in line, line
+        assert frozen.wait(timeout=HANG_S) == -signal.SIGKILL  # the frozen one was ended
+        assert running.poll() is None  # the running one was not
+    finally:
+        for process in (frozen, running):
+            process.kill()
+            process.wait()
 
 
 # what each way of leaving is met with, and the exit status it leaves with

@@ -189,7 +189,7 @@ def test_a_frozen_rank_is_named_by_the_survivor_and_the_job_ends_within_the_time
     log = (tmp_path / "job.log").read_text()
     lines = [line for line in log.splitlines() if line.startswith("rank 0: rank 1 stopped answering")]
     assert len(lines) == 1 and f"no reply within --ddp_timeout {timeout} s" in lines[0], log[-3000:]
-    assert "ended the frozen process of rank 1 on this machine" in lines[0], lines[0]
+    assert "rank 1 stopped answering: frozen (a stopped process on this machine), ended here" in lines[0], lines[0]
     assert not rank_tracebacks(log, "train_bert_cls.py"), log[-3000:]
     assert job.returncode != 0 and LAUNCHER_SIGKILL not in log, log[-3000:]
     print(f"frozen rank: launcher exit {job.returncode}, {seconds:.1f} s")

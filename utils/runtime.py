@@ -270,20 +270,31 @@ def is_lost_peer(err):
 
 
 def lost_peer_line(err, ddp_timeout):
-    """`rank R: rank S stopped answering ...`: the one line a surviving rank prints when a collective failed for want
-    of another rank, naming the ranks that missed the roll call (RollCall.absent) and ending those frozen on this
-    host, so that the launcher ends the job now rather than after its own grace."""
-    absent, ended = RollCall.absent(), []
-    for rank in absent:
-        if RollCall.end_if_here(rank):
-            ended.append(rank)
-    who = (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}" if absent
-           else "another rank (the launcher's store did not say which)")
+    """`rank R: rank S ...`: the one line a surviving rank prints when a collective failed for want of another rank,
+    naming the ranks that missed the roll call (RollCall.absent) and what their process on this host is doing: gone,
+    frozen (stopped: ended here, so that the launcher ends the job now rather than after its grace), stuck in the
+    kernel, or running (busy, or waiting in a collective of its own: left to the launcher)."""
+    absent = RollCall.absent()
+    fates = {rank: RollCall.fate(rank) for rank in absent}
     waited = (f"no reply within --ddp_timeout {ddp_timeout:g} s" if TIMEOUT_MARK in str(err) and ddp_timeout
               else "its connection closed")
-    note = f"; ended the frozen process of rank {', '.join(map(str, ended))} on this machine" if ended else ""
-    return (f"rank {os.environ.get('RANK', '?')}: {who} stopped answering ({waited}: a frozen or dead process, a stuck "
-            f"disk or network){note}; the job ends here: continue from its latest checkpoint")
+    said = {
+        "frozen": "stopped answering: frozen (a stopped process on this machine), ended here",
+        "exited": "exited",
+        "stuck": "is stuck in the kernel on this machine (a disk or network filesystem that does not answer)",
+        "running": (f"did not answer the roll call within {RollCall.ANSWER_SECONDS:g} s but runs on this machine "
+                    "(busy, or waiting in a collective of its own): left to the launcher"),
+        "elsewhere": "stopped answering (on another machine: a frozen or dead process, a stuck disk or network)"}
+    parts = []
+    for fate, words in said.items():
+        ranks = [rank for rank in absent if fates[rank] == fate]
+        if fate == "frozen":
+            ranks = [rank for rank in ranks if RollCall.end(rank)]
+        if ranks:
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {words}")
+    who = "; ".join(parts) or "another rank stopped answering (the launcher's store did not say which)"
+    return (f"rank {os.environ.get('RANK', '?')}: {who} ({waited}); the job ends here: continue from its latest "
+            "checkpoint")
 
 
 class RollCall:
@@ -363,24 +374,43 @@ class RollCall:
             if store is None:
                 return []
             store.set(f"here/{os.environ['RANK']}", "1")
+            answered, everyone = store.add("here", 1), launched_world_size()
             deadline = time.monotonic() + cls.ANSWER_SECONDS
-            while True:
-                missing = [rank for rank in range(launched_world_size()) if not store.check([f"here/{rank}"])]
-                if not missing or time.monotonic() > deadline:
-                    return missing
+            while answered < everyone and time.monotonic() < deadline:  # one request a poll, whatever the count
                 time.sleep(0.2)
+                answered = store.add("here", 0)
+            if answered >= everyone:
+                return []
+            return [rank for rank in range(everyone) if not store.check([f"here/{rank}"])]
         except (RuntimeError, OSError):
             return []
 
     @classmethod
-    def end_if_here(cls, rank):
-        """SIGKILL `rank`'s process if it runs on this host (the same PID and start time as it entered); whether it
-        did. The launcher would SIGKILL it after its grace: a stopped (SIGSTOP) process does not act on SIGTERM."""
+    def _entry(cls, rank):
+        """What `rank` entered at start-up (host, PID, start time); None where the store does not say."""
         try:
-            entry = json.loads(cls.store().get(f"process/{rank}"))
+            return json.loads(cls.store().get(f"process/{rank}"))
         except (RuntimeError, OSError, ValueError, AttributeError):
-            return False
-        if entry.get("host") != socket.gethostname() or _process_start(entry["pid"]) != entry.get("pid_start"):
+            return None
+
+    @classmethod
+    def fate(cls, rank):
+        """What the process of a rank that did not answer is doing: "elsewhere" (another host, or unknown), "exited",
+        "frozen" (stopped: SIGSTOP, a debugger), "stuck" (in the kernel: a disk that does not answer) or "running"."""
+        entry = cls._entry(rank)
+        if entry is None or entry.get("host") != socket.gethostname():
+            return "elsewhere"
+        started = _process_start(entry["pid"])
+        if started == "ended" or started != entry.get("pid_start"):
+            return "exited"
+        return {"T": "frozen", "t": "frozen", "D": "stuck"}.get(_process_state(entry["pid"]), "running")
+
+    @classmethod
+    def end(cls, rank):
+        """SIGKILL `rank`'s process on this host (the one it entered); whether it did. The launcher would SIGKILL it
+        after its grace: a stopped (SIGSTOP) process does not act on SIGTERM."""
+        entry = cls._entry(rank)
+        if entry is None or _process_start(entry["pid"]) != entry.get("pid_start"):
             return False
         try:
             os.kill(entry["pid"], signal.SIGKILL)
@@ -1228,6 +1258,15 @@ def _process_start(pid):
         state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return "ended" if state == "Z" else int(fields[18])
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_state(pid):
+    """The process's state letter (Linux /proc: R running, S sleeping, D in the kernel, T stopped, Z ended), None
+    where /proc does not say."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return None
 
 
