@@ -5,16 +5,16 @@ host (Tensor.item, .cpu(), .tolist(), .numpy(), bool/int/float(tensor)).
 
 In the steady steps (past each process's first two; neither the step nor the one before logged, validated or saved)
 of a 2-process run there is no such read at all, and no collective of ours on the training group: the stop decision
-is one all-reduce per batch on the host channel (utils/runtime.py HostChannel, a gloo group whose flag stays in host
-memory). What DDP itself still does there: its gradient all-reduce, which runs in C++ from autograd hooks and is not
+is an all-reduce started on the host channel about once a second, at most once a step (utils/runtime.py
+HostChannel, a gloo group whose flag stays in host memory; utils/loop.py PreemptionGuard). What DDP itself still does there: its gradient all-reduce, which runs in C++ from autograd hooks and is not
 seen at the Python level, and, for ResNet only, its broadcast of rank 0's buffers before every forward pass
 (`_broadcast_coalesced`): BatchNorm's running statistics rely on it, or each rank's would drift apart. BERT's
 buffers are constants, and its run turns that broadcast off. On 1 process no step runs any collective: BERT's run
 shows it (the host channel and the stop decision are shared code, utils/runtime.py, so one script's 1-process run
 proves it for both; the ResNet step's own reads are counted on its 2-process run).
 
-The device-agreement arm (STEP_PROBE_DEVICE_AGREEMENT=1) puts back what the step did before: the flag all-reduced
-on the training device and read with `.item()` (accelerate's check_trigger). The same count then shows exactly that
+The device-agreement arm (STEP_PROBE_DEVICE_AGREEMENT=1) agrees the way accelerate's check_trigger does: at every
+check, the flag all-reduced on the training device and read with `.item()`. The same count then shows exactly that
 collective and that read in every steady step: the counter sees what it is meant to see. The runs never race the
 clock: what is counted is what ran, step by step. On a GPU, STEP_PROBE=sync_debug turns any synchronisation inside a
 steady step into an error (docs/testing.md)."""
@@ -26,7 +26,7 @@ from conftest import FEW_DIGITS_TRAIN, ROOT, launch, pythonpath, run
 
 PROBE = ROOT / "tools" / "step_probe"
 BERT_STEPS, BERT_LOG_EVERY = 10, 5  # steady: 3, 4 and 7 to 9
-RESNET_BATCH, RESNET_WINDOW = 16, 2  # batches per optimizer step: the stop is agreed after each batch
+RESNET_BATCH, RESNET_WINDOW = 16, 2  # batches per optimizer step: the stop is checked after each batch
 RESNET_STEPS = math.ceil(FEW_DIGITS_TRAIN // RESNET_BATCH / RESNET_WINDOW)  # 21 batches: 11 steps (the last: 1 batch)
 
 
@@ -90,20 +90,23 @@ def test_the_probe_saw_every_step_of_the_run(name, probed):
     assert len({tuple(step["step"] for step in steady(report)) for report in probed[name]}) == 1
 
 
-@pytest.mark.parametrize("name, host_all_reduces, ddp_broadcasts", [
-    ("bert", 1, 0),  # broadcast_buffers=False: BERT's buffers are constants
-    # a stop decision after each batch; DDP broadcasts the buffers in the forward pass whose gradients it all-reduces
-    ("resnet", RESNET_WINDOW, 1),
+@pytest.mark.parametrize("name, ddp_broadcasts", [
+    ("bert", 0),  # BERT's buffers are constants: no broadcast
+    ("resnet", 1),  # DDP broadcasts the buffers in the forward pass whose gradients it all-reduces
 ])
-def test_a_steady_step_on_two_processes_reads_nothing_back_and_agrees_on_the_host(name, host_all_reduces,
-                                                                                  ddp_broadcasts, probed):
+def test_a_steady_step_on_two_processes_reads_nothing_back_and_agrees_on_the_host(name, ddp_broadcasts, probed):
+    """The stop agreement is started on the host channel at most once a step (about once a second), never on
+    the training group."""
     for report in probed[name]:
         for step in steady(report):
             assert counts(step["syncs"]) == {}, step["sync_sites"]
             assert counts(step["collectives"]["training"]) == counts({"_broadcast_coalesced": ddp_broadcasts}), \
                 step["collective_sites"]
-            assert counts(step["collectives"]["host"]) == {"all_reduce": host_all_reduces}, step["collective_sites"]
+            assert set(counts(step["collectives"]["host"])) <= {"all_reduce"}, step["collective_sites"]
+            assert step["collectives"]["host"].get("all_reduce", 0) <= 1, step["collective_sites"]
             assert counts(step["collectives"]["other"]) == {}, step["collective_sites"]
+        started = sum(step["collectives"]["host"].get("all_reduce", 0) for step in report["steps"])
+        assert started >= 1  # the first check starts one: the counter sees the host channel
 
 
 def test_one_process_runs_no_collective_and_reads_nothing_back_in_a_steady_step(probed):
@@ -123,7 +126,7 @@ def test_the_counter_catches_an_agreement_on_the_device(probed):
             assert counts(step["collectives"]["training"]) == {"all_reduce": 1}, step["collective_sites"]
             assert counts(step["collectives"]["host"]) == {}
             assert counts(step["syncs"]) == {"Tensor.item": 1}, step["sync_sites"]
-            assert all("should_stop" in site for site in step["sync_sites"]), step["sync_sites"]
+            assert all("any_on_the_device" in site for site in step["sync_sites"]), step["sync_sites"]
 
 
 def test_the_probe_refuses_an_unknown_mode_in_one_line(tmp_path):

@@ -390,6 +390,10 @@ class AccumulationWindow(NamedTuple):
     buffers: list  # copies of the model's buffers before its first batch
 
 
+AGREEMENT_SECONDS = 1.0  # how often the ranks agree on a stop: a signal is acted on within about twice that
+MAX_CHECKS_PER_AGREEMENT = 100  # however fast the steps: a slow phase after fast steps holds a stop 100 checks at most
+
+
 class PreemptionGuard:
     """SIGTERM (what Slurm and cloud preemption send, and what a rank gets when its launcher dies:
     utils/runtime.py stop_with_launcher) becomes "checkpoint at a step boundary, then exit"; Ctrl-C (SIGINT) stops at
@@ -397,11 +401,12 @@ class PreemptionGuard:
 
     The SIGTERM may reach only some ranks; the checks (`should_stop` after each optimizer step, `stops_inside_window`
     after each batch of an accumulation window, `batches` before each evaluation batch) turn it into a decision all
-    ranks share, so every rank saves the same checkpoint at the same step. One agreement at a time is in flight on the
-    host channel (utils/runtime.py HostChannel.start): a check reads the one started `checks_per_agreement` checks
-    before and starts the next, so the all-reduce runs while the steps compute and a step waits for it only if it
-    took longer than those steps. A signal is acted on 2 checks after it arrived (up to 2 x checks_per_agreement on
-    large launches; at once on one process): docs/launching.md#at-scale. Ctrl-C saves nothing: the line names the
+    ranks share, so every rank saves the same checkpoint at the same step. The ranks agree about every
+    AGREEMENT_SECONDS, whatever the step time and the number of processes: one agreement at a time is in flight on the
+    host channel (utils/runtime.py HostChannel.start), started at a check and read `every` checks later, where every
+    rank reads the same `every` from the agreement before (the slowest rank's seconds per check). A step never waits
+    for it unless its all-reduce took longer than that; a signal is acted on within about two agreements
+    (docs/launching.md#at-scale; at the next check on one process). Ctrl-C saves nothing: the line names the
     last complete checkpoint (`last_checkpoint()`) and how to continue (`resume`). `close` ends the training steps:
     SIGTERM then stops the rest of the run at once (utils/runtime.py Stopped).
     """
@@ -412,7 +417,9 @@ class PreemptionGuard:
         self.received = None
         self.step = None  # the last optimizer step taken, as of the last check
         self.pending = None  # the agreement in flight
-        self.checks = 0  # checks so far: every channel.checks_per_agreement-th reads the agreement and starts the next
+        self.every = 1  # checks from one agreement's start to its reading: the same on every rank
+        self.checks = 0  # checks since the agreement in flight started
+        self.started = None  # time.perf_counter() when it started
         self.agreed = False  # the ranks agreed to stop: every later check says so without a collective
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
@@ -456,11 +463,21 @@ class PreemptionGuard:
             self.agreed = self.received is not None
             return self.agreed
         self.checks += 1
-        if self.checks % self.channel.checks_per_agreement:
+        if self.pending is not None and self.checks < self.every:
             return False  # between agreements: nothing read, nothing started
-        self.agreed = self.pending is not None and self.pending.result()
-        self.pending = None if self.agreed else self.channel.start(self.received is not None)
-        return self.agreed
+        if self.pending is not None:
+            stop, seconds_per_check = self.pending.result()  # the largest over the ranks: the same on every rank
+            self.agreed = stop > 0
+            if seconds_per_check > 0:  # 0: the first agreement, nothing measured yet
+                self.every = min(MAX_CHECKS_PER_AGREEMENT, max(1, round(AGREEMENT_SECONDS / seconds_per_check)))
+        if self.agreed:
+            self.pending = None
+            return True
+        now = time.perf_counter()
+        seconds_per_check = (now - self.started) / self.checks if self.started is not None else 0.0
+        self.pending = self.channel.start([self.received is not None, seconds_per_check])
+        self.checks, self.started = 0, now
+        return False
 
     def start_window(self, batches_in_epoch, model):
         """Where an accumulation window begins (--gradient_accumulation_steps): its first batch's index in the epoch,

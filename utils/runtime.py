@@ -750,9 +750,6 @@ def hide_gpus_under_cpu(args):
               file=sys.stderr, flush=True)
 
 
-PROCESSES_PER_AGREEMENT = 64  # see HostChannel.checks_per_agreement
-
-
 class HostChannel:
     """Where the ranks agree, during training, on what any one of them may decide alone: a stop signal that reached
     some ranks (utils/loop.py PreemptionGuard), an out-of-memory error in one rank's forward pass (OutOfMemoryRetry).
@@ -767,10 +764,6 @@ class HostChannel:
 
     def __init__(self, group=None):
         self.group = group  # the gloo group; None on one process
-        processes = torch.distributed.get_world_size(group) if group is not None else 1
-        # A ring all-reduce is 2(N-1) messages in sequence: up to 64 processes an agreement at every check; beyond,
-        # one every N/64 checks, so that the ring of 128 (or 1,024) processes has 2 (or 16) steps to go round.
-        self.checks_per_agreement = math.ceil(processes / PROCESSES_PER_AGREEMENT)
 
     @classmethod
     def open(cls, accelerator, timeout):
@@ -801,28 +794,29 @@ class HostChannel:
     def any(self, flag):
         """True on every rank if any rank passed True, waiting for every rank (the out-of-memory agreement, which must
         come before the backward pass). On several processes a collective: every rank calls it at the same points."""
-        return self.start(flag).result()
+        return bool(self.start([flag]).result()[0])
 
-    def start(self, flag):
-        """Start agreeing on `flag` without waiting; `.result()` of what it returns is True on every rank if any rank
-        passed True. On several processes a collective: every rank calls it at the same points."""
-        value = torch.tensor([int(bool(flag))], dtype=torch.int32)  # its own tensor: several may be in flight
+    def start(self, values):
+        """Start taking the largest of each of `values` (numbers) over the ranks, without waiting: `.result()` of what
+        it returns. On several processes a collective: every rank calls it at the same points."""
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)  # its own: several may be in flight
         if self.group is None:
-            return Agreement(None, value)
-        work = torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True)
-        return Agreement(work, value)
+            return Agreement(None, tensor)
+        work = torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True)
+        return Agreement(work, tensor)
 
 
 class Agreement(NamedTuple):
-    """A flag being all-reduced on the host channel (HostChannel.start)."""
+    """Values being all-reduced on the host channel (HostChannel.start)."""
     work: object  # the all-reduce's handle; None on one process
-    value: torch.Tensor  # (1,) int32 in host memory
+    tensor: torch.Tensor  # (values,) float64 in host memory
 
     def result(self):
-        """Wait for the all-reduce (at once if it is done) and read it: host memory, the device is not involved."""
+        """The largest of each value over the ranks: waits for the all-reduce (at once if it is done), then reads host
+        memory; the device is not involved."""
         if self.work is not None:
             self.work.wait()
-        return bool(self.value.item())
+        return self.tensor.tolist()
 
 
 # The cuBLAS workspace settings torch counts as deterministic: a workspace of fixed size for each stream, so that cuBLAS

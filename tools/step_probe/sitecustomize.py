@@ -15,9 +15,10 @@ Environment variables (nothing is changed without one of them):
     STEP_PROBE_WARMUP steps, the step before did not log, evaluate, save or stop), and off once it is due to log,
     evaluate or save (utils/loop.py Cadence.after_step), once the ranks agree to stop, and when the training steps
     end: what a step computes runs under it; what a logging, evaluating or saving step does after that does not.
-- STEP_PROBE_DEVICE_AGREEMENT=1: the run agrees on its cross-rank decisions (utils/runtime.py HostChannel.start) the way
-  accelerate's set_trigger/check_trigger do: an all-reduce of the flag on the training device, on the training group,
-  read back with `.item()` (on one process, no collective, as then). Alone or with the modes above.
+- STEP_PROBE_DEVICE_AGREEMENT=1: the run agrees on its cross-rank decisions the way accelerate's
+  set_trigger/check_trigger do: at every check (utils/loop.py PreemptionGuard.should_stop, HostChannel.any), an
+  all-reduce of the flag on the training device, on the training group, read back with `.item()` (on one process, no
+  collective, as then). Alone or with the modes above.
 - STEP_PROBE_WARMUP: how many steps a process takes before one can be steady (default 2: the first steps build
   DDP's buckets, the optimizer's state and the allocator's pools).
 
@@ -154,6 +155,8 @@ if MODES or DEVICE_AGREEMENT:
 
         start_window, after_step = loop.PreemptionGuard.start_window, loop.Cadence.after_step
         should_stop, close = loop.PreemptionGuard.should_stop, loop.PreemptionGuard.close
+        if DEVICE_AGREEMENT:
+            should_stop = should_stop_on_the_device
 
         def start_window_of_a_step(self, batches_in_epoch, model):
             previous = steps[-1] if steps else None
@@ -199,31 +202,37 @@ if MODES or DEVICE_AGREEMENT:
             if getattr(self, "group", None) is not None:
                 host_groups.append(self.group)
 
-        def start_on_the_host(self, flag):
+        def start_on_the_host(self, values):
             with host_tensors():
-                return start(self, flag)
+                return start(self, values)
 
         def result_on_the_host(self):
             with host_tensors():
                 return result(self)
 
-        def start_on_the_device(self, flag):
-            """accelerate's set_trigger/check_trigger: the flag all-reduced on the training device, then read; the
-            agreement it returns is already decided."""
-            if self.group is None:
-                return agreement(None, torch.tensor([int(bool(flag))], dtype=torch.int32))
-            if not hasattr(self, "on_the_device"):  # made once, as accelerate's flag_tensor
-                from accelerate.state import PartialState
-
-                self.on_the_device = torch.zeros((), device=PartialState().device)
-            self.on_the_device.fill_(float(bool(flag)))
-            dist.all_reduce(self.on_the_device)
-            decided = self.on_the_device.item() > 0
-            return agreement(None, torch.tensor([int(decided)], dtype=torch.int32))
-
         channel.__init__ = init_noted
-        channel.start = start_on_the_device if DEVICE_AGREEMENT else start_on_the_host
+        channel.start = start_on_the_host
         agreement.result = result_on_the_host
+        if DEVICE_AGREEMENT:
+            channel.any = any_on_the_device
+
+    def any_on_the_device(self, flag):
+        """accelerate's set_trigger/check_trigger: the flag all-reduced on the training device, then read."""
+        if self.group is None:
+            return bool(flag)
+        if not hasattr(self, "on_the_device"):  # made once, as accelerate's flag_tensor
+            from accelerate.state import PartialState
+
+            self.on_the_device = torch.zeros((), device=PartialState().device)
+        self.on_the_device.fill_(float(bool(flag)))
+        dist.all_reduce(self.on_the_device)
+        return self.on_the_device.item() > 0
+
+    def should_stop_on_the_device(self, completed_steps=None):
+        """The stop decided at every check, blocking, on the training device (any_on_the_device)."""
+        self.step = completed_steps
+        self.agreed = self.agreed or any_on_the_device(self.channel, self.received is not None)
+        return self.agreed
 
     class PatchAfterImport(importlib.abc.MetaPathFinder):
         """Runs `then(module)` once the module `name` has been executed."""
