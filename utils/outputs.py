@@ -4,8 +4,8 @@ Comet through accelerate: tracker_settings says where each one writes), the mode
 (ModelCard), each step's samples per process with --log_sample_indices (SampleLog, read_sample_indices); the console
 lines and the progress bar.
 
-Every RunLog method may be called on every process; only the main process writes, so the training scripts need
-no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):
+Every RunLog method may be called on every process; only the main process writes (but for each process's own
+sample file), so the training scripts need no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):
 a failure to write (a full disk) stops every rank with one line naming the directory and its free space
 (utils/runtime.py `writing`), and the JSON files are replaced atomically, never left half-written. A crash or a full
 disk can leave metrics.jsonl's last line cut short: a resumed run drops it with a note.
