@@ -53,7 +53,7 @@ from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, Evaluation
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import RunLog, check_output_dir, format_numbers, format_step_line, progress
+from utils.outputs import RunLog, SampleLog, check_output_dir, format_numbers, format_step_line, progress
 from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
@@ -251,6 +251,10 @@ def build_parser():
     output.add_argument("--output_dir", type=Path, default=Path("outputs/bert_cls"))
     output.add_argument("--overwrite_output_dir", action="store_true")
     output.add_argument("--logging_steps", type=positive_int, default=50, help="optimizer steps between log lines")
+    output.add_argument("--log_sample_indices", action="store_true",
+                        help="write each optimizer step's sample indices, per process, to OUTPUT_DIR/sample_indices/: "
+                             "to check that 1 and N processes, or a resumed run, train the same samples in the same "
+                             "order")
     output.add_argument("--eval_steps", type=positive_int, default=None,
                         help="optimizer steps between evals; default per epoch")
     output.add_argument("--checkpointing_steps", "--save_steps", type=steps_or_epoch, default=None,
@@ -321,6 +325,7 @@ FLAG_ROLES = {
     "--eval_steps": MAY_CHANGE,
     **this_launch("--output_dir", "--overwrite_output_dir", "--logging_steps", "--checkpointing_steps",
                   "--save_total_limit", "--resume_from_checkpoint", "--allow_data_change", "--metric"),
+    "--log_sample_indices": THIS_LAUNCH,  # a record of what each step trains on, which it does not change
     **SELECTION_ROLES, **LONG_TEXT_ROLES, **ONNX_ROLES,
     **this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
                   "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
@@ -745,6 +750,8 @@ class TrainResult:
 def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, loaders, log, task, attempt.resume)
+    samples = SampleLog(accelerator, args.output_dir, training.train_loader, args.gradient_accumulation_steps,
+                        enabled=args.log_sample_indices)
     model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
     state, cadence, selection = training.state, training.cadence, training.selection
     best_dir = args.output_dir / "best_model"
@@ -799,6 +806,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
                 continue
             window = None
             completed_steps += 1
+            samples.step(completed_steps, epoch, batches_in_epoch)
             speed.step(args.gradient_accumulation_steps * args.train_batch_size)
             bar.update(1)
             due = cadence.after_step(completed_steps, batches_in_epoch)

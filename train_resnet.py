@@ -61,7 +61,8 @@ from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, Evaluation
                          LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import RunLog, check_output_dir, format_numbers, number_entries, plot_training_curves, progress
+from utils.outputs import (RunLog, SampleLog, check_output_dir, format_numbers, number_entries, plot_training_curves,
+                           progress)
 from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
                             hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
@@ -265,6 +266,10 @@ def build_parser():
     output.add_argument("--output_dir", "--output-dir", type=Path, default=Path("outputs/resnet"))
     output.add_argument("--overwrite_output_dir", action="store_true")
     output.add_argument("-p", "--print-freq", "--log-interval", type=positive_int, default=10, help="optimizer steps between log lines")
+    output.add_argument("--log_sample_indices", action="store_true",
+                        help="write each optimizer step's sample indices, per process, to OUTPUT_DIR/sample_indices/: "
+                             "to check that 1 and N processes, or a resumed run, train the same samples in the same "
+                             "order")
     output.add_argument("--checkpointing_steps", type=positive_int, default=None,
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
     output.add_argument("--save_total_limit", type=nonnegative_int, default=2, help="checkpoints kept (0: all)")
@@ -364,6 +369,7 @@ FLAG_ROLES = {
     "--class_weights": kept_by("class_weights"), "--gradient_accumulation_steps": MUST_KEEP, "--seed": MUST_KEEP,
     **this_launch("--output_dir", "--overwrite_output_dir", "-p", "--checkpointing_steps", "--save_total_limit",
                   "--resume", "-e", "--allow_data_change", "--predict", "--topk"),
+    "--log_sample_indices": THIS_LAUNCH,  # a record of what each step trains on, which it does not change
     **AUGMENT_ROLES, **MIXING_ROLES, **EMA_ROLES,
     **ONNX_ROLES,
     **this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
@@ -743,6 +749,8 @@ class TrainResult:
 def train(args, accelerator, model, data, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, data, log, task, attempt.resume)
+    samples = SampleLog(accelerator, args.output_dir, training.train_loader, args.gradient_accumulation_steps,
+                        enabled=args.log_sample_indices)
     model, optimizer, scheduler, state = training.model, training.optimizer, training.scheduler, training.state
     ema, mixer, cadence, selection = training.ema, training.mixer, training.cadence, task.selection
     guard = PreemptionGuard(accelerator, training.checkpoints.latest)
@@ -801,6 +809,7 @@ def train(args, accelerator, model, data, log, task, attempt):
                 continue
             window = None
             completed_steps += 1
+            samples.step(completed_steps, epoch, batches_in_epoch)
             update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * cadence.steps_per_epoch,
                        epoch, args, accelerator)
             speed.step(args.batch_size * loss_scale.window_batches(batches_in_epoch - 1))

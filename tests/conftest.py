@@ -202,8 +202,8 @@ def pytest_configure(config):
 # builds and evaluates on 2 processes: not listed, they start long after and wait for no one's build of it.)
 LONGEST_FIRST = ("test_resnet.py", "test_gpu_bench.py", "test_gpu_check.py", "test_compile.py", "test_edges.py",
                  "test_faults.py", "test_bert_resume.py", "test_stops.py", "test_selection.py", "test_launch_matrix.py",
-                 "test_bert_cls.py", "test_between_runs.py", "test_sync_free_step.py", "test_metric_names.py",
-                 "test_data_cache.py", "test_docs.py")
+                 "test_bert_cls.py", "test_sample_indices.py", "test_between_runs.py", "test_sync_free_step.py",
+                 "test_metric_names.py", "test_data_cache.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(config, items):

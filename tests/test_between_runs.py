@@ -210,6 +210,21 @@ def test_a_launch_on_two_processes_says_what_it_trains_compared_with_one(request
     assert [said for said in printed if said.startswith("on 2 processes:")] == [line]
 
 
+def test_each_per_process_clause_carries_its_own_note():
+    """A model with BatchNorm and drop path: the note on SyncBatchNorm stays with the BatchNorm statistics, not with
+    the dropout masks that follow them."""
+    from torchvision.ops import StochasticDepth
+
+    from utils.checkpoint import per_process_differences, say_processes
+
+    said = []
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), StochasticDepth(0.1, "row"))
+    say_processes(said.append, 2, per_process_differences(model))
+    assert said == ["on 2 processes: not the training of 1 process: BatchNorm statistics are computed per process, "
+                    "over its share of each batch (SyncBatchNorm computes them over the global batch); dropout masks "
+                    "are drawn from each process's own random stream"]
+
+
 def assert_launches_named(proc, out, per_process, precision):
     """The lines of a resume from 2 fp32 processes on 1 in `precision`, and all_results_settings.json's record of
     both launches."""

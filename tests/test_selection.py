@@ -77,6 +77,24 @@ def test_selection_counts_like_trainers_early_stopping(patience, threshold, grea
     assert (stop, state["best_step"]) == (expected_stop, expected_best)
 
 
+def test_the_stop_reason_is_true_when_the_best_is_the_last_evaluation():
+    """A gain at or below the threshold counts towards patience and still makes a new best: the reason says both, as
+    it says there was no best at all when every evaluation gave NaN."""
+    selection, state = Selection("top3_accuracy", True, "step", patience=2, threshold=0.015), {}
+    state.update(selection.fresh_state())
+    for step, value in ((40, 0.95), (45, 0.955), (50, 0.966667)):  # gains of 0.005 and 0.011667
+        selection.update(state, {"top3_accuracy": value}, step)
+    assert selection.should_stop(state) and state["best_step"] == 50
+    assert selection.stop_reason(state) == (
+        "top3_accuracy did not improve on its best by more than 0.015 in the last 2 evaluations (a smaller gain still "
+        "makes a new best); best 0.966667 at step 50")
+    undefined, state = Selection("pearson", True, "epoch", patience=1), {}
+    state.update(undefined.fresh_state())
+    undefined.update(state, {"pearson": float("nan")}, 1)
+    assert undefined.stop_reason(state) == ("pearson did not improve on its best in the last evaluation; no "
+                                            "evaluation gave a number to select by")
+
+
 def test_bert_stops_where_the_metric_stopped_improving(stopped):
     results = read_json(stopped / "all_results.json")
     evals = [e for e in read_jsonl(stopped / "metrics.jsonl") if e["event"] == "eval"]
@@ -89,7 +107,7 @@ def test_bert_stops_where_the_metric_stopped_improving(stopped):
     assert results["best_metric"] == results["best_eval_accuracy"] == evals[best]["accuracy"]
     assert results["eval_accuracy"] == evals[best]["accuracy"]  # the selected model is the one evaluated
     assert results["stopped_early_reason"] == (
-        f"accuracy did not improve by more than 0.0 over 2 evaluations; best {evals[best]['accuracy']:.6g} at step "
+        f"accuracy did not improve on its best in the last 2 evaluations; best {evals[best]['accuracy']:.6g} at step "
         f"{evals[best]['step']}")
     # no checkpoint at the step it stopped: the run is finished, nothing to resume
     assert not (stopped / "checkpoints" / f"step_{evals[stop]['step']}").exists()

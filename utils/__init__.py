@@ -28,8 +28,9 @@ both scripts
                  carries
   outputs.py     what a run writes about itself: RunLog (metrics.jsonl, results files, run_config.json, trackers
                  and their one run across restarts,
-                 secrets such as --token masked), the model card, console lines, progress bar, training curves, the
-                 output directory's policy
+                 secrets such as --token masked), each step's samples per process (--log_sample_indices: SampleLog,
+                 read_sample_indices), the model card, console lines, progress bar, training curves, the output
+                 directory's policy
   demo_data.py   built-in data for `make demo`, the tests and the benchmarks
   onnx_export.py --export_onnx: the selected model as ONNX (dynamic batch and sequence axes), optional int8, checked
                  by onnxruntime in a second process against PyTorch (agreement, accuracy, CPU latency)

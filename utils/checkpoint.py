@@ -808,8 +808,10 @@ def say_processes(say, num_processes, per_process):
         say(f"{on}: the same weights as on 1 process up to float rounding (the order of sums over processes): the "
             "model has no dropout, drop path or per-process BatchNorm")
     elif PER_PROCESS_BATCH_NORM in per_process:
-        say(f"{on}: not the training of 1 process: {'; '.join(per_process)} (SyncBatchNorm computes them over the "
-            "global batch)")
+        # the note on SyncBatchNorm belongs to the BatchNorm clause, whichever clauses follow it
+        clauses = [f"{what} (SyncBatchNorm computes them over the global batch)" if what == PER_PROCESS_BATCH_NORM
+                   else what for what in per_process]
+        say(f"{on}: not the training of 1 process: {'; '.join(clauses)}")
     else:
         say(f"{on}: the same training as on 1 process in distribution, not bitwise: {'; '.join(per_process)} (the "
             "same weights need a model without dropout or drop path)")

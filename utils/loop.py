@@ -720,8 +720,16 @@ class Selection:
         return self.patience is not None and state.get(self.COUNTER, 0) >= self.patience
 
     def stop_reason(self, state):
-        return (f"{self.metric} did not improve by more than {self.threshold} over {state[self.COUNTER]} evaluations; "
-                f"best {self.best(state):.6g} at {self.position} {state[self.position_key]}")
+        """Why the run stopped early. The counter counts evaluations that did not beat the best before them by more
+        than the threshold: a smaller gain still makes a new best, so the best can be the last evaluation."""
+        by = f" by more than {self.threshold}" if self.threshold else ""
+        smaller = " (a smaller gain still makes a new best)" if self.threshold else ""
+        best = self.best(state)
+        where = (f"best {best:.6g} at {self.position} {state[self.position_key]}" if best is not None
+                 else "no evaluation gave a number to select by")
+        count = state[self.COUNTER]
+        last = "the last evaluation" if count == 1 else f"the last {count} evaluations"
+        return f"{self.metric} did not improve on its best{by} in {last}{smaller}; {where}"
 
     def results(self, state, stopped_at_step=None, ema=False):
         """all_results.json's entries (Trainer's trainer_state.json names where it has them): the metric, the best

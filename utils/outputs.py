@@ -1,10 +1,11 @@
 """What a run writes about itself, and the policy of its output directory: metrics.jsonl, all_results.json (and
 all_results_settings.json), run_config.json, the training curves, the experiment trackers (TensorBoard, MLflow, W&B,
 Comet through accelerate: tracker_settings says where each one writes), the model card of the selected model
-(ModelCard); the console lines and the progress bar.
+(ModelCard), each step's samples per process with --log_sample_indices (SampleLog, read_sample_indices); the console
+lines and the progress bar.
 
-Every RunLog method may be called on every process; only the main process writes, so the training scripts need
-no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):
+Every RunLog method may be called on every process; only the main process writes (but for each process's own
+sample file), so the training scripts need no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):
 a failure to write (a full disk) stops every rank with one line naming the directory and its free space
 (utils/runtime.py `writing`), and the JSON files are replaced atomically, never left half-written. A crash or a full
 disk can leave metrics.jsonl's last line cut short: a resumed run drops it with a note.
@@ -18,6 +19,7 @@ the two back.
 Neighbours: utils/checkpoint.py (the checkpoints in output_dir/checkpoints), utils/export.py (the exported
 models).
 """
+import collections
 import importlib.metadata
 import json
 import math
@@ -34,7 +36,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .checkpoint import TRACKER_RUNS, complete_checkpoints
-from .runtime import MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs, writing
+from .runtime import (MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs, write_failure,
+                      writing)
 
 
 class RunLog:
@@ -47,40 +50,17 @@ class RunLog:
         self.trackers_started = False
 
     def open(self, resume_step=None, state=None):
-        """Start metrics.jsonl afresh, or, when resuming, keep it up to the checkpoint's step; start the trackers
-        (start_trackers) with the loop's `state`, once per launch."""
+        """Start metrics.jsonl and the sample indices' files (SampleLog) afresh, or, when resuming, keep them up to
+        the checkpoint's step; start the trackers (start_trackers) with the loop's `state`, once per launch. Every
+        process keeps its own sample file, and the main process those of ranks this launch does not have."""
         if self.accelerator.log_with and not self.trackers_started:
             self.start_trackers(resume_step, state)
         with writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
-                if resume_step is None:
-                    self.metrics_path.unlink(missing_ok=True)
-                else:
-                    self._truncate_after(resume_step)
-
-    def _truncate_after(self, step):
-        """On resume, drop events logged after the checkpoint, so the log neither repeats nor skips steps; and a last
-        line cut short (a crash or a full disk in the middle of a write), with a note. Any other line that is not
-        JSON is an error naming it."""
-        if not self.metrics_path.exists():
-            return
-        lines = [(number, line) for number, line in enumerate(self.metrics_path.read_text().splitlines(), 1)
-                 if line.strip()]
-        kept = []
-        for number, line in lines:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError as err:
-                if number != lines[-1][0]:
-                    raise UserError(f"{self.metrics_path}:{number}: not a JSON line ({err.msg}); only the last line "
-                                    "can be cut short by a crash: remove or repair this one") from None
-                print(f"note: {self.metrics_path}:{number}: the last line is cut short (a crash or a full disk during "
-                      "a write) and is dropped", flush=True)
-                break
-            if event.get("step", 0) <= step:
-                kept.append(line)
-        _write_atomically(self.metrics_path, "".join(line + "\n" for line in kept))
+                for path in [self.metrics_path, *sample_files(self.output_dir, self.accelerator.num_processes)]:
+                    keep_up_to(path, resume_step)
+            keep_up_to(sample_file(self.output_dir, self.accelerator.process_index), resume_step)
 
     def start(self, args, project_name, clear, card=None):
         """A training run's output directory before its first step (every rank): with `clear` (--overwrite_output_dir,
@@ -540,6 +520,136 @@ def merge_results(path, results, prefixes=("eval_", "test_")):
     write_results(path, merged)
     return [f"{path}: keeps its {prefix}* numbers, measured with {merged[f'{prefix}settings']} (this evaluation: "
             f"{results.get(f'{prefix}settings')}, in its own {prefix}results.json)" for prefix in kept]
+
+
+def keep_up_to(path, step):
+    """A JSON-lines log (metrics.jsonl, a sample file) kept up to `step` on resume, so that it neither repeats nor
+    skips steps, or removed (`step` None: a fresh start). A last line cut short (a crash or a full disk in the middle
+    of a write) is dropped with a note; any other line that is not JSON is an error naming it."""
+    path = Path(path)
+    if step is None or not path.exists():
+        path.unlink(missing_ok=True)
+        return
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    kept = []
+    for number, line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number != lines[-1][0]:
+                raise UserError(f"{path}:{number}: not a JSON line ({err.msg}); only the last line can be cut short "
+                                "by a crash: remove or repair this one") from None
+            print(f"note: {path}:{number}: the last line is cut short (a crash or a full disk during a write) and is "
+                  "dropped", flush=True)
+            break
+        if event.get("step", 0) <= step:
+            kept.append(line)
+    _write_atomically(path, "".join(line + "\n" for line in kept))
+
+
+SAMPLES_DIR = "sample_indices"  # OUTPUT_DIR/sample_indices/process_<rank>.jsonl (--log_sample_indices)
+
+
+def sample_file(output_dir, process_index):
+    return Path(output_dir) / SAMPLES_DIR / f"process_{process_index}.jsonl"
+
+
+def sample_files(output_dir, first=0):
+    """The sample files of processes `first` and above, by process index."""
+    found = []
+    for path in (Path(output_dir) / SAMPLES_DIR).glob("process_*.jsonl"):
+        index = path.stem.removeprefix("process_")
+        if index.isdigit() and int(index) >= first:
+            found.append((int(index), path))
+    return [path for _, path in sorted(found)]
+
+
+class _DrawnOrder:
+    """A sampler that yields what `sampler` yields, keeping what it drew this epoch until `take` hands it out."""
+
+    def __init__(self, sampler):
+        self.sampler, self.drawn, self.first = sampler, collections.deque(), 0  # first: drawn[0]'s epoch position
+
+    def __iter__(self):
+        self.drawn.clear()
+        self.first = 0
+        for item in self.sampler:
+            self.drawn.append(item)
+            yield item
+
+    def __len__(self):
+        return len(self.sampler)
+
+    def __getattr__(self, name):  # set_epoch and the rest: the sampler's own, so accelerate finds what it looks for
+        if name == "sampler":
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
+
+    def take(self, start, stop):
+        """The items at positions [start, stop) of the epoch's order (fewer at its end); those before are dropped."""
+        items = []
+        while self.drawn and self.first < stop:
+            item = self.drawn.popleft()
+            if self.first >= start:
+                items.append(item)
+            self.first += 1
+        return items
+
+
+class SampleLog:
+    """--log_sample_indices: each optimizer step's samples on this process, one JSON line per step appended to
+    OUTPUT_DIR/sample_indices/process_<rank>.jsonl: {"step", "epoch", "process", "batches"}, `batches` holding, per
+    loader batch of the step, the dataset indices of this process's share in the order its loader yields them
+    (docs/faults_and_resume.md#the-samples-of-each-step-on-each-process---log_sample_indices). The loader's sampler
+    is wrapped to keep the order it draws; what it yields is unchanged. No collective: a failed write stops this
+    process with one line."""
+
+    def __init__(self, accelerator, output_dir, loader, accumulation_steps, enabled=True):
+        self.enabled, self.accumulation = enabled, accumulation_steps
+        if not enabled:
+            return
+        self.process, self.processes = accelerator.process_index, accelerator.num_processes
+        self.path = sample_file(output_dir, self.process)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        shard = loader.batch_sampler  # accelerate's BatchSamplerShard on N processes, the global BatchSampler on 1
+        self.batches = getattr(shard, "batch_sampler", shard)
+        sampler = self.batches.sampler  # a retry after running out of memory prepares the same loader again
+        self.order = sampler if isinstance(sampler, _DrawnOrder) else _DrawnOrder(sampler)
+        self.batches.sampler = self.order
+
+    def step(self, step, epoch, batches_in_epoch):
+        """After optimizer step `step` (1-based) on the epoch's batches up to `batches_in_epoch` (1-based, its
+        accumulation window's last); `epoch` counted from 0."""
+        if not self.enabled:
+            return
+        last = batches_in_epoch - 1
+        share = self.batches.batch_size // self.processes
+        # split_batches: this process's share of global batch k is its slice of it (accelerate's BatchSamplerShard),
+        # epoch positions [k * B + rank * share, ... + share), cut at the epoch's end: the repeats accelerate pads a
+        # short last batch with weigh nothing in the loss and are left out
+        starts = [k * self.batches.batch_size + self.process * share for k in range(last - last % self.accumulation,
+                                                                                     batches_in_epoch)]
+        line = {"step": step, "epoch": epoch + 1, "process": self.process,
+                "batches": [self.order.take(start, start + share) for start in starts]}
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as err:
+            raise UserError(write_failure(err, self.path.parent)) from None
+
+
+def read_sample_indices(output_dir):
+    """{step: [global batch, ...]} of a run's sample files (--log_sample_indices): each global batch its processes'
+    shares joined in process order, as a 1-process run's file holds it. The same command on 1 and N processes, and a
+    resumed run against the uninterrupted one, give the same dict."""
+    steps = {}
+    for path in sample_files(output_dir):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                steps.setdefault(row["step"], []).append(row["batches"])
+    return {step: [[item for share in shares for item in share] for shares in zip(*by_process)]
+            for step, by_process in sorted(steps.items())}
 
 
 def _write_line(f, row):
