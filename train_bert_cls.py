@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               add_allow_data_change, agree_on_resume, keep_as, kept_by, per_process_differences,
+                               add_allow_data_change, agree_on_resume, check_global_batches, resumable_process_counts, keep_as, kept_by, per_process_differences,
                                replace_dir_atomically, resume_settings, say_processes, this_launch)
 from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
                            prepare_for_inference, selected_step)
@@ -54,7 +54,7 @@ from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, Evaluation
                          check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
 from utils.outputs import RunLog, SampleLog, check_output_dir, format_numbers, format_step_line, progress
-from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
+from utils.runtime import (UserError, add_runtime_args, build_accelerator,
                             hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
                             nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
                             run_cli, run_info, writing)
@@ -671,7 +671,7 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
         "samples_per_optimizer_step": args.train_batch_size * args.gradient_accumulation_steps,
         "train_samples": len(loaders["train"].dataset),
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
-        "resume_step": state["completed_steps"],
+        "resume_step": state["completed_steps"], "checkpoints_resume_on": resumable_process_counts(args.train_batch_size),
     })
     say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence,
@@ -959,19 +959,20 @@ def main(args):
     # would be a collective each step for nothing. A model whose buffers training changes (BatchNorm) needs it.
     accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps, broadcast_buffers=False,
                                     loader_workers=4 * args.num_workers)  # train, validation, test, predict loaders
-    say_command(accelerator.print, args, batch_line("--train_batch_size", args.train_batch_size,
-                                                    accelerator.num_processes, BERT_BATCH_RULE))
+    batch = ("--train_batch_size", args.train_batch_size) if args.do_train else ("--eval_batch_size", args.eval_batch_size)
+    say_command(accelerator.print, args, batch_line(*batch, accelerator.num_processes, BERT_BATCH_RULE))
     hold_output_dir(accelerator, args.output_dir)
     check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
     # "" unless evaluating with other settings than trained
     results_tag = use_model_settings(args, accelerator.print, flag_roles())
     set_seed(args.seed)
-    per_device_batch = check_global_batch(accelerator, args.train_batch_size, "--train_batch_size")
-    check_global_batch(accelerator, args.eval_batch_size, "--eval_batch_size")
     resume_path = None
     if args.do_train:  # the checkpoint to resume from, its files checked before anything is built or written
         check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
         resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
+    batches = {"--train_batch_size": args.train_batch_size} if args.do_train else {}
+    per_device_batch = check_global_batches(accelerator, {**batches, "--eval_batch_size": args.eval_batch_size},
+                                            resume_path)
     tokenizer = tokenizer_and_length(args, accelerator.print)
     checkpoint_labels = None if args.do_train else saved_labels(args.model_name_or_path)
     data = load_text_data(args, accelerator, tokenizer, checkpoint_labels, accelerator.print)

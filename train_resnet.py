@@ -52,9 +52,9 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.transforms import v2
 
 from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               add_allow_data_change, agree_on_resume, check_compatible, keep_as, kept_by,
+                               add_allow_data_change, agree_on_resume, check_compatible, check_global_batches, keep_as, kept_by,
                                load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
-                               say_processes, this_launch)
+                               resumable_process_counts, say_processes, this_launch)
 from utils.export import load_torch_checkpoint, load_weights, on_meta_device
 from utils.flags import Parser, PerDevice, batch_line, say_command
 from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
@@ -63,7 +63,7 @@ from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, Evaluation
 from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
 from utils.outputs import (RunLog, SampleLog, check_output_dir, format_numbers, number_entries, plot_training_curves,
                            progress)
-from utils.runtime import (UserError, add_runtime_args, build_accelerator, check_global_batch,
+from utils.runtime import (UserError, add_runtime_args, build_accelerator,
                             hold_output_dir, loader_generator, loader_settings,
                             maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
                             writing)
@@ -727,7 +727,7 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "images_per_optimizer_step": args.batch_size * args.gradient_accumulation_steps,
         "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "total_steps": total_steps,
-        "start_step": state["completed_steps"],
+        "start_step": state["completed_steps"], "checkpoints_resume_on": resumable_process_counts(args.batch_size),
         "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
         "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
     say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
@@ -854,8 +854,8 @@ def main(args):
     say_command(accelerator.print, args, batch_line("-b", args.batch_size, accelerator.num_processes, BATCH_RULE))
     hold_output_dir(accelerator, args.output_dir)
     set_seed(args.seed)
-    per_device_batch = check_global_batch(accelerator, args.batch_size, "--batch-size")
     if args.predict:
+        check_global_batches(accelerator, {"-b": args.batch_size})
         return predict_images(accelerator, args)
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
         raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
@@ -866,6 +866,9 @@ def main(args):
                                                           modules=["ema"] if args.model_ema else [])
     if args.evaluate and args.resume and not legacy_file and resume_dir is None:
         raise UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
+    # a training resume keeps the checkpoint's global batch; an evaluation may use another
+    per_device_batch = check_global_batches(accelerator, {"-b": args.batch_size}, None if args.evaluate else resume_dir,
+                                            saved_as="global_batch_size")
     resuming = resume_dir is not None or args.resume == "latest"
     continues_run = legacy_file and Path(args.resume).resolve().parent == args.output_dir.resolve()
     if not args.evaluate:

@@ -104,6 +104,7 @@ def test_the_first_rank_to_meet_a_users_error_prints_it_whichever_rank_it_is(mon
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setattr(RollCall, "_store", None)
+    monkeypatch.setattr(RollCall, "_gone", False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "first_to_fail")
@@ -139,6 +140,7 @@ def test_a_lost_peer_line_calls_frozen_only_a_stopped_process_and_ends_only_that
                         ("TORCHELASTIC_RUN_ID", "lost_peer"), ("WORLD_SIZE", "5"), ("RANK", "0")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(RollCall, "_store", None)
+    monkeypatch.setattr(RollCall, "_gone", False)
     monkeypatch.setattr(RollCall, "ANSWER_SECONDS", 0.5)
     frozen, running, exited = (subprocess.Popen(["sleep", "600"]) for _ in range(3))
     exited.kill()
@@ -162,6 +164,36 @@ def test_a_lost_peer_line_calls_frozen_only_a_stopped_process_and_ends_only_that
         for process in (frozen, running):
             process.kill()
             process.wait()
+
+
+def test_a_lost_peer_whose_launchers_store_is_gone_is_one_line_without_cpp_frames(monkeypatch, capfd):
+    """Rank 0's machine gone with its launcher's store: torch's store client prints a warning with its C++ stack
+    frames when its server is gone; the survivor asks quietly, once, and its line says the store is gone too."""
+    import subprocess
+    import sys
+
+    from utils.runtime import RollCall, lost_peer_line
+
+    server = subprocess.Popen([sys.executable, "-c", "import sys, time, torch; s = torch.distributed.TCPStore("
+                               "'127.0.0.1', 0, is_master=True, wait_for_workers=False); print(s.port, flush=True); "
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = server.stdout.readline().strip()
+        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("TORCHELASTIC_RUN_ID", "gone"),
+                            ("WORLD_SIZE", "2"), ("RANK", "1")):
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(RollCall, "_store", None)
+        monkeypatch.setattr(RollCall, "_gone", False)
+        RollCall.enter()
+    finally:
+        server.kill()
+        server.wait()
+    capfd.readouterr()
+    line = lost_peer_line(RuntimeError("Connection closed by peer"), 30)
+    assert line == ("rank 1: another rank stopped answering (its connection closed); the launcher's store cannot be "
+                    "reached either: the machine that holds it (rank 0's) is gone or its launcher ended; the job ends "
+                    "here: continue from its latest checkpoint"), line
+    assert "frame #" not in capfd.readouterr().err
 
 
 # what each way of leaving is met with, and the exit status it leaves with

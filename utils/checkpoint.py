@@ -39,6 +39,7 @@ import argparse
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -290,6 +291,48 @@ def check_precision(accelerator, path):
                         "scale); resume with the checkpoint's precision (bf16 or no)")
 
 
+def check_global_batches(accelerator, batches, resume_path=None, saved_as=None):
+    """The per-process share of the first of `batches` ({flag: GLOBAL batch}, the training batch first), each split
+    evenly over the processes. A launch whose process count does not divide them stops in one line, before anything
+    is written: a fresh run with the sizes that would divide; a resume (`resume_path`, whose training batch it keeps,
+    recorded under `saved_as`) with the process counts that can continue it."""
+    processes, (flag, size) = accelerator.num_processes, next(iter(batches.items()))
+    if resume_path is not None:
+        kept = read_training_state(resume_path).get(saved_as or flag)
+        if kept is not None and kept != size:
+            raise UserError(f"{flag} {size}: {resume_path} was trained with {flag} {kept}, which a resume keeps; "
+                            f"resume with {flag} {kept}, on {_counts_dividing({**batches, flag: kept})} processes")
+    bad = {name: value for name, value in batches.items() if value % processes}
+    if not bad:
+        return size // processes
+    named = " and ".join(f"{name} {value}" for name, value in bad.items())
+    if resume_path is None:
+        tries = " and ".join(str(max(1, value // processes) * processes) for value in bad.values())
+        what = "is the GLOBAL batch" if len(bad) == 1 else "are GLOBAL batches"
+        raise UserError(f"{named} {what} and must divide evenly over {processes} processes (try {tries})")
+    counts = _counts_dividing(batches)
+    other = {name: value for name, value in batches.items() if name != flag}
+    alternative = ""
+    if flag not in bad and len(other) == 1:  # only the evaluation batch stands in the way, and a resume may change it
+        name, value = next(iter(other.items()))
+        alternative = f", or on {processes} with {name} {max(1, value // processes) * processes}"
+    raise UserError(f"{resume_path} cannot continue on {processes} processes: {named} must divide evenly over them "
+                    f"(GLOBAL batches; {flag} {size} is kept on a resume); it can continue on {counts} processes"
+                    f"{alternative}")
+
+
+def _counts_dividing(batches):
+    """'1, 2, 4 or 8': the process counts that divide every one of `batches`."""
+    common = math.gcd(*batches.values())
+    counts = [str(count) for count in range(1, common + 1) if common % count == 0]
+    return counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} or {counts[-1]}"
+
+
+def resumable_process_counts(global_batch):
+    """What a run's summary says of the process counts its checkpoints can resume on."""
+    return f"{_counts_dividing({'batch': global_batch})} (the divisors of the GLOBAL batch {global_batch})"
+
+
 class Checkpoints:
     """The run's resumable checkpoints in output_dir/checkpoints: `save` one at a step, `restore` a run from one,
     `latest`. `must_match`: what a resumed run must share with the checkpoint (model, labels, batch layout, the
@@ -369,7 +412,8 @@ class Checkpoints:
             latest = self.latest()
             raise UserError(f"{err}: checkpoint step_{step} not saved; the latest complete checkpoint is still "
                             f"{latest if latest else 'none'}") from None
-        self.say(f"saved checkpoint {final}")
+        if self.writer:  # a machine that wrote nothing says nothing of it
+            self.say(f"saved checkpoint {final}")
         return final
 
     def finish(self):

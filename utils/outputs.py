@@ -48,6 +48,7 @@ class RunLog:
         self.card = None  # start()'s ModelCard: a run that trains has one
         self.tracker_start = None  # start()'s (project name, configuration) for open() to start the trackers with
         self.trackers_started = False
+        self.partial_from = None  # a resume inside a log window: the step its first train line counts from
 
     def open(self, resume_step=None, state=None):
         """Start metrics.jsonl and the sample indices' files (SampleLog) afresh, or, when resuming, keep them up to
@@ -60,7 +61,12 @@ class RunLog:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
                 for path in [self.metrics_path, *sample_files(self.output_dir, self.accelerator.num_processes)]:
                     keep_up_to(path, resume_step)
+                self.partial_from = resume_step if resume_step and last_train_step(self.metrics_path) != resume_step \
+                    else None
             keep_up_to(sample_file(self.output_dir, self.accelerator.process_index), resume_step)
+        if self.partial_from is not None:
+            self.console(f"resumed inside a log window: the first train line's numbers are over the steps after step "
+                         f"{self.partial_from} only (metrics.jsonl marks it partial_window)")
 
     def start(self, args, project_name, clear, card=None):
         """A training run's output directory before its first step (every rank): with `clear` (--overwrite_output_dir,
@@ -95,6 +101,8 @@ class RunLog:
 
     def log(self, event, step, values):
         """One JSON line ({"event", "step", **values}) and, with tracking on, the numbers to TensorBoard."""
+        if event == "train" and self.partial_from is not None:  # the uninterrupted run's window began earlier
+            values, self.partial_from = {**values, "partial_window": True, "window_from_step": self.partial_from}, None
         with writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 with open(self.metrics_path, "a") as f:
@@ -520,6 +528,13 @@ def merge_results(path, results, prefixes=("eval_", "test_")):
     write_results(path, merged)
     return [f"{path}: keeps its {prefix}* numbers, measured with {merged[f'{prefix}settings']} (this evaluation: "
             f"{results.get(f'{prefix}settings')}, in its own {prefix}results.json)" for prefix in kept]
+
+
+def last_train_step(path):
+    """The step of the last `train` event of metrics.jsonl, None without one."""
+    steps = [json.loads(line).get("step") for line in Path(path).read_text().splitlines()
+             if line.strip() and json.loads(line).get("event") == "train"] if Path(path).exists() else []
+    return steps[-1] if steps else None
 
 
 def keep_up_to(path, step):

@@ -275,7 +275,7 @@ def lost_peer_line(err, ddp_timeout):
     frozen (stopped: ended here, so that the launcher ends the job now rather than after its grace), stuck in the
     kernel, or running (busy, or waiting in a collective of its own: left to the launcher)."""
     absent = RollCall.absent()
-    fates = {rank: RollCall.fate(rank) for rank in absent}
+    fates = {rank: RollCall.fate(rank) for rank in absent or []}
     waited = (f"no reply within --ddp_timeout {ddp_timeout:g} s" if TIMEOUT_MARK in str(err) and ddp_timeout
               else "its connection closed")
     said = {
@@ -287,14 +287,35 @@ def lost_peer_line(err, ddp_timeout):
         "elsewhere": "stopped answering (on another machine: a frozen or dead process, a stuck disk or network)"}
     parts = []
     for fate, words in said.items():
-        ranks = [rank for rank in absent if fates[rank] == fate]
+        ranks = [rank for rank in absent or [] if fates[rank] == fate]
         if fate == "frozen":
             ranks = [rank for rank in ranks if RollCall.end(rank)]
         if ranks:
             parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {words}")
-    who = "; ".join(parts) or "another rank stopped answering (the launcher's store did not say which)"
-    return (f"rank {os.environ.get('RANK', '?')}: {who} ({waited}); the job ends here: continue from its latest "
-            "checkpoint")
+    who = "; ".join(parts) or "another rank stopped answering"
+    store = ("; the launcher's store cannot be reached either: the machine that holds it (rank 0's) is gone or its "
+             "launcher ended") if absent is None else ""
+    return (f"rank {os.environ.get('RANK', '?')}: {who} ({waited}){store}; the job ends here: continue from its "
+            "latest checkpoint")
+
+
+class StoreGone(Exception):
+    """The launcher's store cannot be reached (none under this launch, or its server is gone)."""
+
+
+@contextmanager
+def _stderr_quiet():
+    """Nothing written to this process's stderr (file descriptor 2) inside: torch's store client prints a warning with
+    its C++ stack frames before it raises, when the store's server is gone."""
+    sys.stderr.flush()
+    saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
 
 
 class RollCall:
@@ -304,53 +325,64 @@ class RollCall:
     seconds are the ones that stopped answering (`absent`). A rank that stops on Ctrl-C says so before it leaves
     (`leave_on_ctrl_c`), so that a peer whose collective it broke knows why (`left_on_ctrl_c`), whatever the order
     in which the launcher's Ctrl-C reached them. The first rank to stop on an error of the user's takes a number
-    from the store, and prints the error (`first_to_fail`)."""
+    from the store, and prints the error (`first_to_fail`). Every request goes through `_ask`: once the store fails
+    (its machine's launcher ended), the run asks it nothing more."""
     ANSWER_SECONDS = 5.0  # how long survivors wait for each other's answers: their collectives time out together
     _store = None
+    _gone = False  # the store failed once: it is not asked again
 
     @classmethod
     def store(cls):
         """This launch attempt's keys in the launcher's store, or None where there is none to reach."""
-        if cls._store is None and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        if cls._store is None and not cls._gone and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
             attempt = f"roll_call/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
-            client = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                is_master=False, timeout=datetime.timedelta(seconds=5))
+            try:
+                with _stderr_quiet():
+                    client = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                        is_master=False, timeout=datetime.timedelta(seconds=5))
+            except (RuntimeError, OSError):
+                cls._gone = True
+                return None
             cls._store = torch.distributed.PrefixStore(attempt, client)
         return cls._store
 
     @classmethod
-    def shared_store(cls):
-        """store() under a launch of several processes, None for one: what the ranks tell each other on leaving."""
-        return cls.store() if launched_world_size() > 1 else None
+    def _ask(cls, method, *args, shared=False):
+        """store.method(*args), with stderr quiet; StoreGone where there is no store (`shared`: nor a launch of
+        several processes) or it fails."""
+        store = cls.store() if not shared or launched_world_size() > 1 else None
+        if store is None:
+            raise StoreGone
+        try:
+            with _stderr_quiet():
+                return getattr(store, method)(*args)
+        except (RuntimeError, OSError):
+            cls._store, cls._gone = None, True
+            raise StoreGone from None
 
     @classmethod
     def enter(cls):
         """Record this rank's host, PID and start time (at start-up, on every rank of a multi-process launch)."""
         try:
-            store = cls.store()
-            if store is not None:
-                store.set(f"process/{os.environ['RANK']}", json.dumps(
-                    {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid())}))
-        except (RuntimeError, OSError):
-            cls._store = None  # no store to reach: a lost rank is then not named
+            cls._ask("set", f"process/{os.environ['RANK']}", json.dumps(
+                {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid())}))
+        except StoreGone:
+            pass  # a lost rank is then not named
 
     @classmethod
     def leave_on_ctrl_c(cls):
         """Record in the store that this rank stops on Ctrl-C (under a multi-process launch), before it leaves."""
         try:
-            store = cls.shared_store()
-            if store is not None:
-                store.set(f"ctrl_c/{os.environ['RANK']}", "1")
-        except (RuntimeError, OSError):
+            cls._ask("set", f"ctrl_c/{os.environ['RANK']}", "1", shared=True)
+        except StoreGone:
             pass  # a peer then names this rank as one that stopped answering
 
     @classmethod
     def left_on_ctrl_c(cls):
         """Whether a rank of this launch stopped on Ctrl-C (leave_on_ctrl_c); False where no store can be reached."""
         try:
-            store = cls.shared_store()
-            return store is not None and any(store.check([f"ctrl_c/{rank}"]) for rank in range(launched_world_size()))
-        except (RuntimeError, OSError):
+            return any(cls._ask("check", [f"ctrl_c/{rank}"], shared=True) for rank in range(launched_world_size()))
+        except StoreGone:
             return False
 
     @classmethod
@@ -359,38 +391,32 @@ class RollCall:
         prints it, once, before it leaves, so the line is there even when the launcher ends the other ranks before
         they reach the same error. Without a launcher's store to ask: the first process of each machine."""
         try:
-            store = cls.shared_store()
-            if store is not None:
-                return store.add("user_error", 1) == 1
-        except (RuntimeError, OSError):
-            pass
-        return os.environ.get("LOCAL_RANK", "0") == "0"
+            return cls._ask("add", "user_error", 1, shared=True) == 1
+        except StoreGone:
+            return os.environ.get("LOCAL_RANK", "0") == "0"
 
     @classmethod
     def absent(cls):
-        """The ranks that do not answer within ANSWER_SECONDS; [] where the store cannot be reached."""
+        """The ranks that do not answer within ANSWER_SECONDS; None where the store cannot be reached."""
         try:
-            store = cls.store()
-            if store is None:
-                return []
-            store.set(f"here/{os.environ['RANK']}", "1")
-            answered, everyone = store.add("here", 1), launched_world_size()
+            cls._ask("set", f"here/{os.environ['RANK']}", "1")
+            answered, everyone = cls._ask("add", "here", 1), launched_world_size()
             deadline = time.monotonic() + cls.ANSWER_SECONDS
             while answered < everyone and time.monotonic() < deadline:  # one request a poll, whatever the count
                 time.sleep(0.2)
-                answered = store.add("here", 0)
+                answered = cls._ask("add", "here", 0)
             if answered >= everyone:
                 return []
-            return [rank for rank in range(everyone) if not store.check([f"here/{rank}"])]
-        except (RuntimeError, OSError):
-            return []
+            return [rank for rank in range(everyone) if not cls._ask("check", [f"here/{rank}"])]
+        except StoreGone:
+            return None
 
     @classmethod
     def _entry(cls, rank):
         """What `rank` entered at start-up (host, PID, start time); None where the store does not say."""
         try:
-            return json.loads(cls.store().get(f"process/{rank}"))
-        except (RuntimeError, OSError, ValueError, AttributeError):
+            return json.loads(cls._ask("get", f"process/{rank}"))
+        except (StoreGone, ValueError):
             return None
 
     @classmethod
@@ -985,16 +1011,6 @@ def cpu_bf16_note(device, precision, cpuinfo="/proc/cpuinfo"):
     if torch.device(device).type == "cpu" and precision == "bf16" and cpu_has_amx(cpuinfo) is False:
         return CPU_BF16_WITHOUT_AMX
     return None
-
-
-def check_global_batch(accelerator, global_batch_size, flag):
-    """A GLOBAL batch is split evenly over the processes; one that does not divide is an error."""
-    if global_batch_size < 1 or global_batch_size % accelerator.num_processes:
-        raise UserError(
-            f"{flag} {global_batch_size} is the GLOBAL batch and must divide evenly over "
-            f"{accelerator.num_processes} processes (try {max(1, global_batch_size // accelerator.num_processes) * accelerator.num_processes})"
-        )
-    return global_batch_size // accelerator.num_processes
 
 
 def maybe_data_parallel(model, args):
