@@ -2,13 +2,15 @@
 on its directory, or a resume on other training data, is refused."""
 import os
 import re
+import resource
 import shutil
 import signal
 
 import pytest
-from conftest import (ELASTIC, HANG_S, TORCHRUN, assert_group_restarted, assert_job_left_in_grace, assert_same_curve,
-                      assert_same_weights, descendants, end_all, free_port, kill_job, launch, launch_cmd, read_json,
-                      run_here, run_on, start, stop_job, wait_for, workers)
+from conftest import (ELASTIC, FAKE_GPU, HANG_S, TORCHRUN, assert_group_restarted, assert_job_left_in_grace,
+                      assert_same_curve, assert_same_weights, descendants, end_all, free_port, kill_job, launch,
+                      launch_cmd, rank_tracebacks, read_json, run, run_here, run_on, start, stop_job, wait_for,
+                      workers)
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
@@ -36,12 +38,46 @@ def assert_same_run(reference, resumed, stopped_at=None):
 
 @pytest.fixture(scope="module")
 def uninterrupted(text_data, tmp_path_factory):
-    runs = {}
-    for n in (1, 2):
-        out = tmp_path_factory.mktemp(f"uninterrupted_{n}")
-        run_on(n, SCRIPT, resume_args(text_data, out))
-        runs[n] = out
+    """The reference runs on 1 and 4 processes (a ring all-reduce over 3 or more ranks sums in an order set by DDP's
+    gradient buckets: 2 would prove nothing of it). The 4-process run keeps every checkpoint, and starts with a soft
+    limit on open files below what its ranks need (it raises the limit itself, and says so)."""
+    runs = {1: tmp_path_factory.mktemp("uninterrupted_1"), 4: tmp_path_factory.mktemp("uninterrupted_4")}
+    run_on(1, SCRIPT, resume_args(text_data, runs[1]))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    limit = f"--nofile=64:{'unlimited' if hard == resource.RLIM_INFINITY else hard}"
+    proc = run(["prlimit", limit, *launch_cmd(SCRIPT, resume_args(text_data, runs[4], "--save_total_limit", "0"),
+                                              num_processes=4)], env=FAKE_GPU)
+    (runs[4] / "stdout.txt").write_text(proc.stdout)
     return runs
+
+
+def test_a_low_soft_limit_on_open_files_is_raised_with_one_line(uninterrupted):
+    said = [line for line in (uninterrupted[4] / "stdout.txt").read_text().splitlines() if line.startswith("open files")]
+    assert len(said) == 1 and said[0].startswith("open files: raised the soft limit (ulimit -n) from 64 to "), said
+    assert "each rank of this 4-process launch may hold about" in said[0], said
+
+
+def test_the_uninterrupted_runs_own_checkpoint_resumes_bitwise_on_4_processes(uninterrupted, text_data, tmp_path):
+    """The core of bitwise at any process count: a fresh 4-process launch from the uninterrupted run's mid-epoch
+    checkpoint ends with its weights. Then the same checkpoint on 3 processes, which its global batches (16) do not
+    divide: one line listing the counts that can continue it, before anything is written."""
+    out = tmp_path / "resumed"
+    shutil.copytree(uninterrupted[4], out, ignore=shutil.ignore_patterns(*(f"step_{s}" for s in range(30, STEPS + 1, 10))))
+    (out / "all_results.json").unlink()
+    launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=4)
+    assert_same_run(uninterrupted[4], out)
+
+    three = tmp_path / "three"
+    (three / "checkpoints").mkdir(parents=True)
+    shutil.copytree(uninterrupted[4] / "checkpoints" / "step_20", three / "checkpoints" / "step_20")
+    proc = launch(SCRIPT, resume_args(text_data, three, "--resume_from_checkpoint", "latest"), num_processes=3,
+                  check=False)
+    line = f"error: {three / 'checkpoints' / 'step_20'} cannot continue on 3 processes: --train_batch_size 16 and " \
+           "--eval_batch_size 16 must divide evenly over them"
+    assert proc.returncode != 0 and line in proc.stderr, proc.stderr[-3000:]
+    assert "it can continue on 1, 2, 4, 8 or 16 processes" in proc.stderr
+    assert not rank_tracebacks(proc.stderr, SCRIPT), proc.stderr[-3000:]  # the launcher's own traceback is its own
+    assert sorted(p.name for p in three.iterdir()) == ["checkpoints"]  # nothing written
 
 
 def train_here(args, check=True):
@@ -54,7 +90,7 @@ def complete(out, step):
 
 
 def test_sigkill_then_resume_latest_is_bitwise_identical(uninterrupted, text_data, tmp_path):
-    """1 process; 2 processes: the torchrun restart below (one worker killed, the group resumed by the launcher)."""
+    """1 process; 4 processes: the torchrun restart below (one worker killed, the group resumed by the launcher)."""
     out = tmp_path / "killed"
     job = start(launch_cmd(SCRIPT, resume_args(text_data, out), num_processes=1), tmp_path / "killed.log")
     wait_for(complete(out, 20), job)
@@ -67,12 +103,12 @@ def test_sigkill_then_resume_latest_is_bitwise_identical(uninterrupted, text_dat
 
 
 def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(uninterrupted, text_data, tmp_path):
-    """2 processes, elastic: under `torchrun --max-restarts 2` with `--resume_from_checkpoint latest` from the start,
+    """4 processes, elastic: under `torchrun --max-restarts 2` with `--resume_from_checkpoint latest` from the start,
     one worker SIGKILLed mid-epoch; the agent restarts the group, which resumes from the latest checkpoint and ends
     bitwise as the uninterrupted run, with no step logged twice (c10d rendezvous with a store per attempt: the static
     one's restarts can be handed the dead workers' addresses)."""
     out = tmp_path / "elastic"
-    cmd = [*TORCHRUN, "--nnodes", "1", "--nproc_per_node", "2", "--max-restarts", "2", "--rdzv_backend", "c10d",
+    cmd = [*TORCHRUN, "--nnodes", "1", "--nproc_per_node", "4", "--max-restarts", "2", "--rdzv_backend", "c10d",
            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", SCRIPT, "--cpu",
            *resume_args(text_data, out, "--resume_from_checkpoint", "latest")]
     job = start(cmd, tmp_path / "elastic.log", env=ELASTIC)
@@ -83,21 +119,21 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(uninterrup
     assert job.returncode == 0, log[-3000:]
     assert_group_restarted(log)  # a restart, not a run that went on
     assert "warning: this launch restarts" not in log  # said only where the restart shares the previous store
-    assert_same_run(uninterrupted[2], out)
+    assert_same_run(uninterrupted[4], out)
     assert not (out / ".lock").exists()  # the restarted group held the directory and let go at the end
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, text_data, tmp_path):
     """Slurm's time limit and scancel: SIGTERM to the launcher, the ranks and their DataLoader workers at once. The
-    ranks save at the next step and leave before the launcher's grace ends, no process of the job is left, and the
-    2-process resume ends exactly as the uninterrupted run (which loaded its batches without workers)."""
+    ranks save at one step and leave before the launcher's grace ends, no process of the job is left, and the
+    4-process resume ends exactly as the uninterrupted run (which loaded its batches without workers)."""
     out = tmp_path / "preempted"
-    job = start(launch_cmd(SCRIPT, resume_args(text_data, out, "--num_workers", "2"), num_processes=2),
+    job = start(launch_cmd(SCRIPT, resume_args(text_data, out, "--num_workers", "2"), num_processes=4),
                 tmp_path / "preempted.log")
     processes = []
     try:
         wait_for(complete(out, 20), job)
-        wait_for(lambda: len(workers(job, out)) >= 2 + 2 * 2, job)  # the ranks and each one's 2 loader workers
+        wait_for(lambda: len(workers(job, out)) >= 4 + 4 * 2, job)  # the ranks and each one's 2 loader workers
         # a second run on the directory, started while the job holds it: one line naming the holder, nothing written
         # (the curve and the weights below are exactly the uninterrupted run's); the job is paused meanwhile, so
         # that it still holds the directory however fast it trains
@@ -123,8 +159,8 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, t
     assert checkpoint_steps(out)[-1] == results["train_steps"] < STEPS
     print(f"SIGTERM to every process, --num_workers 2: launcher exit {job.returncode}, checkpoint step "
           f"{results['train_steps']}, {seconds:.1f} s")
-    launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=2)
-    assert_same_run(uninterrupted[2], out, stopped_at=results["train_steps"])
+    launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=4)
+    assert_same_run(uninterrupted[4], out, stopped_at=results["train_steps"])
 
 
 @pytest.fixture(scope="module")
