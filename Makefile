@@ -55,8 +55,10 @@ PYTEST := $(OFFLINE) $(PY) -m pytest -q $(PYTEST_TMP) -n $(TEST_WORKERS) --dist 
 test: install-dev
 	$(PYTEST) -m "not long" tests
 
+# The 8-process launches (marker `alone`, about 10 GB each) run after the rest, on one worker: never two at once.
 test-long: install-dev
-	$(PYTEST) -m long tests
+	$(PYTEST) -m "long and not alone" tests
+	$(OFFLINE) $(PY) -m pytest -q $(PYTEST_TMP) --durations=5 -m alone tests
 
 # slurm/multinode.sbatch on a real Slurm: a throwaway cluster of slurmds on this machine (tests/slurm/). Needs root;
 # installs Debian's Slurm 22.05 and munge with apt-get if they are missing. 5 to 8 minutes on 2 cores.

@@ -192,6 +192,8 @@ def pytest_configure(config):
                                        "(the GPU tools' dry modes, the benchmarks' quick runs), or a run under "
                                        "inductor (its compiling alone costs a minute of CPU); `make test` leaves it "
                                        "out, `make test-long` runs it, .ci/run both")
+    config.addinivalue_line("markers", "alone: launches 8 processes (about 1.3 GB each): `make test-long` runs these "
+                                       "after the rest, one at a time, so that no other launch runs beside them")
 
 
 # The files that take longest (`make test`'s durations; docs/results.md), longest first, handed out before the others;

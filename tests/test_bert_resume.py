@@ -52,7 +52,8 @@ def uninterrupted(text_data, tmp_path_factory):
 
 
 def test_a_low_soft_limit_on_open_files_is_raised_with_one_line(uninterrupted):
-    said = [line for line in (uninterrupted[4] / "stdout.txt").read_text().splitlines() if line.startswith("open files")]
+    printed = (uninterrupted[4] / "stdout.txt").read_text().splitlines()
+    said = [line for line in printed if line.startswith("open files")]
     assert len(said) == 1 and said[0].startswith("open files: raised the soft limit (ulimit -n) from 64 to "), said
     assert "each rank of this 4-process launch may hold about" in said[0], said
 
@@ -62,7 +63,8 @@ def test_the_uninterrupted_runs_own_checkpoint_resumes_bitwise_on_4_processes(un
     checkpoint ends with its weights. Then the same checkpoint on 3 processes, which its global batches (16) do not
     divide: one line listing the counts that can continue it, before anything is written."""
     out = tmp_path / "resumed"
-    shutil.copytree(uninterrupted[4], out, ignore=shutil.ignore_patterns(*(f"step_{s}" for s in range(30, STEPS + 1, 10))))
+    later = [f"step_{step}" for step in range(30, STEPS + 1, 10)]
+    shutil.copytree(uninterrupted[4], out, ignore=shutil.ignore_patterns(*later))
     (out / "all_results.json").unlink()
     launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=4)
     assert_same_run(uninterrupted[4], out)

@@ -712,8 +712,8 @@ def check_launch(args):
         )
 
 
-# Open files a rank needs besides those it holds when it starts (measured: docs/launching.md#at-scale): a gloo group is a
-# full mesh, one socket per peer plus a few of its own; a DataLoader worker costs its parent pipes and the shared-memory
+# Open files a rank needs besides those it holds when it starts (measured: docs/launching.md#at-scale): a gloo group is
+# a full mesh, one socket per peer plus a few of its own; a DataLoader worker costs its parent pipes and the shared-memory
 # handles of the batches in flight; NCCL connects to ring and tree neighbours, not to every rank (a budget, not
 # measured on this project's machines); the margin is for the files a run reads and writes at a time.
 FILES_PER_GLOO_GROUP = 4  # + one per process
@@ -903,7 +903,8 @@ def settle_gradient_buckets(ddp, model):
     launch's first step would sum differently from the uninterrupted run's same step. Here the first training forward
     of `model` (the prepared model, `ddp` inside it) is preceded by one forward and backward pass on the same inputs
     whose only effect is that rebuild: its gradients are dropped, and the random generators and buffers put back.
-    Every step of every launch then sums in the same buckets (docs/faults_and_resume.md#bitwise-at-any-process-count)."""
+    Every step of every launch then sums in the same buckets
+    (docs/faults_and_resume.md#bitwise-at-any-process-count)."""
 
     def rebuild_first(module, args, kwargs):
         if not (torch.is_grad_enabled() and ddp.module.training):
