@@ -28,6 +28,8 @@ ENV = {
     "PYTHONUNBUFFERED": "1",
     "TQDM_DISABLE": "1",
 }
+# torch's switch for a new rendezvous store at each elastic restart: the restart tests show that none is needed
+ENV.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
 # The GPUs this machine shows, asked through NVML without initialising CUDA (cpu_in_this_process hides them here)
 REAL_GPUS = torch.cuda.device_count()
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -316,11 +318,6 @@ def start(cmd, log_path, env=None):
                             start_new_session=True)
 
 
-# torch's elastic agent restarting workers (--max-restarts) hands them the previous attempt's rendezvous store unless
-# the c10d rendezvous keeps its own store per attempt (docs/faults_and_resume.md#elastic-restarts)
-ELASTIC = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
 def wait_for(predicate, proc, timeout=HANG_S):
     """Poll until predicate() holds; fail if the job exits first (the timeout is for a job that hangs)."""
     deadline = time.monotonic() + timeout
@@ -391,6 +388,14 @@ def assert_group_restarted(log):
     is the one whose failure it recorded first: the SIGKILLed one (exitcode -9) or its peer, which may see the broken
     connection and exit on its own first."""
     assert re.search(r"failed \(exitcode: -?\d+\) local_rank: \d", log) and "Resumed from" in log, log[-3000:]
+
+
+def assert_attempts_kept_apart(log):
+    """The restarted group's process groups under keys of their own in the launcher's store (the start-up line of
+    each attempt), and no restart on the way that failed to connect (a later restart's success would hide one)."""
+    for attempt in (1, 2):
+        assert f"this attempt's process groups keep their keys under attempt/{attempt}/" in log, log[-3000:]
+    assert "connectFullMesh" not in log and "Connection refused" not in log, log[-3000:]
 
 
 def kill_job(proc, sig):

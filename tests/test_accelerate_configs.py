@@ -238,9 +238,12 @@ def test_documented_multinode_commands_resolve_as_intended():
     assert (args.multi_gpu, args.num_machines, args.num_processes, args.machine_rank) == (True, 2, 16, 1)
     assert args.same_network is True
     args = resolve_launch_args(
-        ["--config_file", str(CONFIG_DIR / "multinode_c10d.yaml"), "--rdzv_backend", "c10d", "--machine_rank", "1", "x.py"]
+        ["--config_file", str(CONFIG_DIR / "multinode_c10d.yaml"), "--rdzv_backend", "c10d", "--machine_rank", "1",
+         "--rdzv_conf", "is_host=0", "--max_restarts", "2", "x.py"]
     )
     assert (args.rdzv_backend, args.same_network, args.machine_rank) == ("c10d", False, 1)
+    # machine 1 connects to machine 0's rendezvous store and never hosts it; elastic restarts
+    assert (args.rdzv_conf, args.max_restarts) == ("is_host=0", 2)
 
 
 def test_slurm_script_syntax():

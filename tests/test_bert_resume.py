@@ -5,12 +5,14 @@ import re
 import resource
 import shutil
 import signal
+import socket
+from pathlib import Path
 
 import pytest
-from conftest import (ELASTIC, FAKE_GPU, HANG_S, TORCHRUN, assert_group_restarted, assert_job_left_in_grace,
-                      assert_same_curve, assert_same_weights, descendants, end_all, free_port, kill_job, launch,
-                      launch_cmd, rank_tracebacks, read_json, run, run_here, run_on, start, stop_job, wait_for,
-                      workers)
+from conftest import (ACCELERATE, FAKE_GPU, HANG_S, ROOT, TORCHRUN, assert_attempts_kept_apart, assert_group_restarted,
+                      assert_job_left_in_grace, assert_same_curve, assert_same_weights, descendants, end_all, free_port,
+                      kill_job, launch, launch_cmd, rank_tracebacks, read_json, run, run_here, run_on, start, stop_job,
+                      wait_for, workers)
 from safetensors.torch import load_file
 
 SCRIPT = "train_bert_cls.py"
@@ -107,22 +109,82 @@ def test_sigkill_then_resume_latest_is_bitwise_identical(uninterrupted, text_dat
 def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(uninterrupted, text_data, tmp_path):
     """4 processes, elastic: under `torchrun --max-restarts 2` with `--resume_from_checkpoint latest` from the start,
     one worker SIGKILLed mid-epoch; the agent restarts the group, which resumes from the latest checkpoint and ends
-    bitwise as the uninterrupted run, with no step logged twice (c10d rendezvous with a store per attempt: the static
-    one's restarts can be handed the dead workers' addresses)."""
+    bitwise as the uninterrupted run, with no step logged twice. The c10d rendezvous as torch sets it up, its store
+    shared with the restarted group: no variable set, the script keeps each attempt's keys apart."""
     out = tmp_path / "elastic"
     cmd = [*TORCHRUN, "--nnodes", "1", "--nproc_per_node", "4", "--max-restarts", "2", "--rdzv_backend", "c10d",
            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", SCRIPT, "--cpu",
            *resume_args(text_data, out, "--resume_from_checkpoint", "latest")]
-    job = start(cmd, tmp_path / "elastic.log", env=ELASTIC)
+    job = start(cmd, tmp_path / "elastic.log")
     wait_for(complete(out, 20), job)
     os.kill(max(workers(job, out)), signal.SIGKILL)
     job.wait(timeout=HANG_S)
     log = (tmp_path / "elastic.log").read_text()
     assert job.returncode == 0, log[-3000:]
     assert_group_restarted(log)  # a restart, not a run that went on
-    assert "warning: this launch restarts" not in log  # said only where the restart shares the previous store
+    assert_attempts_kept_apart(log)
     assert_same_run(uninterrupted[4], out)
     assert not (out / ".lock").exists()  # the restarted group held the directory and let go at the end
+
+
+C10D_CONFIG = ROOT / "accelerate_configs" / "multinode_c10d.yaml"
+
+
+def c10d_machine(machine, port, script_args):
+    """One of two "machines" on this host: the command of multinode_c10d.yaml's header for `machine`, with the
+    sizes and the address a user of one host gives on the command line (1 process each) and `--max_restarts 2`."""
+    line = next(line for line in C10D_CONFIG.read_text().splitlines() if line.startswith(f"#   machine {machine}:"))
+    words = line.split(":", 1)[1].split()
+    assert words[:2] == ["accelerate", "launch"] and SCRIPT in words, line
+    return [*ACCELERATE, *words[2:words.index(SCRIPT)], "--num_processes", "4", "--num_machines", "2",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--max_restarts", "2", SCRIPT, "--cpu",
+            *script_args]
+
+
+def accepting(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["machine_0_first", "machine_1_first"])
+def test_two_c10d_machines_restart_a_killed_rank_from_the_latest_checkpoint(first, uninterrupted, text_data, tmp_path):
+    """The shipped multinode_c10d.yaml with its header's commands, as two machines of two processes each on this host,
+    `--max_restarts 2` and `--resume_from_checkpoint latest`, no variable set: machine 1's first rank SIGKILLed
+    mid-epoch, both launchers restart their workers, which resume from the latest checkpoint and end bitwise as the
+    uninterrupted 4-process run. c10d numbers the machines itself (on one host by their launchers' process IDs, here
+    the order they started in), so the killed rank is rank 2 with machine 0 first, and rank 0, the output
+    directory's lock holder, with machine 1 first. Machine 1 first is where its launcher, without the header's
+    `--rdzv_conf is_host=0`, hosts the rendezvous store on machine 0's port (127.0.0.1 is its own address too), and
+    machine 0's accelerate then stops at its port check."""
+    out = tmp_path / "out"
+    port = free_port()
+    args = resume_args(text_data, out, "--resume_from_checkpoint", "latest")
+    logs = {machine: tmp_path / f"machine{machine}.log" for machine in (0, 1)}
+    jobs = {}
+    try:
+        jobs[first] = start(c10d_machine(first, port, args), logs[first])
+        if first == 0:  # its launcher hosts the rendezvous store
+            wait_for(lambda: accepting(port), jobs[0])
+        else:  # torch's line as its launcher goes to the rendezvous
+            wait_for(lambda: "node_rank is only used for static rdzv_backend" in logs[1].read_text(), jobs[1])
+        jobs[1 - first] = start(c10d_machine(1 - first, port, args), logs[1 - first])
+        wait_for(complete(out, 20), jobs[1])
+        ranks = {int(dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                          if "=" in entry)["RANK"]): pid for pid in workers(jobs[1], out)}
+        os.kill(ranks[min(ranks)], signal.SIGKILL)
+        for job in jobs.values():
+            job.wait(timeout=HANG_S)
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                kill_job(job, signal.SIGKILL)
+                job.wait()
+    log = "\n".join(logs[machine].read_text() for machine in (0, 1))
+    assert [jobs[0].returncode, jobs[1].returncode] == [0, 0], log[-6000:]
+    assert_group_restarted(log)
+    assert_attempts_kept_apart(log)
+    assert_same_run(uninterrupted[4], out)
+    assert not (out / ".lock").exists()
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, text_data, tmp_path):

@@ -18,7 +18,7 @@ from conftest import (ACCELERATE, FAKE_GPU, GRACE, HANG_S, ROOT, TORCHRUN, alive
 from safetensors.torch import load_file
 
 from utils.checkpoint import latest_checkpoint
-from utils.runtime import UserError, elastic_restart_warning, hold_output_dir, release_output_dirs
+from utils.runtime import UserError, hold_output_dir, release_output_dirs
 
 SCRIPT = "train_bert_cls.py"
 
@@ -117,11 +117,52 @@ def test_ctrl_c_is_one_line_per_process_and_the_last_checkpoint_resumes(text_dat
     assert read_json(out / "all_results.json")["train_steps"] == step + 1
 
 
-def test_elastic_restarts_that_share_the_previous_store_are_warned_about():
-    assert elastic_restart_warning({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
-    assert elastic_restart_warning({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
-    assert elastic_restart_warning({"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}) is None
-    assert elastic_restart_warning({}) is None
+def test_the_ranks_of_each_launch_attempt_agree_on_keys_no_earlier_attempt_used(monkeypatch):
+    """agree_on_attempt as torch's elastic agent's restarts meet it: one store for every attempt, in which the failed
+    attempt's hellos are still there when the next attempt's rank 0 arrives before the others (it answers them, then
+    the new ones). The start-up line says so only under a launch that restarts."""
+    import datetime
+    import threading
+
+    import utils.runtime
+    from utils.runtime import agree_on_attempt, elastic_restart_note
+
+    timeout = datetime.timedelta(seconds=HANG_S)
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+    def ranks(*ranks):
+        numbers = {}
+
+        def join(rank):
+            client = torch.distributed.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
+            numbers[rank] = agree_on_attempt(client, rank, 3, timeout)
+        threads = [threading.Thread(target=join, args=(rank,)) for rank in ranks]
+        for thread in threads:
+            thread.start()
+        return numbers, threads
+
+    def finish(numbers, threads):
+        for thread in threads:
+            thread.join(HANG_S)
+        assert not any(thread.is_alive() for thread in threads)
+        return numbers
+
+    first = finish(*ranks(2, 1, 0))
+    assert first == {0: "1", 1: "1", 2: "1"}
+    dead = [server.get(f"attempts/hello/{rank}").decode() for rank in (1, 2)]  # the failed attempt's tokens
+    leader = ranks(0)
+    deadline = time.monotonic() + HANG_S
+    while not server.check([f"attempts/welcome/{token}" for token in dead]):  # rank 0 answered the dead ranks
+        assert leader[1][0].is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    second = finish(*ranks(1, 2)) | finish(*leader)
+    assert second == {0: "2", 1: "2", 2: "2"}
+
+    monkeypatch.setattr(utils.runtime, "_attempt", "2")
+    assert "attempt/2/" in elastic_restart_note({"TORCHELASTIC_MAX_RESTARTS": "2"})
+    assert elastic_restart_note({"TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    monkeypatch.setattr(utils.runtime, "_attempt", None)  # a launch of one process: no process group
+    assert elastic_restart_note({"TORCHELASTIC_MAX_RESTARTS": "2"}) is None
 
 
 def test_a_taken_port_and_a_forced_gloo_backend(text_data, tmp_path):

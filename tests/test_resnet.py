@@ -12,10 +12,10 @@ import pytest
 import torch
 import torchvision
 from accelerate.state import AcceleratorState
-from conftest import (ACCELERATE, ELASTIC, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, HANG_S, STARTED, assert_group_restarted,
-                      assert_job_left_in_grace, assert_one_line_error, assert_same_curve, assert_same_weights,
-                      descendants, end_all, free_port, launch, launch_cmd, one_thread, read_json, read_jsonl, run_here,
-                      run_on, start, stop_job, wait_for, workers)
+from conftest import (ACCELERATE, FEW_DIGITS_TRAIN, FEW_DIGITS_VAL, HANG_S, STARTED, assert_attempts_kept_apart,
+                      assert_group_restarted, assert_job_left_in_grace, assert_one_line_error, assert_same_curve,
+                      assert_same_weights, descendants, end_all, free_port, launch, launch_cmd, one_thread, read_json,
+                      read_jsonl, run_here, run_on, start, stop_job, wait_for, workers)
 from PIL import Image
 from shared_image_runs import card_command
 
@@ -369,13 +369,13 @@ def test_sigkill_then_accelerate_max_restarts_resumes_latest_exactly(trained, fe
     """4 processes, every recipe feature on, elastic: `accelerate launch --max_restarts 1` with `--resume latest` from
     the start, the first worker (rank 0, the one that writes and holds the output directory's lock) SIGKILLed
     mid-epoch 1; the launcher restarts the group, which takes the dead worker's lock over, resumes from the latest
-    checkpoint and ends bitwise as the uninterrupted run, EMA included (c10d rendezvous with a store per attempt, its
-    endpoint through torchrun's PET_RDZV_ENDPOINT: accelerate passes none on one machine)."""
+    checkpoint and ends bitwise as the uninterrupted run, EMA included (accelerate's own static rendezvous, whose
+    store the restarted group shares: no variable set, the script keeps each attempt's keys apart)."""
     out = tmp_path / "elastic"
     cmd = [*ACCELERATE, "--multi_gpu", "--num_processes", "4", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", free_port(), "--max_restarts", "1", "--rdzv_backend",
-           "c10d", SCRIPT, "--cpu", *train_args(few_digits, out, "--resume", "latest")]
-    job = start(cmd, tmp_path / "job.log", env={**ELASTIC, "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"})
+           "--dynamo_backend", "no", "--main_process_port", free_port(), "--max_restarts", "1", SCRIPT, "--cpu",
+           *train_args(few_digits, out, "--resume", "latest")]
+    job = start(cmd, tmp_path / "job.log")
     wait_for(lambda: (out / "checkpoints" / "step_3" / "training_state.json").exists(), job)
     # a second run on the running job's directory stops before writing anything, naming the holder
     with pytest.raises(UserError, match=rf"{out}: another run is using this directory \(host \S+, PID \d+"):
@@ -388,6 +388,7 @@ def test_sigkill_then_accelerate_max_restarts_resumes_latest_exactly(trained, fe
     log = (tmp_path / "job.log").read_text()
     assert job.returncode == 0, log[-3000:]
     assert_group_restarted(log)
+    assert_attempts_kept_apart(log)
     assert f"{out / '.lock'}: taking over the lock of a run that is no longer running" in log, log[-3000:]
     same_run(trained[4], out)
     assert not (out / ".lock").exists()

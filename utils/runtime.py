@@ -318,6 +318,86 @@ def _stderr_quiet():
         os.close(quiet)
 
 
+ATTEMPT_SCHEME = "elastic-attempt"  # build_accelerator's init_method under torch's elastic agent: attempt_rendezvous
+_attempt = None  # the number the ranks of this launch attempt agreed on (agree_on_attempt), once they have
+_attempt_handler = None  # attempt_rendezvous, once registered with torch
+
+
+def elastic_launch():
+    """Whether torch's elastic agent (torchrun, accelerate launch) started this process as one of several."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and launched_world_size() > 1
+
+
+def attempt_init_method():
+    """The init_method that puts this attempt's process groups under keys of their own (attempt_rendezvous), its
+    handler registered with torch once per process."""
+    global _attempt_handler
+    if _attempt_handler is None:
+        torch.distributed.register_rendezvous_handler(ATTEMPT_SCHEME, attempt_rendezvous)
+        _attempt_handler = attempt_rendezvous
+    return f"{ATTEMPT_SCHEME}://"
+
+
+def attempt_rendezvous(url, timeout=datetime.timedelta(minutes=30), **kwargs):
+    """torch's env:// rendezvous (the launcher's store at MASTER_ADDR:MASTER_PORT, the rank and world size it
+    exported), with every key of the process groups under `attempt/N/`, N agreed on by the ranks of this attempt
+    (agree_on_attempt). A rendezvous handler: a generator of (store, rank, world size)."""
+    global _attempt
+    query = url.split("?", 1)[1] if "?" in url else ""  # the rank and world size init_process_group was given
+    store, rank, world_size = next(torch.distributed.rendezvous(f"env://?{query}" if query else "env://",
+                                                                timeout=timeout))
+    _attempt = agree_on_attempt(store, rank, world_size, timeout)
+    yield torch.distributed.PrefixStore(f"attempt/{_attempt}", store), rank, world_size
+
+
+ATTEMPT_POLL_SECONDS = 0.05
+
+
+def agree_on_attempt(store, rank, world_size, timeout):
+    """A number that every rank of this launch attempt agrees on and no earlier attempt in `store` used.
+
+    torch's elastic agent hands a restarted group the store of the failed attempt (the static rendezvous's, and
+    c10d's shared one, its default), where gloo's and NCCL's keys for the same group names still hold the dead
+    workers' addresses: a restarted rank that reads one fails to connect (`Gloo connectFullMesh failed ...
+    Connection refused`) or waits for a peer that is gone. TORCHELASTIC_RESTART_COUNT cannot name the attempt: a
+    machine whose workers were healthy restarts them without counting a restart, so machines disagree on it. Here
+    rank 0 takes the next number from the store; every other rank says hello under its rank with a token of its own
+    and waits for the number under that token; rank 0 answers each token it finds under the ranks, again as they
+    change, until every rank has confirmed under the new number. A dead worker's hello is answered too, unread.
+    Every worker of the failed attempt has ended before the agents' rendezvous lets this one start."""
+    keys = torch.distributed.PrefixStore("attempts", store)
+    if rank != 0:
+        token = secrets.token_hex(8)
+        keys.set(f"hello/{rank}", token)
+        number = keys.get(f"welcome/{token}").decode()  # waits up to the store's timeout
+        keys.add(f"{number}/joined", 1)
+        return number
+    number = str(keys.add("count", 1))
+    hellos, answered = [f"hello/{r}" for r in range(1, world_size)], set()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while keys.add(f"{number}/joined", 0) < world_size - 1:
+        tokens = set(keys.multi_get(hellos)) - answered  # waits until each rank has said hello, in any attempt
+        if tokens:
+            keys.multi_set([f"welcome/{token.decode()}" for token in tokens], [number] * len(tokens))
+            answered |= tokens
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{TIMEOUT_MARK} {timeout.total_seconds():g} s for every rank to join this launch "
+                               "attempt's process group")
+        time.sleep(ATTEMPT_POLL_SECONDS)
+    return number
+
+
+def elastic_restart_note(environ=os.environ):
+    """The line a launch that restarts failed workers prints at start-up, once the ranks agreed on their attempt's
+    keys (agree_on_attempt); else None."""
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if not restarts or _attempt is None:
+        return None
+    return (f"elastic restarts (up to {restarts}): this attempt's process groups keep their keys under attempt/"
+            f"{_attempt}/ in the launcher's store, apart from a failed attempt's, so a restarted group never reads a "
+            "dead worker's address; TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not needed")
+
+
 class RollCall:
     """Who is still there, asked through the launcher's store (torch elastic's TCPStore at MASTER_ADDR:MASTER_PORT,
     which a frozen rank does not hold up): each rank enters its host, PID and start time when the run starts
@@ -333,9 +413,13 @@ class RollCall:
 
     @classmethod
     def store(cls):
-        """This launch attempt's keys in the launcher's store, or None where there is none to reach."""
+        """This launch attempt's keys in the launcher's store, or None where there is none to reach: under the number
+        the ranks agreed on (agree_on_attempt), or, before they have, this machine's restart count (which another
+        machine's ranks may not share once a restart has happened)."""
         if cls._store is None and not cls._gone and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
-            attempt = f"roll_call/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+            attempt = (f"attempt_{_attempt}" if _attempt is not None
+                       else f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
+            attempt = f"roll_call/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt}/"
             try:
                 with _stderr_quiet():
                     client = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -597,22 +681,6 @@ CPU_BF16_WITHOUT_AMX = (
     "note: this CPU has no AMX (no amx_bf16 flag in /proc/cpuinfo), and bf16 autocast without it is usually slower "
     "than fp32 (docs/gpu.md#precision-defaults); drop --mixed_precision bf16 here for speed"
 )
-
-
-ELASTIC_RESTART_WARNING = (
-    "warning: this launch restarts failed workers (--max-restarts / --max_restarts) with the rendezvous store of the "
-    "previous attempt (the static rendezvous, or c10d's shared store): a restarted group can be handed the dead "
-    "workers' addresses and fail to connect or hang. Launch with --rdzv_backend c10d, an endpoint, and "
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/faults_and_resume.md#elastic-restarts)"
-)
-
-
-def elastic_restart_warning(environ=os.environ):
-    """ELASTIC_RESTART_WARNING when torch's elastic agent may restart this group and hands it the store of the previous
-    attempt (TORCHELASTIC_USE_AGENT_STORE): gloo's and NCCL's keys from the dead workers are still there, so the
-    restarted workers can read a dead worker's address before the new one writes it. Else None."""
-    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    return ELASTIC_RESTART_WARNING if restarts and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
 
 
 def add_runtime_args(parser):
@@ -960,9 +1028,11 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
     stop_with_launcher()
     backend = args.dist_backend or ("gloo" if sys.platform == "win32" else None)
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
-    # backend=None lets accelerate choose (nccl on GPU, gloo on CPU)
-    group = (InitProcessGroupKwargs(backend=backend, timeout=timeout) if backend
-             else InitProcessGroupKwargs(timeout=timeout))
+    # backend=None lets accelerate choose (nccl on GPU, gloo on CPU); under torch's elastic agent, this attempt's keys
+    # of its own in the launcher's store (attempt_rendezvous)
+    init_method = attempt_init_method() if elastic_launch() else None
+    group = (InitProcessGroupKwargs(backend=backend, init_method=init_method, timeout=timeout) if backend
+             else InitProcessGroupKwargs(init_method=init_method, timeout=timeout))
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
@@ -986,7 +1056,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
         accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
                           "(use bf16 for CPU autocast)")
     for note in (determinism, cpu_bf16_note(accelerator.device, effective_precision(accelerator)),
-                 elastic_restart_warning()):
+                 elastic_restart_note()):
         if note:
             accelerator.print(note)
     return accelerator
