@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import train_bert_cls
 import train_resnet
-from utils.runtime import DETERMINISTIC_CUBLAS, choose_kernels
+from utils.runtime import DETERMINISTIC_CUBLAS, NONDETERMINISTIC_GPU, choose_kernels
 
 SPELLINGS = ("--use_deterministic_algorithms", "--use-deterministic-algorithms", "--full_determinism")
 LINE = ("deterministic kernels (--use_deterministic_algorithms): torch.use_deterministic_algorithms(True), cuDNN "
@@ -151,8 +151,13 @@ def test_without_it_the_autotuner_is_on_and_with_it_off(kernels_as_found, monkey
     torchvision's default), torch's deterministic kernels and a deterministic cuBLAS workspace with it; a user's own
     deterministic workspace setting is kept."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    assert choose_kernels(argparse.Namespace(use_deterministic_algorithms=False)) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the pytest process runs on the CPU
+    assert choose_kernels(argparse.Namespace(use_deterministic_algorithms=False, cpu=False)) is None
     assert torch.backends.cudnn.benchmark and not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU run says that it is not bitwise
+    assert choose_kernels(argparse.Namespace(use_deterministic_algorithms=False, cpu=False)) == NONDETERMINISTIC_GPU
+    assert choose_kernels(argparse.Namespace(use_deterministic_algorithms=False, cpu=True)) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     assert choose_kernels(argparse.Namespace(use_deterministic_algorithms=True)) == LINE
     assert not torch.backends.cudnn.benchmark and torch.are_deterministic_algorithms_enabled()

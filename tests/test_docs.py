@@ -302,23 +302,28 @@ def test_readme_stays_scannable():
     assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
 
 
-def pytest_line(target):
-    """The arguments of the pytest that `make TARGET` runs, as make prints it without running anything (`make -n`)."""
+def pytest_lines(target):
+    """The arguments of each pytest that `make TARGET` runs, as make prints them without running anything (`make
+    -n`)."""
     proc = subprocess.run(["make", "-n", "--no-print-directory", target, "PY=python"], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     lines = [shlex.split(line) for line in proc.stdout.splitlines() if " -m pytest " in line]
-    assert len(lines) == 1, proc.stdout
-    return lines[0][lines[0].index("pytest") + 1:]
+    return [line[line.index("pytest") + 1:] for line in lines]
 
 
 def test_make_test_leaves_the_long_tier_to_make_test_long_and_ci_runs_both(pytestconfig):
     """The README's `make test` deselects the tests marked `long` and lists its 15 slowest tests; `make test-long`
-    runs exactly those; `.ci/run` runs both, so no check stops being run."""
-    fast, long = pytest_line("test"), pytest_line("test-long")
+    runs exactly those, the 8-process ones (`alone`) after the rest on one worker; `.ci/run` runs both, so no check
+    stops being run."""
+    [fast], (long, alone) = pytest_lines("test"), pytest_lines("test-long")
     assert "--durations=15" in fast and fast[fast.index("-m") + 1] == "not long" and fast[-1] == "tests"
-    assert long[long.index("-m") + 1] == "long" and long[-1] == "tests"
+    assert long[long.index("-m") + 1] == "long and not alone" and long[-1] == "tests"
+    assert alone[alone.index("-m") + 1] == "alone" and alone[-1] == "tests" and "-n" not in alone
     assert any(marker.startswith("long:") for marker in pytestconfig.getini("markers"))  # registered in conftest.py
+    for path in (ROOT / "tests").glob("test_*.py"):  # what runs alone belongs to the long tier too
+        text = path.read_text()
+        assert "pytest.mark.alone" not in text or "pytest.mark.long" in text, path
     marked = [path.name for path in (ROOT / "tests").glob("test_*.py") if "@pytest.mark.long" in path.read_text()]
     assert marked, "no test is marked long: `make test-long` would collect nothing and fail"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()

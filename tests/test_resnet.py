@@ -622,7 +622,7 @@ def test_resume_refuses_another_arch_and_a_missing_file(trained, small_digits, t
     step_dir = trained[1] / "checkpoints" / f"step_{STEPS}"
     with pytest.raises(UserError, match=f"{step_dir / 'training_state.json'}: checkpoint has arch='resnet18', "
                                         "this run has 'resnet34'"):
-        main_here(small_args(small_digits, tmp_path / "a", "-a", "resnet34", "--resume", step_dir))
+        main_here(small_args(small_digits, tmp_path / "a", "-a", "resnet34", "-b", "64", "--resume", step_dir))
     with pytest.raises(UserError, match=r"--resume \S*model_bets.pth: no such file or directory"):
         main_here(small_args(small_digits, tmp_path / "b", "--resume", trained[1] / "model_bets.pth"))
 

@@ -60,6 +60,7 @@ from .runtime import UserError, effective_precision, stop_together, writing
 STATE_FILE = "training_state.json"
 SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
 TRACKER_RUNS = "tracker_runs"  # the loop's `state` entry with each tracker's run id (utils/outputs.py), kept too
+TRACKERS_LOGGED_TO = "trackers_logged_to"  # and the last step the trackers were sent: a resume sends them the rest
 # the loop's `state` entry saying that a stop abandoned the validation due at the checkpoint's step: the resumed run
 # validates (and selects, exports) first
 VALIDATION_DUE = "validation_due"
@@ -467,6 +468,7 @@ def training_state(must_match, state, settings, completed_steps, epoch, batches_
     return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
             **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)},
             **({TRACKER_RUNS: state[TRACKER_RUNS]} if state.get(TRACKER_RUNS) else {}),
+            **({TRACKERS_LOGGED_TO: state[TRACKERS_LOGGED_TO]} if state.get(TRACKERS_LOGGED_TO) else {}),
             VALIDATION_DUE: state.get(VALIDATION_DUE, False), "settings": settings}
 
 

@@ -59,8 +59,8 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by, roles_beside
 from .outputs import number_entries
-from .runtime import (HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, on_ctrl_c,
-                      random_states, set_random_states, stop_outside_training)
+from .runtime import (HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, note_stop_signal,
+                      on_ctrl_c, random_states, set_random_states, stop_outside_training)
 
 
 class Due(NamedTuple):
@@ -406,7 +406,7 @@ class PreemptionGuard:
     host channel (utils/runtime.py HostChannel.start), started at a check and read `every` checks later, where every
     rank reads the same `every` from the agreement before (the slowest rank's seconds per check). A step never waits
     for it unless its all-reduce took longer than that; a signal is acted on within about two agreements
-    (docs/launching.md#at-scale; at the next check on one process). Ctrl-C saves nothing: the line names the
+    (docs/launching.md#3-at-scale; at the next check on one process). Ctrl-C saves nothing: the line names the
     last complete checkpoint (`last_checkpoint()`) and how to continue (`resume`). `close` ends the training steps:
     SIGTERM then stops the rest of the run at once (utils/runtime.py Stopped).
     """
@@ -438,6 +438,7 @@ class PreemptionGuard:
 
     def _handler(self, signum, frame):
         forget_a_dead_launcher()
+        note_stop_signal()
         self.received = signal.Signals(signum).name
 
     def _interrupt(self, signum, frame):

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .checkpoint import TRACKER_RUNS, complete_checkpoints
-from .runtime import (MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs, write_failure,
-                      writing)
+from .checkpoint import TRACKER_RUNS, TRACKERS_LOGGED_TO, complete_checkpoints
+from .runtime import (MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs, stop_signalled,
+                      write_failure, writing)
 
 
 class RunLog:
@@ -49,13 +49,18 @@ class RunLog:
         self.tracker_start = None  # start()'s (project name, configuration) for open() to start the trackers with
         self.trackers_started = False
         self.partial_from = None  # a resume inside a log window: the step its first train line counts from
+        self.state = None  # the loop's state (open()): where the trackers' last step is kept for the checkpoints
+        self.held = False  # the trackers get nothing more in this launch: a stop signal came (stop_signalled)
 
     def open(self, resume_step=None, state=None):
         """Start metrics.jsonl and the sample indices' files (SampleLog) afresh, or, when resuming, keep them up to
         the checkpoint's step; start the trackers (start_trackers) with the loop's `state`, once per launch. Every
         process keeps its own sample file, and the main process those of ranks this launch does not have."""
+        self.state = state
         if self.accelerator.log_with and not self.trackers_started:
             self.start_trackers(resume_step, state)
+            if resume_step is not None:
+                self.send_missed(resume_step, state)
         with writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -107,9 +112,33 @@ class RunLog:
             if self.accelerator.is_main_process:
                 with open(self.metrics_path, "a") as f:
                     f.write(json.dumps({"event": event, "step": step, **values}) + "\n")
-        if self.accelerator.log_with:
-            numbers = {f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
-            self.accelerator.log(numbers, step=step)
+        if self.accelerator.log_with and not self.hold_trackers():
+            self.accelerator.log(tracker_numbers(event, values), step=step)
+            if self.state is not None:
+                self.state[TRACKERS_LOGGED_TO] = step
+
+    def hold_trackers(self):
+        """Whether the trackers get nothing more in this launch: from this process's stop signal on, W&B's service may
+        be gone (a scheduler signals every process of the job), and the numbers wait for the resumed run (send_missed)."""
+        if stop_signalled() and not self.held:
+            self.held = True
+            last = (self.state or {}).get(TRACKERS_LOGGED_TO)
+            self.console(f"SIGTERM: the trackers get nothing more from this launch; the resumed run sends them the "
+                         f"numbers after step {last or 0} from metrics.jsonl")
+        return self.held
+
+    def send_missed(self, resume_step, state):
+        """Send the trackers what a stopped launch held back (hold_trackers): metrics.jsonl's events after the last
+        step they were sent, up to the checkpoint's."""
+        last = (state or {}).get(TRACKERS_LOGGED_TO)
+        if last is None or last >= resume_step:
+            return
+        events = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()] \
+            if self.accelerator.is_main_process and self.metrics_path.exists() else []
+        for event in events:
+            if last < event.get("step", 0) <= resume_step:
+                self.accelerator.log(tracker_numbers(event["event"], event), step=event["step"])
+        state[TRACKERS_LOGGED_TO] = resume_step
 
     def console(self, line):
         """A line on the main process that does not break the tqdm bar."""
@@ -528,6 +557,11 @@ def merge_results(path, results, prefixes=("eval_", "test_")):
     write_results(path, merged)
     return [f"{path}: keeps its {prefix}* numbers, measured with {merged[f'{prefix}settings']} (this evaluation: "
             f"{results.get(f'{prefix}settings')}, in its own {prefix}results.json)" for prefix in kept]
+
+
+def tracker_numbers(event, values):
+    """{"event/name": number} of one metrics.jsonl event, as the trackers get it."""
+    return {f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float)) and k not in ("event", "step")}
 
 
 def last_train_step(path):

@@ -116,6 +116,20 @@ STOPPED_LINE = ("stopped on SIGTERM outside the training steps: the files this r
                 "(those it finished are complete); run it again to finish them")
 
 
+_stop_signalled = False  # this process received the SIGTERM that stops the training steps (PreemptionGuard)
+
+
+def note_stop_signal():
+    global _stop_signalled
+    _stop_signalled = True
+
+
+def stop_signalled():
+    """Whether this process received the SIGTERM that stops its training steps: until the ranks agree and save, other
+    processes of the job (W&B's service) may be gone already."""
+    return _stop_signalled
+
+
 def stop_at_once(signum, frame):
     """The SIGTERM handler of a run outside its training steps (run_cli installs it)."""
     forget_a_dead_launcher()
@@ -457,7 +471,7 @@ class RollCall:
     def leave_on_ctrl_c(cls):
         """Record in the store that this rank stops on Ctrl-C (under a multi-process launch), before it leaves."""
         try:
-            cls._ask("set", f"ctrl_c/{os.environ['RANK']}", "1", shared=True)
+            cls._ask("add", "ctrl_c", 1, shared=True)
         except StoreGone:
             pass  # a peer then names this rank as one that stopped answering
 
@@ -465,7 +479,7 @@ class RollCall:
     def left_on_ctrl_c(cls):
         """Whether a rank of this launch stopped on Ctrl-C (leave_on_ctrl_c); False where no store can be reached."""
         try:
-            return any(cls._ask("check", [f"ctrl_c/{rank}"], shared=True) for rank in range(launched_world_size()))
+            return cls._ask("add", "ctrl_c", 0, shared=True) > 0
         except StoreGone:
             return False
 
@@ -489,11 +503,19 @@ class RollCall:
             while answered < everyone and time.monotonic() < deadline:  # one request a poll, whatever the count
                 time.sleep(0.2)
                 answered = cls._ask("add", "here", 0)
-            if answered >= everyone:
-                return []
-            return [rank for rank in range(everyone) if not cls._ask("check", [f"here/{rank}"])]
+            return [] if answered >= everyone else cls._missing(list(range(everyone)))
         except StoreGone:
             return None
+
+    @classmethod
+    def _missing(cls, ranks):
+        """The ranks of `ranks` that did not answer, halving the list each time: a few requests per missing rank, not
+        one per rank."""
+        if cls._ask("check", [f"here/{rank}" for rank in ranks]):
+            return []
+        if len(ranks) == 1:
+            return ranks
+        return cls._missing(ranks[:len(ranks) // 2]) + cls._missing(ranks[len(ranks) // 2:])
 
     @classmethod
     def _entry(cls, rank):
@@ -780,7 +802,7 @@ def check_launch(args):
         )
 
 
-# Open files a rank needs besides those it holds when it starts (measured: docs/launching.md#at-scale): a gloo group is
+# Open files a rank needs besides those it holds when it starts (measured: docs/launching.md#3-at-scale): a gloo group is
 # a full mesh, one socket per peer plus a few of its own; a DataLoader worker costs its parent pipes and the shared-memory
 # handles of the batches in flight; NCCL connects to ring and tree neighbours, not to every rank (a budget, not
 # measured on this project's machines); the margin is for the files a run reads and writes at a time.
@@ -812,7 +834,7 @@ def check_open_file_limit(needed, say=print):
     launch = f"this {launched_world_size():,}-process launch" if launched_world_size() > 1 else "this launch"
     if hard != resource.RLIM_INFINITY and needed > hard:
         raise UserError(f"open files: each rank of {launch} may hold about {needed:,} at once (docs/launching.md"
-                        f"#at-scale), and the limit here is {soft:,} (hard limit {hard:,}): raise it before launching, "
+                        f"#3-at-scale), and the limit here is {soft:,} (hard limit {hard:,}): raise it before launching, "
                         f"e.g. `ulimit -n {needed}` (under Slurm: on the nodes)")
     raised = needed * 2 if hard == resource.RLIM_INFINITY else min(hard, needed * 2)  # room for what is not counted
     resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
@@ -852,7 +874,7 @@ class HostChannel:
     wait behind the step's kernels). `start` does not wait, so a decision read a step later costs the step nothing;
     `any` waits. Opened once per run by build_accelerator, on every rank (creating a group is a collective), with the
     run's --ddp_timeout; ended with the training group. On one process: no group, no collective. What it costs as the
-    number of processes grows: docs/launching.md#at-scale."""
+    number of processes grows: docs/launching.md#3-at-scale."""
 
     _run = None  # the channel build_accelerator opened
 
@@ -919,17 +941,20 @@ class Agreement(NamedTuple):
 # 16 KiB buffers may slow the matrix products. A setting of the user's that is one of these is kept; the first is the
 # default.
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+NONDETERMINISTIC_GPU = ("GPU kernels as fast as they come (cuDNN's autotuner, sums in the order threads finish): this "
+                        "run and its resumes are not bitwise reproducible; --use_deterministic_algorithms makes them "
+                        "so (docs/gpu.md#reproducibility)")
 
 
 def choose_kernels(args):
     """How this process picks its GPU kernels (the module header), set before anything touches CUDA: cuBLAS takes its
-    workspace setting from the environment when it starts. Returns the line that names the deterministic settings
-    (None without --use_deterministic_algorithms). A CUBLAS_WORKSPACE_CONFIG that torch would refuse at the first
+    workspace setting from the environment when it starts. Returns the line that names the deterministic settings, or
+    on a GPU without --use_deterministic_algorithms the one that says the run is not bitwise reproducible. A CUBLAS_WORKSPACE_CONFIG that torch would refuse at the first
     matrix product is refused here instead, before anything is written."""
     deterministic = args.use_deterministic_algorithms
     torch.backends.cudnn.benchmark = not deterministic
     if not deterministic:
-        return None
+        return NONDETERMINISTIC_GPU if torch.cuda.is_available() and not getattr(args, "cpu", False) else None
     workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
     if workspace not in DETERMINISTIC_CUBLAS:
         raise UserError(f"--use_deterministic_algorithms: CUBLAS_WORKSPACE_CONFIG={workspace} is not deterministic "
