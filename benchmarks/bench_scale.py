@@ -166,7 +166,7 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     sizes = args.processes or ([2, 4] if args.quick else [2, 4, 8, 16])
-    measured = []
+    provenance, measured = harness.provenance(), []  # the machine as the launches found it
     with tempfile.TemporaryDirectory() as folder:
         for processes in sizes:
             print(f"{processes} processes ...", flush=True)
@@ -196,7 +196,7 @@ def main(argv=None):
         ["processes", "messages", "blocking ms/step (this host)", "blocking ms/step (cluster)", "checks per agreement",
          "run's check ms/step (this host)", "run's check ms/step (cluster)", "files per process, gloo",
          "files per process, NCCL (budget)"], rows))
-    harness.write_results("bench_scale", {"provenance": harness.provenance(), "settings": {
+    harness.write_results("bench_scale", {"provenance": provenance, "settings": {
         "processes": sizes, "steps": args.steps, "step_ms": args.step_ms, "jitter": args.jitter,
         "ring_ops": args.ring_ops, "rounds": args.rounds, "message_us": args.message_us},
         "measured": measured, "fit": {"fixed_ms": fixed, "per_message_ms": per_message},

@@ -277,9 +277,13 @@ def test_sigterm_and_resume_stop_where_one_process_does_and_continue_one_tracker
     history = [(step, row) for _, rows in launches for step, row in rows]
     steps = [step for step, _ in history]
     assert steps == sorted(set(steps))  # strictly increasing across the two launches
+    # from its stop signal on, the stopped launch sent the trackers nothing (W&B's service may be gone): the resumed
+    # launch sends them the steps after the last one they got, which the checkpoint records, then its own
+    sent = read_training_state(out / "checkpoints" / f"step_{stopped_at}")["trackers_logged_to"]
+    assert sent <= stopped_at
     resumed = launches[1][1]
-    assert [step for step, row in resumed if "train/loss" in row] == [s for s in train_steps if s > stopped_at]
-    assert [step for step, row in resumed if "eval/accuracy" in row] == [s for s in eval_steps if s > stopped_at]
+    assert [step for step, row in resumed if "train/loss" in row] == [s for s in train_steps if s > sent]
+    assert [step for step, row in resumed if "eval/accuracy" in row] == [s for s in eval_steps if s > sent]
 
 
 def test_requeued_run_continues_one_wandb_run(text_data, tmp_path, monkeypatch):

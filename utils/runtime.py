@@ -565,8 +565,15 @@ def leave_process(code):
 
 def stop_together(accelerator, problem):
     """Raise UserError(problem) on every rank if any rank has a problem (the lowest rank's), else return.
-    A collective (one gather; nothing on a single process): every rank calls it at the same point."""
-    problems = gather_object([problem]) if accelerator.num_processes > 1 else [problem]
+    A collective (nothing on a single process): an all-reduce of a flag, and only when some rank has a problem a
+    gather of the lines; every rank calls it at the same point."""
+    if accelerator.num_processes == 1:
+        problems = [problem]
+    else:
+        flag = torch.tensor(float(problem is not None), device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() == 0:
+            return
+        problems = gather_object([problem])
     first = next((p for p in problems if p), None)
     if first:
         raise UserError(first)
