@@ -204,8 +204,8 @@ def pytest_configure(config):
 # the end keeps one worker busy minutes after the other has run out of work. A file not named here runs after these,
 # in name order. (test_onnx_export and test_image_predict read the shared digits_model, which test_resnet, first,
 # builds and evaluates on 2 processes: not listed, they start long after and wait for no one's build of it.)
-LONGEST_FIRST = ("test_resnet.py", "test_gpu_bench.py", "test_gpu_check.py", "test_compile.py", "test_edges.py",
-                 "test_faults.py", "test_bert_resume.py", "test_stops.py", "test_selection.py", "test_launch_matrix.py",
+LONGEST_FIRST = ("test_bert_resume.py", "test_resnet.py", "test_gpu_bench.py", "test_gpu_check.py", "test_compile.py", "test_edges.py",
+                 "test_faults.py", "test_stops.py", "test_selection.py", "test_launch_matrix.py",
                  "test_bert_cls.py", "test_sample_indices.py", "test_between_runs.py", "test_sync_free_step.py",
                  "test_metric_names.py", "test_data_cache.py", "test_docs.py")
 

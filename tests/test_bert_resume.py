@@ -15,6 +15,8 @@ from conftest import (ACCELERATE, FAKE_GPU, HANG_S, ROOT, TORCHRUN, assert_attem
                       wait_for, workers)
 from safetensors.torch import load_file
 
+from utils.outputs import read_sample_indices
+
 SCRIPT = "train_bert_cls.py"
 STEPS = 60  # 800 samples / 16 = 50 steps per epoch: checkpoints every 10 steps fall mid-epoch, and a resume crosses
 # into the second epoch
@@ -24,7 +26,7 @@ def resume_args(data, out, *extra):
     return ["--data_dir", data, "--model_name_or_path", data / "model", "--from_scratch", "--do_train",
             "--max_seq_len", "32", "--train_batch_size", "16", "--eval_batch_size", "16", "--learning_rate", "1e-3",
             "--max_train_steps", str(STEPS), "--checkpointing_steps", "10", "--logging_steps", "5",
-            "--save_total_limit", "2", "--output_dir", out, *extra]
+            "--save_total_limit", "2", "--log_sample_indices", "--output_dir", out, *extra]
 
 
 def checkpoint_steps(out):
@@ -35,7 +37,15 @@ def assert_same_run(reference, resumed, stopped_at=None):
     assert_same_weights(load_file(reference / "checkpoints" / f"step_{STEPS}" / "model.safetensors"),
                         load_file(resumed / "checkpoints" / f"step_{STEPS}" / "model.safetensors"))
     assert_same_curve(reference, resumed, ("loss", "lr", "accuracy"), stopped_at)
+    assert read_sample_indices(resumed) == read_sample_indices(reference)  # the same samples, step by step
     assert checkpoint_steps(resumed) == [STEPS - 10, STEPS]  # rotation still works after resuming
+
+
+def test_4_processes_train_the_samples_of_1_step_by_step(uninterrupted):
+    """--log_sample_indices: each step's global batch, the processes' shares joined in rank order, is the 1-process
+    step's, over the epoch boundary too."""
+    one = read_sample_indices(uninterrupted[1])
+    assert list(one) == list(range(1, STEPS + 1)) and read_sample_indices(uninterrupted[4]) == one
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +156,7 @@ def accepting(port):
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.long  # two 4-process launches with a restart each, twice: the restart's own path is the torchrun test's
 @pytest.mark.parametrize("first", [0, 1], ids=["machine_0_first", "machine_1_first"])
 def test_two_c10d_machines_restart_a_killed_rank_from_the_latest_checkpoint(first, uninterrupted, text_data, tmp_path):
     """The shipped multinode_c10d.yaml with its header's commands, as two machines of two processes each on this host,

@@ -24,6 +24,7 @@ from utils.demo_data import write_digits_imagefolder
 from utils.runtime import UserError, release_output_dirs
 from utils.export import load_torch_checkpoint, strip_module_prefix
 from utils.image_references import check_legacy_compatible
+from utils.outputs import read_sample_indices
 
 SCRIPT = "train_resnet.py"
 EPOCHS = 3
@@ -48,7 +49,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWa
 def train_args(data, out, *extra, epochs=EPOCHS, checkpoint_steps=CHECKPOINT_STEPS):
     """A log line at every checkpoint, so that a run resumed from one logs the same windows as the uninterrupted run."""
     return [data, *FAST, *ALL_ON, "--epochs", str(epochs), "--checkpointing_steps", str(checkpoint_steps),
-            "-p", str(checkpoint_steps), "--save_total_limit", "0", "--output_dir", out, *extra]
+            "-p", str(checkpoint_steps), "--save_total_limit", "0", "--log_sample_indices", "--output_dir", out, *extra]
 
 
 def train_on(processes, data, tmp_path_factory, name, **kwargs):
@@ -326,6 +327,14 @@ def same_run(reference, resumed, stopped_at=None):
         assert_same_weights(torch.load(reference / "checkpoint.pth", weights_only=True)[key],
                             torch.load(resumed / "checkpoint.pth", weights_only=True)[key])
     assert_same_curve(reference, resumed, ("loss", "acc1", "acc5", "lr", "ema_acc1"), stopped_at)
+    assert read_sample_indices(resumed) == read_sample_indices(reference)  # the same images and copies, step by step
+
+
+def test_4_processes_train_the_images_of_1_step_by_step(trained):
+    """--log_sample_indices with repeated augmentation ([index, copy] pairs): each step's global batch, the processes'
+    shares joined in rank order, is the 1-process step's."""
+    one = read_sample_indices(trained[1])
+    assert list(one) == list(range(1, STEPS + 1)) and read_sample_indices(trained[4]) == one
 
 
 def test_resume_mid_epoch_then_sigterm_then_resume_latest_is_exact(trained, few_digits, tmp_path):
