@@ -38,7 +38,8 @@ RANK = textwrap.dedent(f"""
             break
         record["every"].append(guard.every)
     guard.close(preempted=True)
-    print(json.dumps(record), flush=True)
+    with open(os.path.join(sys.argv[1], f"rank{{rank}}.json"), "w") as out:  # one file each: no interleaved lines
+        json.dump(record, out)
 """)
 
 
@@ -48,10 +49,10 @@ def test_four_ranks_agree_on_one_stop_check_a_signal_to_one_of_them(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     proc = run([*TORCHRUN, "--nproc_per_node", "4", "--master_addr", "127.0.0.1", "--master_port", free_port(),
-                script], timeout=HANG_S)
-    records = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')),
-                     key=lambda record: record["rank"])
-    assert [record["rank"] for record in records] == [0, 1, 2, 3], proc.stdout[-3000:]
+                script, tmp_path], timeout=HANG_S)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)
+               if (tmp_path / f"rank{rank}.json").exists()]
+    assert [record["rank"] for record in records] == [0, 1, 2, 3], proc.stdout[-3000:] + proc.stderr[-3000:]
     stops = {record["stopped_at"] for record in records}
     assert len(stops) == 1 and SIGNAL_AT < stops.pop() <= SIGNAL_AT + 2 * MAX_CHECKS_PER_AGREEMENT + 1, records
     assert all(record["every"] == records[0]["every"] for record in records)
