@@ -41,42 +41,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType, get_scheduler
 
-from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               add_allow_data_change, agree_on_resume, check_global_batches, resumable_process_counts, keep_as, kept_by, per_process_differences,
-                               replace_dir_atomically, resume_settings, say_processes, this_launch)
-from utils.export import (BestWeights, export_state_dict, load_selected_weights, mark_selection, on_meta_device,
-                           prepare_for_inference, selected_step)
-from utils.flags import (ACCELERATE_EXAMPLE_FLAGS, BERT_BATCH_RULE, TRANSFORMERS_EXAMPLE_FLAGS, TUTORIAL_FLAGS,
-                         TUTORIAL_IGNORED, Ignored, Parser, PerDevice, batch_line, json_object, say_command,
-                         steps_or_epoch, whole_epochs)
-from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
-                         LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
-                         check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
-from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import RunLog, SampleLog, check_output_dir, format_numbers, format_step_line, progress
-from utils.runtime import (UserError, add_runtime_args, build_accelerator,
-                            hold_output_dir, loader_generator, loader_settings, maybe_data_parallel,
-                            nonnegative_float, nonnegative_int, positive_float, positive_int, print_run_summary,
-                            run_cli, run_info, writing)
-from utils.text_cache import DataCache, default_cache_dir, file_sha256, read_split, tokenizer_sha256
-from utils.text_data import (DATASET_ROLES, LONG_TEXT_ROLES, PADDING_ROLES, TEXT_FORMAT_ROLES, LengthGroupedSampler,
-                             TextData, add_dataset_args, add_long_text_args, add_padding_args, add_text_format_args,
-                             build_collator, build_label_list, check_dataset_args, check_known_labels,
-                             check_text_format_args, fingerprint_examples, label_targets, long_text,
-                             read_dataset_splits, read_file_splits, read_predict_file, resolve_file_text_column,
-                             resolve_head_tokens, resolve_padding,
-                             select_examples, split_files, text_format, token_lengths, tokenize_examples,
-                             write_labels_file)
-from utils.text_metrics import (StreamedWindows, check_task_args, compute_metrics, default_metric, evaluation_metrics,
-                                flat_metrics, load_metrics, pool_windows, prediction_rows, recorded,
-                                save_confusion_matrix, training_loss)
-from utils.text_model import (MODEL_SOURCE_ROLES, OPTIMIZERS, TRAINED_WITH, add_model_source_args, build_optimizer,
-                              check_custom_code, check_hub_ids_or_paths, check_model_source_args,
-                              check_problem_type, check_scheduler_args, check_starting_weights, check_unk_rate,
-                              check_weight_files, enable_gradient_checkpointing, fit_max_seq_len, head_by_name,
-                              hub_options,
-                              load_legacy_bert, loading, model_card, new_weight_names, optimizer_groups, problem_type,
-                              saved_labels, sync_free_attention, unk_rate, use_model_settings)
+from utils import (checkpoint, export, flags, loop, onnx_export, outputs, runtime, text_cache, text_data, text_metrics,
+                   text_model)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -111,11 +77,11 @@ def new_model(config, trust_remote_code=False):
 def load_model(path, config, trust_remote_code=False, hub=None):
     """(the classifier from `path`'s weights, the names of the weights that start new): a head of another size, or
     none in the checkpoint, starts new; utils/text_model.py check_starting_weights refuses a new encoder weight."""
-    check_weight_files(path)
+    text_model.check_weight_files(path)
     model, info = AutoModelForSequenceClassification.from_pretrained(
         path, config=config, ignore_mismatched_sizes=True,  # a fine-tuned head of another size
         trust_remote_code=trust_remote_code, output_loading_info=True, **(hub or {}))
-    return model, new_weight_names(info)
+    return model, text_model.new_weight_names(info)
 
 
 def load_tokenizer(source, trust_remote_code=False, hub=None):
@@ -126,7 +92,8 @@ def sample_losses(model, inputs, targets, args, class_weights=None):
     """The training loss of each sample of this process's (micro-)batch, (b,); `inputs`: the tokenised batch
     (input_ids, attention_mask, ...), `targets`: label ids (b,), multi-hot (b, C) or numbers (b,)."""
     logits = model(**inputs).logits  # (b, C)
-    return training_loss(logits, targets, args.multi_label, args.label_smoothing, class_weights, args.do_regression)
+    return text_metrics.training_loss(logits, targets, args.multi_label, args.label_smoothing, class_weights,
+                                      args.do_regression)
 
 
 @torch.no_grad()
@@ -137,7 +104,7 @@ def predict_logits(accelerator, model, dataloader, desc, pool="mean", guard=None
     model.eval()
     all_logits, all_labels, all_docs = [], [], []
     batches = guard.batches(dataloader) if guard else dataloader
-    for batch in progress(accelerator, batches, desc=desc, leave=False, total=len(dataloader)):
+    for batch in outputs.progress(accelerator, batches, desc=desc, leave=False, total=len(dataloader)):
         labels, docs = batch.pop("labels", None), batch.pop("doc", None)
         logits = model(**batch).logits.float()  # (B, C)
         all_logits.append(accelerator.gather_for_metrics(logits).cpu())
@@ -147,7 +114,7 @@ def predict_logits(accelerator, model, dataloader, desc, pool="mean", guard=None
     logits = torch.cat(all_logits)
     labels = torch.cat(all_labels) if all_labels and all_labels[0] is not None else None
     if all_docs and all_docs[0] is not None:  # (W, C) window logits -> (N, C) text logits
-        logits, labels = pool_windows(logits, labels, torch.cat(all_docs), pool)
+        logits, labels = text_metrics.pool_windows(logits, labels, torch.cat(all_docs), pool)
     return logits, labels
 
 
@@ -156,18 +123,20 @@ def evaluate(accelerator, model, dataloader, labels, desc, args, metric_modules=
     pearson, spearmanr), samples, report, confusion matrix; then --metric's results (a key these have gets its
     module's name in front)."""
     logits, targets = predict_logits(accelerator, model, dataloader, desc, args.pool, guard)
-    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, args.do_regression)
-    return {**metrics, **compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(), metrics)}
+    metrics = text_metrics.evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold,
+                                              args.do_regression)
+    return {**metrics, **text_metrics.compute_metrics(metric_modules, logits.argmax(-1).tolist(), targets.tolist(),
+                                                      metrics)}
 # --------------------------------------------------------------------------- end of the adaptation section -----------
 
 
 def build_parser():
     """Every flag (utils/flags.py Parser: one-line errors, the other tools' spellings); each one's role for a resume
     and the export is declared in FLAG_ROLES below."""
-    parser = Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
-    parser.refuse("the Chinese BERT tutorial", TUTORIAL_FLAGS)
-    parser.refuse("accelerate's examples", ACCELERATE_EXAMPLE_FLAGS)
-    parser.refuse("transformers' text-classification examples", TRANSFORMERS_EXAMPLE_FLAGS)
+    parser = flags.Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
+    parser.refuse("the Chinese BERT tutorial", flags.TUTORIAL_FLAGS)
+    parser.refuse("accelerate's examples", flags.ACCELERATE_EXAMPLE_FLAGS)
+    parser.refuse("transformers' text-classification examples", flags.TRANSFORMERS_EXAMPLE_FLAGS)
     data = parser.add_argument_group("data")
     data.add_argument("--data_dir", type=Path,
                       help="directory with train/val/test files (also dev, validation, cnews.*), any supported type")
@@ -176,16 +145,16 @@ def build_parser():
     data.add_argument("--test_file", type=Path)
     data.add_argument("--predict_file", type=Path, help="texts to predict (docs/bert_data_formats.md); default: test")
     data.add_argument("--labels_file", type=Path, help="label names, one per line; default: sorted train labels")
-    data.add_argument("--max_seq_len", "--max_seq_length", "--max_length", type=positive_int, default=None,
+    data.add_argument("--max_seq_len", "--max_seq_length", "--max_length", type=runtime.positive_int, default=None,
                       help="tokens; longer are truncated (default: 512 or the model's positions if fewer; without "
-                           "--do_train: the trained model's)")
-    add_dataset_args(data)
-    add_text_format_args(data)
-    add_padding_args(data)
-    add_long_text_args(data)
+                      "--do_train: the trained model's)")
+    text_data.add_dataset_args(data)
+    text_data.add_text_format_args(data)
+    text_data.add_padding_args(data)
+    text_data.add_long_text_args(data)
     data.add_argument("--data_cache_dir", type=Path, default=None,
                       help="where the files are tokenised once for every rank and later start (utils/text_cache.py); "
-                           "default: text_classification/ in datasets' cache (HF_DATASETS_CACHE)")
+                      "default: text_classification/ in datasets' cache (HF_DATASETS_CACHE)")
     data.add_argument("--group_by_length", action="store_true",
                       help="training batches of similar-length texts (less padding; see utils/text_data.py)")
     model = parser.add_argument_group("model")
@@ -197,97 +166,106 @@ def build_parser():
     model.add_argument("--init_from_legacy", type=Path, default=None,
                        help="weights from the reference repo's best.pt (bert.* + linear.*, `module.` or not)")
     model.add_argument("--trust_remote_code", action="store_true", help="allow code from the model repo (off)")
-    add_model_source_args(model)
-    model.add_argument("--num_tags", "--num_labels", type=positive_int, default=None,
+    text_model.add_model_source_args(model)
+    model.add_argument("--num_tags", "--num_labels", type=runtime.positive_int, default=None,
                        help="the number of labels the data must have (the Chinese BERT tutorial's); default: any")
-    for flag, reason in TUTORIAL_IGNORED.items():
-        model.add_argument(flag, action=Ignored, reason=reason, help=argparse.SUPPRESS)
+    for flag, reason in flags.TUTORIAL_IGNORED.items():
+        model.add_argument(flag, action=flags.Ignored, reason=reason, help=argparse.SUPPRESS)
     modes = parser.add_argument_group("modes")
     modes.add_argument("--do_train", action="store_true")
     modes.add_argument("--do_eval", action="store_true", help="evaluate the best model on the validation file")
     modes.add_argument("--do_test", action="store_true", help="evaluate the best model once on the test file")
     modes.add_argument("--do_predict", action="store_true", help="write predictions.jsonl for --predict_file")
     train = parser.add_argument_group("training")
-    train.add_argument("--train_batch_size", type=positive_int, default=32,
-                       help=f"GLOBAL samples per optimizer micro-step, split over the processes: {BERT_BATCH_RULE}")
-    train.add_argument("--per_device_train_batch_size", type=positive_int, action=PerDevice, dest="train_batch_size", metavar="N",
+    train.add_argument("--train_batch_size", type=runtime.positive_int, default=32,
+                       help=f"GLOBAL samples per optimizer micro-step, split over the processes: "
+                       f"{flags.BERT_BATCH_RULE}")
+    train.add_argument("--per_device_train_batch_size", type=runtime.positive_int, action=flags.PerDevice,
+                       dest="train_batch_size", metavar="N",
                        global_flag="--train_batch_size", help="the Trainer's: times the processes = --train_batch_size")
-    train.add_argument("--eval_batch_size", type=positive_int, default=64, help="GLOBAL samples per evaluation batch")
-    train.add_argument("--per_device_eval_batch_size", type=positive_int, action=PerDevice, dest="eval_batch_size", metavar="N",
+    train.add_argument("--eval_batch_size", type=runtime.positive_int, default=64,
+                       help="GLOBAL samples per evaluation batch")
+    train.add_argument("--per_device_eval_batch_size", type=runtime.positive_int, action=flags.PerDevice,
+                       dest="eval_batch_size", metavar="N",
                        global_flag="--eval_batch_size", help="the Trainer's: times the processes = --eval_batch_size")
-    train.add_argument("--learning_rate", "--lr", type=positive_float, default=3e-5, help="peak learning rate")
-    train.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch",
+    train.add_argument("--learning_rate", "--lr", type=runtime.positive_float, default=3e-5, help="peak learning rate")
+    train.add_argument("--optim", choices=text_model.OPTIMIZERS, default="adamw_torch",
                        help="the Trainer's names and optimizers; adamw_torch and adamw_torch_fused are both torch's "
-                            "AdamW, fused on CPU and CUDA")
+                       "AdamW, fused on CPU and CUDA")
     train.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's beta1 (the Trainer's)")
     train.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's beta2 (the Trainer's)")
-    train.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon (the Trainer's)")
-    train.add_argument("--layerwise_lr_decay", type=positive_float, default=1.0, metavar="FACTOR",
+    train.add_argument("--adam_epsilon", type=runtime.positive_float, default=1e-8,
+                       help="AdamW's epsilon (the Trainer's)")
+    train.add_argument("--layerwise_lr_decay", type=runtime.positive_float, default=1.0, metavar="FACTOR",
                        help="layer-wise learning-rate decay: encoder layer i of L at --learning_rate x "
-                            "FACTOR^(L - i), the embeddings x FACTOR^(L + 1); 1: off")
-    train.add_argument("--head_learning_rate", type=positive_float, default=None,
+                       "FACTOR^(L - i), the embeddings x FACTOR^(L + 1); 1: off")
+    train.add_argument("--head_learning_rate", type=runtime.positive_float, default=None,
                        help="the classification head's (and pooler's) learning rate; default --learning_rate")
-    train.add_argument("--lr_scheduler_type", choices=[kind.value for kind in SchedulerType if kind.value != "reduce_lr_on_plateau"], default="linear",
+    train.add_argument("--lr_scheduler_type",
+                       choices=[kind.value for kind in SchedulerType if kind.value != "reduce_lr_on_plateau"],
+                       default="linear",
                        help="transformers.get_scheduler's schedule, after the warmup")
-    train.add_argument("--lr_scheduler_kwargs", type=json_object, default={}, metavar="JSON",
+    train.add_argument("--lr_scheduler_kwargs", type=flags.json_object, default={}, metavar="JSON",
                        help='the schedule\'s own arguments, e.g. \'{"num_cycles": 2}\' for cosine_with_restarts')
-    train.add_argument("--warmup_steps", type=nonnegative_int, default=None,
+    train.add_argument("--warmup_steps", type=runtime.nonnegative_int, default=None,
                        help="optimizer steps of warmup; default: --warmup_ratio of the total")
-    train.add_argument("--weight_decay", type=nonnegative_float, default=0.01, help="not applied to bias and LayerNorm")
+    train.add_argument("--weight_decay", type=runtime.nonnegative_float, default=0.01,
+                       help="not applied to bias and LayerNorm")
     train.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear warmup")
-    train.add_argument("--max_grad_norm", type=nonnegative_float, default=1.0, help="0 disables clipping")
+    train.add_argument("--max_grad_norm", type=runtime.nonnegative_float, default=1.0, help="0 disables clipping")
     train.add_argument("--label_smoothing", "--label_smoothing_factor", type=float, default=0.0,
                        help="training loss only (Trainer's label_smoothing_factor); eval loss stays plain")
-    train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
-    train.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
-    train.add_argument("--num_train_epochs", "--train_epochs", type=whole_epochs, default=3,
+    train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=loop.CLASS_WEIGHTS_HELP)
+    train.add_argument("--gradient_accumulation_steps", type=runtime.positive_int, default=1)
+    train.add_argument("--num_train_epochs", "--train_epochs", type=flags.whole_epochs, default=3,
                        help="whole epochs (the Trainer's 3.0 is 3)")
-    train.add_argument("--max_train_steps", "--max_steps", type=positive_int, default=None,
+    train.add_argument("--max_train_steps", "--max_steps", type=runtime.positive_int, default=None,
                        help="optimizer steps, not epochs")
     train.add_argument("--seed", type=int, default=42)
-    train.add_argument("--num_workers", "--dataloader_num_workers", type=nonnegative_int, default=0,
+    train.add_argument("--num_workers", "--dataloader_num_workers", type=runtime.nonnegative_int, default=0,
                        help="DataLoader processes")
     output = parser.add_argument_group("output")
     output.add_argument("--output_dir", type=Path, default=Path("outputs/bert_cls"))
     output.add_argument("--overwrite_output_dir", action="store_true")
-    output.add_argument("--logging_steps", type=positive_int, default=50, help="optimizer steps between log lines")
+    output.add_argument("--logging_steps", type=runtime.positive_int, default=50,
+                        help="optimizer steps between log lines")
     output.add_argument("--log_sample_indices", action="store_true",
                         help="write each optimizer step's sample indices, per process, to OUTPUT_DIR/sample_indices/: "
-                             "to check that 1 and N processes, or a resumed run, train the same samples in the same "
-                             "order")
-    output.add_argument("--eval_steps", type=positive_int, default=None,
+                        "to check that 1 and N processes, or a resumed run, train the same samples in the same order")
+    output.add_argument("--eval_steps", type=runtime.positive_int, default=None,
                         help="optimizer steps between evals; default per epoch")
-    output.add_argument("--checkpointing_steps", "--save_steps", type=steps_or_epoch, default=None,
+    output.add_argument("--checkpointing_steps", "--save_steps", type=flags.steps_or_epoch, default=None,
                         help="optimizer steps between resumable checkpoints, or 'epoch': at the end of each epoch "
-                             "(the default)")
-    output.add_argument("--save_total_limit", type=nonnegative_int, default=2,
+                        "(the default)")
+    output.add_argument("--save_total_limit", type=runtime.nonnegative_int, default=2,
                         help="resumable checkpoints kept (0: all)")
     output.add_argument("--resume_from_checkpoint", default=None, help="PATH or 'latest'")
-    add_allow_data_change(output)
+    checkpoint.add_allow_data_change(output)
     output.add_argument("--metric", "--metric_name", action="append", default=[], metavar="NAME_OR_PATH",
                         help="an `evaluate` module (hub id, or a local script offline) for the best model's "
-                             "validation/test results beside accuracy and F1; repeatable")
-    add_selection_args(parser, "macro_f1, for regression mse")
-    add_onnx_args(parser)
-    add_runtime_args(parser)
+                        "validation/test results beside accuracy and F1; repeatable")
+    loop.add_selection_args(parser, "macro_f1, for regression mse")
+    onnx_export.add_onnx_args(parser)
+    runtime.add_runtime_args(parser)
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)  # a flag without a role (FLAG_ROLES) stops here in one line, before anything starts
-    check_onnx_args(parser, args)
+    onnx_export.check_onnx_args(parser, args)
     if not (args.do_train or args.do_eval or args.do_test or args.do_predict):
         parser.error("nothing to do: pass at least one of --do_train, --do_eval, --do_test, --do_predict")
-    for check in (check_dataset_args, check_text_format_args, check_task_args, check_model_source_args,
-                  check_scheduler_args):
+    for check in (text_data.check_dataset_args, text_data.check_text_format_args, text_metrics.check_task_args,
+                  text_model.check_model_source_args,
+                  text_model.check_scheduler_args):
         try:
             check(args)
-        except UserError as err:
+        except runtime.UserError as err:
             parser.error(str(err))
-    check_selection_args(parser, args, training=args.do_train)
+    loop.check_selection_args(parser, args, training=args.do_train)
     if args.do_train:  # the defaults now; a run that only evaluates a trained model takes its settings in main
-        use_model_settings(args, print, flag_roles())
+        text_model.use_model_settings(args, print, flag_roles())
     return args
 
 
@@ -299,42 +277,53 @@ def parse_args(argv=None):
 # with one line naming the flag; --help shows each flag's role.
 FLAG_ROLES = {
     # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
-    "--data_dir": kept_by(DATA_KEY), "--train_file": kept_by(DATA_KEY), "--validation_file": MAY_CHANGE,
-    "--test_file": THIS_LAUNCH, "--predict_file": THIS_LAUNCH, "--labels_file": kept_by("labels"),
-    "--data_cache_dir": THIS_LAUNCH,  # where the tokenised data are kept, not what they are
-    "--max_seq_len": MUST_KEEP.recorded(),  # another length changes the inputs themselves
-    **DATASET_ROLES, **TEXT_FORMAT_ROLES, **PADDING_ROLES,
-    "--group_by_length": MUST_KEEP,  # the sampler: which samples each step sees
+    "--data_dir": checkpoint.kept_by(checkpoint.DATA_KEY), "--train_file": checkpoint.kept_by(checkpoint.DATA_KEY),
+              "--validation_file": checkpoint.MAY_CHANGE,
+    "--test_file": checkpoint.THIS_LAUNCH, "--predict_file": checkpoint.THIS_LAUNCH,
+              "--labels_file": checkpoint.kept_by("labels"),
+    "--data_cache_dir": checkpoint.THIS_LAUNCH,  # where the tokenised data are kept, not what they are
+    "--max_seq_len": checkpoint.MUST_KEEP.recorded(),  # another length changes the inputs themselves
+    **text_data.DATASET_ROLES, **text_data.TEXT_FORMAT_ROLES, **text_data.PADDING_ROLES,
+    "--group_by_length": checkpoint.MUST_KEEP,  # the sampler: which samples each step sees
     # model: its shape must match; the starting weights matter to a fresh run only
-    "--model_name_or_path": kept_by("model"), "--from_scratch": FRESH_START, "--config_overrides": kept_by("model"),
-    "--init_from_legacy": FRESH_START, "--trust_remote_code": THIS_LAUNCH, **MODEL_SOURCE_ROLES,
-    **this_launch("--do_train", "--do_eval", "--do_test", "--do_predict"),
+    "--model_name_or_path": checkpoint.kept_by("model"), "--from_scratch": checkpoint.FRESH_START,
+              "--config_overrides": checkpoint.kept_by("model"),
+    "--init_from_legacy": checkpoint.FRESH_START, "--trust_remote_code": checkpoint.THIS_LAUNCH,
+              **text_model.MODEL_SOURCE_ROLES,
+    **checkpoint.this_launch("--do_train", "--do_eval", "--do_test", "--do_predict"),
     # training: the global batch, its accumulation and the seed decide which samples each step sees; the optimizer's
     # hyperparameters, the schedule's length and the loss's smoothing apply from the resumed step on
-    "--train_batch_size": MUST_KEEP, "--eval_batch_size": THIS_LAUNCH, "--learning_rate": MAY_CHANGE,
-    "--per_device_train_batch_size": keep_as("--train_batch_size"), "--per_device_eval_batch_size": THIS_LAUNCH,
+    "--train_batch_size": checkpoint.MUST_KEEP, "--eval_batch_size": checkpoint.THIS_LAUNCH,
+              "--learning_rate": checkpoint.MAY_CHANGE,
+    "--per_device_train_batch_size": checkpoint.keep_as("--train_batch_size"),
+              "--per_device_eval_batch_size": checkpoint.THIS_LAUNCH,
     # the optimizer's state and its parameter groups are the checkpoint's; the schedule may change
-    "--optim": MUST_KEEP, "--adam_beta1": MUST_KEEP, "--adam_beta2": MUST_KEEP, "--adam_epsilon": MUST_KEEP,
-    "--layerwise_lr_decay": MUST_KEEP, "--head_learning_rate": MUST_KEEP,
-    "--lr_scheduler_type": MAY_CHANGE, "--lr_scheduler_kwargs": MAY_CHANGE, "--warmup_steps": MAY_CHANGE,
-    "--weight_decay": MAY_CHANGE, "--warmup_ratio": MAY_CHANGE, "--num_train_epochs": MAY_CHANGE,
-    "--max_train_steps": MAY_CHANGE, "--max_grad_norm": MAY_CHANGE, "--label_smoothing": MAY_CHANGE,
-    "--class_weights": kept_by("class_weights"), "--gradient_accumulation_steps": MUST_KEEP, "--seed": MUST_KEEP,
-    "--num_workers": THIS_LAUNCH,
+    "--optim": checkpoint.MUST_KEEP, "--adam_beta1": checkpoint.MUST_KEEP, "--adam_beta2": checkpoint.MUST_KEEP,
+              "--adam_epsilon": checkpoint.MUST_KEEP,
+    "--layerwise_lr_decay": checkpoint.MUST_KEEP, "--head_learning_rate": checkpoint.MUST_KEEP,
+    "--lr_scheduler_type": checkpoint.MAY_CHANGE, "--lr_scheduler_kwargs": checkpoint.MAY_CHANGE,
+              "--warmup_steps": checkpoint.MAY_CHANGE,
+    "--weight_decay": checkpoint.MAY_CHANGE, "--warmup_ratio": checkpoint.MAY_CHANGE,
+              "--num_train_epochs": checkpoint.MAY_CHANGE,
+    "--max_train_steps": checkpoint.MAY_CHANGE, "--max_grad_norm": checkpoint.MAY_CHANGE,
+              "--label_smoothing": checkpoint.MAY_CHANGE,
+    "--class_weights": checkpoint.kept_by("class_weights"), "--gradient_accumulation_steps": checkpoint.MUST_KEEP,
+              "--seed": checkpoint.MUST_KEEP,
+    "--num_workers": checkpoint.THIS_LAUNCH,
     # output: when to validate may change (named: early stopping counts validations); the rest is this launch's
-    "--eval_steps": MAY_CHANGE,
-    **this_launch("--output_dir", "--overwrite_output_dir", "--logging_steps", "--checkpointing_steps",
-                  "--save_total_limit", "--resume_from_checkpoint", "--allow_data_change", "--metric"),
-    "--log_sample_indices": THIS_LAUNCH,  # a record of what each step trains on, which it does not change
-    **SELECTION_ROLES, **LONG_TEXT_ROLES, **ONNX_ROLES,
-    **this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
-                  "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
-                  "--auto_find_batch_size"),
+    "--eval_steps": checkpoint.MAY_CHANGE,
+    **checkpoint.this_launch("--output_dir", "--overwrite_output_dir", "--logging_steps", "--checkpointing_steps",
+                             "--save_total_limit", "--resume_from_checkpoint", "--allow_data_change", "--metric"),
+    "--log_sample_indices": checkpoint.THIS_LAUNCH,  # a record of what each step trains on, which it does not change
+    **loop.SELECTION_ROLES, **text_data.LONG_TEXT_ROLES, **onnx_export.ONNX_ROLES,
+    **checkpoint.this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
+                             "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
+                             "--auto_find_batch_size"),
     # which kernels compute each step, not what is trained: a resume may add or drop it (bitwise equality with an
     # uninterrupted run needs it in every launch of both, on a GPU)
-    "--use_deterministic_algorithms": THIS_LAUNCH,
+    "--use_deterministic_algorithms": checkpoint.THIS_LAUNCH,
     # the Chinese BERT tutorial's: a check of the label count, and two flags taken and ignored (said at start)
-    **this_launch("--num_tags", "--data_name", "--log_dir"),
+    **checkpoint.this_launch("--num_tags", "--data_name", "--log_dir"),
 }
 
 
@@ -354,35 +343,36 @@ def load_splits(args, checkpoint_labels, say=print, with_predict=True, tables=No
     what; return (labels, {split: examples}), "predict" among the splits with --do_predict (and `with_predict`).
     With `tables` (a directory), files stream into ExampleTables there instead of lists."""
     if args.dataset_name:
-        data = read_dataset_splits(args)
+        data = text_data.read_dataset_splits(args)
     else:
-        resolve_file_text_column(args, say)
-        data = read_file_splits(args, text_format(args), say, tables)
-    fmt = text_format(args)
+        text_data.resolve_file_text_column(args, say)
+        data = text_data.read_file_splits(args, text_data.text_format(args), say, tables)
+    fmt = text_data.text_format(args)
     examples = data.examples
     if args.do_regression:  # one output, named after what it predicts
         labels = checkpoint_labels if checkpoint_labels and not args.do_train else [args.label_column]
     elif "train" in examples and data.labels and not args.labels_file:
         labels = data.labels
     elif "train" in examples:  # from all of them, before --max_train_samples (run_classification.py does the same)
-        labels = build_label_list(examples["train"], args.labels_file, args.encoding)
+        labels = text_data.build_label_list(examples["train"], args.labels_file, args.encoding)
     elif args.labels_file:
-        labels = build_label_list([], args.labels_file, args.encoding)
+        labels = text_data.build_label_list([], args.labels_file, args.encoding)
     else:
         labels = checkpoint_labels
     if checkpoint_labels and not args.do_train and labels != checkpoint_labels:
-        raise UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} "
-                        f"(trained with {checkpoint_labels})")
+        raise runtime.UserError(f"{args.labels_file}: labels {labels} disagree with {args.model_name_or_path} (trained "
+                                f"with {checkpoint_labels})")
     if labels is None:
-        raise UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
+        raise runtime.UserError(f"{args.model_name_or_path}: no label mapping in its config.json; pass --labels_file")
     for split in ("validation", "test"):
         if split in examples and not args.do_regression:
-            check_known_labels(examples[split], labels, source=f"the labels of the model ({', '.join(labels)})")
+            text_data.check_known_labels(examples[split], labels,
+                                         source=f"the labels of the model ({', '.join(labels)})")
     predict_file = args.predict_file or (None if args.dataset_name else args.test_file)
     if with_predict and args.do_predict and predict_file:  # without --predict_file, the test split, as
         # run_classification.py does
-        examples["predict"] = read_predict_file(predict_file, fmt, labels, say)
-    examples, cuts = select_examples(examples, args)
+        examples["predict"] = text_data.read_predict_file(predict_file, fmt, labels, say)
+    examples, cuts = text_data.select_examples(examples, args)
     for note in data.notes + cuts:
         say(note)
     return labels, examples
@@ -393,7 +383,7 @@ def check_model_files(args):
     and custom code refused without --trust_remote_code, before transformers reports either as a tokenizer failure."""
     source = args.tokenizer_name or args.model_name_or_path
     for directory in dict.fromkeys((source, args.config_name or args.model_name_or_path)):
-        check_custom_code(directory, args.trust_remote_code)
+        text_model.check_custom_code(directory, args.trust_remote_code)
 
 
 def tokenizer_and_length(args, say=print):
@@ -402,12 +392,13 @@ def tokenizer_and_length(args, say=print):
     tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
-    with loading(source, "tokenizer"):
-        tokenizer = load_tokenizer(source, args.trust_remote_code, hub_options(args))
-    empty_model = on_meta_device(lambda: new_model(model_config(args), args.trust_remote_code))
-    args.max_seq_len = fit_max_seq_len(args.max_seq_len, empty_model, args.config_name or args.model_name_or_path,
-                                       say)
-    resolve_head_tokens(args, say)  # its default is a share of --max_seq_len
+    with text_model.loading(source, "tokenizer"):
+        tokenizer = load_tokenizer(source, args.trust_remote_code, text_model.hub_options(args))
+    empty_model = export.on_meta_device(lambda: new_model(model_config(args), args.trust_remote_code))
+    args.max_seq_len = text_model.fit_max_seq_len(args.max_seq_len, empty_model,
+                                                  args.config_name or args.model_name_or_path,
+                                                  say)
+    text_data.resolve_head_tokens(args, say)  # its default is a share of --max_seq_len
     return tokenizer
 
 
@@ -418,17 +409,21 @@ def tokenised_data(args, tokenizer, checkpoint_labels, say=print, directory=None
     tables = directory and not args.dataset_name and Path(directory) / "read"
     labels, examples = load_splits(args, checkpoint_labels, say, with_predict=directory is None, tables=tables)
     predict = examples.pop("predict", None)
-    cut = long_text(args, args.max_seq_len, any(e.text_pair is not None for s in examples.values() for e in s[:1]))
+    cut = text_data.long_text(args, args.max_seq_len,
+                              any(e.text_pair is not None for s in examples.values() for e in s[:1]))
     # evaluated texts keep their windows' text index, to pool them (predict_logits)
-    datasets = {split: tokenize_examples(tokenizer, split_examples,
-                                         label_targets(split_examples, labels, args.multi_label, args.do_regression),
-                                         args.max_seq_len, cut, split != "train",
-                                         directory and Path(directory) / f"{split}.arrow")
+    datasets = {split: text_data.tokenize_examples(tokenizer, split_examples,
+                                                   text_data.label_targets(split_examples, labels, args.multi_label,
+                                                                           args.do_regression),
+                                                   args.max_seq_len, cut, split != "train",
+                                                   directory and Path(directory) / f"{split}.arrow")
                 for split, split_examples in examples.items()}
     first = next((found[0] for found in (examples.get("validation"), examples.get("train")) if found), None)
-    data = TextData(labels, datasets, [first.text, first.text_pair] if first else [None, None],
-                    unk_rate(tokenizer, datasets["train"]) if "train" in datasets else None,
-                    fingerprint_examples(args.train_file or args.dataset_name, examples.get("train")), predict=predict)
+    data = text_data.TextData(labels, datasets, [first.text, first.text_pair] if first else [None, None],
+                              text_model.unk_rate(tokenizer, datasets["train"]) if "train" in datasets else None,
+                              text_data.fingerprint_examples(args.train_file or args.dataset_name,
+                                                             examples.get("train")),
+                              predict=predict)
     if tables:
         shutil.rmtree(tables)
     return data
@@ -437,8 +432,10 @@ def tokenised_data(args, tokenizer, checkpoint_labels, say=print, directory=None
 def read_predict_records(args, labels, say=print):
     """--do_predict's records from a file (--predict_file, else the test file), cut by --max_predict_samples."""
     predict_file = args.predict_file or args.test_file
-    selected, notes = select_examples({"predict": read_predict_file(predict_file, text_format(args), labels, say)},
-                                      args)
+    selected, notes = text_data.select_examples({"predict": text_data.read_predict_file(predict_file,
+                                                                                        text_data.text_format(args),
+                                                                                        labels, say)},
+                                                args)
     for note in notes:
         say(note)
     return selected["predict"]
@@ -448,14 +445,15 @@ def cache_inputs(args, tokenizer, checkpoint_labels):
     """What decides the tokenised data of a run on files: the files (where they are, which the notes said while
     reading them name, and their bytes) and every flag that changes how they are read, cut (--max_*_samples; long
     texts: --truncation, --head_tokens, --doc_stride), labelled and tokenised (utils/text_cache.py)."""
-    files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
-                                        "test": args.test_file}, say=lambda line: None)
-    return {"files": {split: [str(Path(path).resolve()), file_sha256(path)] for split, path in files.items()
+    files = text_data.split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
+                                                  "test": args.test_file}, say=lambda line: None)
+    return {"files": {split: [str(Path(path).resolve()), text_cache.file_sha256(path)] for split, path in files.items()
                       if path is not None},
-            "labels_file": args.labels_file and file_sha256(args.labels_file), "format": vars(text_format(args)),
+            "labels_file": args.labels_file and text_cache.file_sha256(args.labels_file),
+            "format": vars(text_data.text_format(args)),
             "modes": [args.do_train, args.do_eval, args.do_test],
             "cuts": [args.max_train_samples, args.max_eval_samples, args.shuffle_train_dataset, args.shuffle_seed],
-            "checkpoint_labels": checkpoint_labels, "tokenizer": tokenizer_sha256(tokenizer),
+            "checkpoint_labels": checkpoint_labels, "tokenizer": text_cache.tokenizer_sha256(tokenizer),
             "max_seq_len": args.max_seq_len, "long_texts": [args.truncation, args.head_tokens, args.doc_stride]}
 
 
@@ -463,11 +461,11 @@ def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
     """The labels and the tokenised splits: files are read and tokenised once, by one process, into the data cache
     that every rank and later start reads; a --dataset_name dataset is read and tokenised by each process."""
     if checkpoint_labels and not args.do_train:
-        check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
+        text_model.check_problem_type(args.model_name_or_path, args.multi_label, args.do_regression)
     if args.dataset_name:
         return tokenised_data(args, tokenizer, checkpoint_labels, say)
-    resolve_file_text_column(args, say)  # before the cache key, which holds it
-    cache = DataCache(accelerator, args.data_cache_dir or default_cache_dir())
+    text_data.resolve_file_text_column(args, say)  # before the cache key, which holds it
+    cache = text_cache.DataCache(accelerator, args.data_cache_dir or text_cache.default_cache_dir())
     key = cache.key(lambda: cache_inputs(args, tokenizer, checkpoint_labels))
 
     def build(directory):
@@ -479,17 +477,18 @@ def load_text_data(args, accelerator, tokenizer, checkpoint_labels, say=print):
     entry, meta = cache.open(key, build)
     for note in meta["notes"]:
         say(note)
-    args.train_file, args.validation_file, args.test_file = split_files(
+    args.train_file, args.validation_file, args.test_file = text_data.split_files(
         args.data_dir, {"train": args.train_file, "validation": args.validation_file, "test": args.test_file},
         say=lambda line: None).values()  # as the reading process set them, for run_config.json and the model card
     predict = read_predict_records(args, meta["labels"], say) if args.do_predict else None
-    return TextData(meta["labels"], {split: read_split(entry, split) for split in meta["splits"]}, meta["first_text"],
-                    meta["unk_rate"], meta["fingerprint"], meta["notes"], predict)
+    return text_data.TextData(meta["labels"], {split: text_cache.read_split(entry, split) for split in meta["splits"]},
+                              meta["first_text"],
+                              meta["unk_rate"], meta["fingerprint"], meta["notes"], predict)
 
 
 def long_text_stats(args, splits):
     """all_results.json's entries on how long texts were cut: the cut, and with windows each split's window count."""
-    cut = long_text(args, args.max_seq_len, paired=False)  # checked against the data when it was tokenised
+    cut = text_data.long_text(args, args.max_seq_len, paired=False)  # checked against the data when it was tokenised
     windows = {f"{split}_windows": len(dataset) for split, dataset in splits.items()} if cut.doc_stride else {}
     return {"long_texts": cut.describe(), **windows}
 
@@ -499,10 +498,11 @@ def model_config(args, labels=None):
     no `labels`, the labels its config.json has."""
     label_kwargs = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
                     "label2id": {label: i for i, label in enumerate(labels)},
-                    "problem_type": problem_type(args.multi_label, args.do_regression)} if labels else {}
+                    "problem_type": text_model.problem_type(args.multi_label, args.do_regression)} if labels else {}
     source = args.config_name or args.model_name_or_path
-    with loading(source, "config"):
-        config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code, **hub_options(args),
+    with text_model.loading(source, "config"):
+        config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code,
+                                            **text_model.hub_options(args),
                                             **label_kwargs)
     if from_config(args) and args.config_overrides:
         config.update_from_string(args.config_overrides)
@@ -521,56 +521,57 @@ def build_model(args, labels, say=print, tokenizer=None):
     path = Path(args.model_name_or_path)
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     if path.is_dir() and not has_weights and not from_config(args):
-        raise UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); "
-                        "pass --from_scratch to train a randomly initialised model from its config.json")
+        raise runtime.UserError(f"{path}: no model weights ({', '.join(WEIGHT_FILES[::2])}); pass --from_scratch to "
+                                f"train a randomly initialised model from its config.json")
     remote = args.trust_remote_code
     if tokenizer is None:
         tokenizer = tokenizer_and_length(args, say)
     config = model_config(args, labels)
-    with loading(path, "model"):
+    with text_model.loading(path, "model"):
         model = new_model(config, remote) if from_config(args) else load_checked(args, config)
     if not from_config(args) and not args.do_regression:
-        head_by_name(model, path, labels, say)
+        text_model.head_by_name(model, path, labels, say)
     if args.init_from_legacy:
-        load_legacy_bert(args.init_from_legacy, model)
+        text_model.load_legacy_bert(args.init_from_legacy, model)
     if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model, args.model_name_or_path)
-    sync_free_attention(model)
+        text_model.enable_gradient_checkpointing(model, args.model_name_or_path)
+    text_model.sync_free_attention(model)
     # transformers 5 silently ignores `vocab_file=` and maps every Chinese character to [UNK]: check the vocab.
     if len(tokenizer) < 100 or len(tokenizer) > config.vocab_size:
-        raise UserError(f"{args.tokenizer_name or path}: tokenizer has {len(tokenizer)} tokens but the model expects "
-                        f"{config.vocab_size}; is vocab.txt there and read?")
+        raise runtime.UserError(f"{args.tokenizer_name or path}: tokenizer has {len(tokenizer)} tokens but the model "
+                                f"expects {config.vocab_size}; is vocab.txt there and read?")
     return tokenizer, model
 
 
 def load_checked(args, config):
     """load_model's model, refused where its encoder would start from random weights."""
-    model, new_weights = load_model(args.model_name_or_path, config, args.trust_remote_code, hub_options(args))
-    check_starting_weights(model, new_weights, args.model_name_or_path)
+    model, new_weights = load_model(args.model_name_or_path, config, args.trust_remote_code,
+                                    text_model.hub_options(args))
+    text_model.check_starting_weights(model, new_weights, args.model_name_or_path)
     return model
 
 
 def build_dataloaders(args, tokenizer, datasets, predict_examples, padding=None):
     """The (unprepared) loaders of the tokenised datasets, batch size = GLOBAL batch; padding: `resolve_padding`'s,
     by default the CPU's (to the longest text of each batch)."""
-    collator = build_collator(tokenizer, args.max_seq_len, **(padding or {}))
+    collator = text_data.build_collator(tokenizer, args.max_seq_len, **(padding or {}))
     loaders = {}
     for split, dataset in datasets.items():
         training = split == "train"
         # a sampler whose order depends on (seed, epoch) only, like the seedable random sampler it replaces
-        sampler = (LengthGroupedSampler(token_lengths(dataset), args.train_batch_size, args.seed)
+        sampler = (text_data.LengthGroupedSampler(text_data.token_lengths(dataset), args.train_batch_size, args.seed)
                    if training and args.group_by_length else None)
         loaders[split] = DataLoader(dataset, shuffle=training and sampler is None, sampler=sampler,
-                                    collate_fn=collator, **loader_settings(args.num_workers),
+                                    collate_fn=collator, **runtime.loader_settings(args.num_workers),
                                     batch_size=args.train_batch_size if training else args.eval_batch_size,
-                                    generator=loader_generator(args.seed) if training else None)
+                                    generator=runtime.loader_generator(args.seed) if training else None)
     if predict_examples is not None:  # blank lines have a row in predictions.jsonl, but nothing to predict
         texts = [e for e in predict_examples if not e.skipped]
-        cut = long_text(args, args.max_seq_len, texts[0].text_pair is not None)
+        cut = text_data.long_text(args, args.max_seq_len, texts[0].text_pair is not None)
         # a text's windows keep its index, to pool them (predicted_rows)
-        dataset = tokenize_examples(tokenizer, texts, None, args.max_seq_len, cut, keep_doc=True)
+        dataset = text_data.tokenize_examples(tokenizer, texts, None, args.max_seq_len, cut, keep_doc=True)
         loaders["predict"] = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator,
-                                        **loader_settings(args.num_workers))
+                                        **runtime.loader_settings(args.num_workers))
     return loaders
 
 
@@ -581,16 +582,17 @@ def save_best_model(accelerator, model, tokenizer, best_dir, settings, log, card
     stops every rank with one line and keeps the previous best_model/. `remote`: --trust_remote_code."""
     tmp = best_dir.with_name(best_dir.name + ".tmp")
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
-    state_dict = export_state_dict(accelerator, model, on_meta_device(lambda: new_model(bare.config, remote)))
-    with writing(accelerator, best_dir.parent, unfinished=tmp):
+    state_dict = export.full_state_dict(accelerator, model, export.on_meta_device(lambda: new_model(bare.config,
+                                                                                                      remote)))
+    with runtime.writing(accelerator, best_dir.parent, unfinished=tmp):
         if accelerator.is_main_process:
             # save_original_format=False: transformers 5 would write the checkpoint's own names back (LayerNorm.gamma)
             bare.save_pretrained(tmp, state_dict=state_dict, save_original_format=False)
             save_tokenizer_and_settings(tokenizer, settings, tmp)
             log.write_model_card(tmp / "README.md", card_results)
             if step is not None:
-                mark_selection(tmp, step)
-            replace_dir_atomically(tmp, best_dir)
+                export.mark_selection(tmp, step)
+            checkpoint.replace_dir_atomically(tmp, best_dir)
 
 
 def save_tokenizer_and_settings(tokenizer, settings, folder):
@@ -598,7 +600,7 @@ def save_tokenizer_and_settings(tokenizer, settings, folder):
     of the model must repeat: beside the weights in best_model/, beside model.onnx in onnx/."""
     tokenizer.model_max_length = settings["max_seq_len"]
     tokenizer.save_pretrained(folder)
-    (Path(folder) / TRAINED_WITH).write_text(json.dumps(settings, indent=2) + "\n")
+    (Path(folder) / text_model.TRAINED_WITH).write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def best_model_selection(accelerator, args, model, validation_loader, labels, metric_modules):
@@ -608,10 +610,10 @@ def best_model_selection(accelerator, args, model, validation_loader, labels, me
     keeps the default."""
     names = None
     if args.do_train and validation_loader is not None:
-        names = validation_names(accelerator, model, validation_loader, lambda batches: evaluate(
+        names = loop.validation_names(accelerator, model, validation_loader, lambda batches: evaluate(
             accelerator, model, batches, labels, "validation", args, metric_modules))
-    resolve_selection(args, names, default=default_metric(args.do_regression))
-    return Selection.from_args(args, position="step")
+    loop.resolve_selection(args, names, default=text_metrics.default_metric(args.do_regression))
+    return loop.Selection.from_args(args, position="step")
 
 
 @dataclass
@@ -619,7 +621,7 @@ class Task:
     """What main resolved before training that the loop needs."""
     labels: list  # names in id order
     must_match: dict  # what a resumed checkpoint must agree with
-    selection: Selection  # the validation metric that selects the best model, and early stopping
+    selection: loop.Selection  # the validation metric that selects the best model, and early stopping
     metric_modules: list  # --metric's evaluate modules
     class_weights: torch.Tensor | None  # (C,) --class_weights
 
@@ -632,10 +634,10 @@ class Training:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     train_loader: DataLoader
     eval_loader: DataLoader | None
-    checkpoints: Checkpoints
+    checkpoints: checkpoint.Checkpoints
     state: dict  # where the run starts (a checkpoint's position) and what it selected so far (best_*)
-    cadence: Cadence
-    selection: Selection  # the validation metric that selects the best model
+    cadence: loop.Cadence
+    selection: loop.Selection  # the validation metric that selects the best model
 
 
 def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
@@ -644,36 +646,39 @@ def prepare_training(args, accelerator, model, loaders, log, task, resume_path):
     prints the run summary."""
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    groups = optimizer_groups(model, args.weight_decay, args.learning_rate, args.layerwise_lr_decay,
-                              args.head_learning_rate)
-    optimizer = build_optimizer(groups, args, accelerator.device)
+    groups = text_model.optimizer_groups(model, args.weight_decay, args.learning_rate, args.layerwise_lr_decay,
+                                         args.head_learning_rate)
+    optimizer = text_model.build_optimizer(groups, args, accelerator.device)
     # Sized from the UNprepared loader; with split_batches the prepared scheduler steps once per optimizer step.
-    warmup_steps = args.warmup_steps if args.warmup_steps is not None else math.ceil(args.warmup_ratio * max_train_steps)
+    warmup_steps = (args.warmup_steps if args.warmup_steps is not None
+                    else math.ceil(args.warmup_ratio * max_train_steps))
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps,
                               num_training_steps=max_train_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
     eval_loader = loaders.get("validation")
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, loaders["train"], scheduler)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
 
-    checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
-                              resume_settings(args, flag_roles().resumable()), exports=["best_model"],
-                              allow_data_change=args.allow_data_change,
-                              best_export_step=lambda: selected_step(args.output_dir / "best_model"),
-                              per_process=per_process_differences(model), say=log.console)
+    checkpoints = checkpoint.Checkpoints(accelerator, args.output_dir, args.save_total_limit, task.must_match,
+                                         checkpoint.resume_settings(args, flag_roles().resumable()),
+                                         exports=["best_model"],
+                                         allow_data_change=args.allow_data_change,
+                                         best_export_step=lambda: export.selected_step(args.output_dir / "best_model"),
+                                         per_process=checkpoint.per_process_differences(model), say=log.console)
     fresh = {"completed_steps": 0, "epoch": 0, "batches_in_epoch": 0, **task.selection.fresh_state()}
     state = checkpoints.restore(resume_path, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_path else None, state=state)
-    cadence = Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
-                      eval_every=args.eval_steps, checkpoint_every=args.checkpointing_steps)
-    print_run_summary(accelerator, "Running training", {
-        **run_info(accelerator, args.train_batch_size),
+    cadence = loop.Cadence(max_train_steps, steps_per_epoch, len(train_loader), log_every=args.logging_steps,
+                           eval_every=args.eval_steps, checkpoint_every=args.checkpointing_steps)
+    runtime.print_run_summary(accelerator, "Running training", {
+        **runtime.run_info(accelerator, args.train_batch_size),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "samples_per_optimizer_step": args.train_batch_size * args.gradient_accumulation_steps,
         "train_samples": len(loaders["train"].dataset),
         "steps_per_epoch": steps_per_epoch, "epochs": cadence.epochs, "total_steps": max_train_steps,
-        "resume_step": state["completed_steps"], "checkpoints_resume_on": resumable_process_counts(args.train_batch_size),
+        "resume_step": state["completed_steps"],
+        "checkpoints_resume_on": checkpoint.resumable_process_counts(args.train_batch_size),
     })
-    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
+    checkpoint.say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     return Training(model, optimizer, scheduler, train_loader, eval_loader, checkpoints, state, cadence,
                     task.selection)
 
@@ -682,17 +687,17 @@ def log_validation(log, completed_steps, metrics, eval_seconds, train_seconds):
     """A validation during training: its `eval` event in metrics.jsonl and one console line, with every number
     evaluate() returned."""
     log.log("eval", completed_steps,
-            {**recorded(metrics), "eval_seconds": eval_seconds, "train_seconds": train_seconds})
-    log.console(f"eval step {completed_steps} | {format_numbers(metrics)}")
+            {**text_metrics.recorded(metrics), "eval_seconds": eval_seconds, "train_seconds": train_seconds})
+    log.console(f"eval step {completed_steps} | {outputs.format_numbers(metrics)}")
 
 
 @dataclass
 class Keeping:
     """What a validation during training keeps besides its metrics: the best weights (in memory and best_model/), the
     time it took and when."""
-    best: BestWeights  # this run's best weights, in memory on every rank
+    best: export.BestWeights  # this run's best weights, in memory on every rank
     tokenizer: object  # saved with best_model/
-    speed: Throughput  # times the validation and the export apart from training
+    speed: loop.Throughput  # times the validation and the export apart from training
     start_time: float  # time.perf_counter() at the start of training
 
 
@@ -702,21 +707,21 @@ def validate_and_stop(accelerator, training, task, args, log, keeping, guard, co
     abandons it, leaving it due at this step (VALIDATION_DUE): (None, None, True)."""
     state, selection, model = training.state, training.selection, training.model
     guard.step = completed_steps  # the step an abandoned validation names
-    state[VALIDATION_DUE] = True
+    state[checkpoint.VALIDATION_DUE] = True
     try:
         with keeping.speed.pause("eval") as evaluation:
             metrics = evaluate(accelerator, model, training.eval_loader, task.labels, "validation", args,
                                task.metric_modules, guard)
-    except EvaluationAbandoned as abandoned:
+    except loop.EvaluationAbandoned as abandoned:
         accelerator.print(f"{abandoned}: the checkpoint keeps it due, and the resumed run validates first")
         return None, None, True
-    state[VALIDATION_DUE] = False
+    state[checkpoint.VALIDATION_DUE] = False
     log_validation(log, completed_steps, metrics, evaluation.seconds, time.perf_counter() - keeping.start_time)
     if selection.update(state, metrics, completed_steps):  # a new best model, kept and exported
         keeping.best.keep(model)
         with keeping.speed.pause("save"):
             save_best_model(accelerator, model, keeping.tokenizer, args.output_dir / "best_model", trained_with(args),
-                            log, {**selection.results(state), **flat_metrics(metrics, "eval"),
+                            log, {**selection.results(state), **text_metrics.flat_metrics(metrics, "eval"),
                                   "launches": training.checkpoints.launches}, completed_steps,
                             args.trust_remote_code)
     stopped_at = completed_steps if selection.should_stop(state) else None
@@ -729,13 +734,13 @@ def select_best_model(accelerator, training, best, last_eval, completed_steps, p
     they are the last ones measured (nothing to reload or re-evaluate), else None."""
     best_step = training.state["best_step"]
     if last_eval is not None and last_eval[0] == best_step == completed_steps:
-        accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation "
-                          "results are reused")
+        accelerator.print(f"the best model is the last one evaluated (step {completed_steps}): its validation results "
+                          f"are reused")
         return last_eval[1]
     if best.held and not preempted:
         best.restore(training.model)
     elif best_step is not None and not preempted:  # selected before this run resumed: on the main disk
-        load_selected_weights(accelerator, training.model, best_dir, best_step)
+        export.load_selected_weights(accelerator, training.model, best_dir, best_step)
     return None
 
 
@@ -750,35 +755,36 @@ class TrainResult:
 def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, loaders, log, task, attempt.resume)
-    samples = SampleLog(accelerator, args.output_dir, training.train_loader, args.gradient_accumulation_steps,
-                        enabled=args.log_sample_indices)
+    samples = outputs.SampleLog(accelerator, args.output_dir, training.train_loader, args.gradient_accumulation_steps,
+                                enabled=args.log_sample_indices)
     model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
     state, cadence, selection = training.state, training.cadence, training.selection
     best_dir = args.output_dir / "best_model"
-    guard = PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
-    meter = LossMeter(accelerator.device)
-    health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
-    best = BestWeights()  # this run's best weights, in memory on every rank
-    keeping = Keeping(best, tokenizer, Throughput(), time.perf_counter())
-    loss_scale = LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
-                           args.gradient_accumulation_steps)
+    guard = loop.PreemptionGuard(accelerator, training.checkpoints.latest, "--resume_from_checkpoint latest")
+    meter = loop.LossMeter(accelerator.device)
+    health = loop.HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--learning_rate")
+    best = export.BestWeights()  # this run's best weights, in memory on every rank
+    keeping = Keeping(best, tokenizer, loop.Throughput(), time.perf_counter())
+    loss_scale = loop.LossScale(accelerator, len(loaders["train"].dataset), args.train_batch_size,
+                                args.gradient_accumulation_steps)
     last_eval = None  # (step, metrics) of the last validation
     completed_steps = state["completed_steps"]
     samples_seen = 0
     preempted = False
     stopped_at = None  # the step of an early stop
-    bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
+    bar = outputs.progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     start_time = keeping.start_time
     speed = keeping.speed  # samples/s of training alone: evaluation and epoch starts are timed apart
     model.train()
-    if state[VALIDATION_DUE] and training.eval_loader is not None:  # a stop abandoned this validation: it comes first
+    # a stop abandoned this validation: it comes first
+    if state[checkpoint.VALIDATION_DUE] and training.eval_loader is not None:
         # (stopped again during it, the run leaves that checkpoint as it was: the latest, with its validation due)
         last_eval, stopped_at, preempted = validate_and_stop(accelerator, training, task, args, log, keeping, guard,
                                                              completed_steps)
     for epoch in range(state["epoch"], cadence.epochs):
         if preempted or stopped_at is not None:
             break
-        batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        batches, batches_in_epoch = loop.epoch_batches(accelerator, training.train_loader, epoch, state)
         window = None  # where the accumulation window began, what a stop inside it goes back to
         for batch in speed.epoch(batches):
             window = window or guard.start_window(batches_in_epoch, model)
@@ -813,7 +819,7 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
             if due.log:
                 health.check(completed_steps)
                 values = {"loss": meter.mean(accelerator), "lr": scheduler.get_last_lr()[0], **speed.read()}
-                log.console(format_step_line(epoch + 1, completed_steps, cadence.total_steps, values))
+                log.console(outputs.format_step_line(epoch + 1, completed_steps, cadence.total_steps, values))
                 log.log("train", completed_steps, {"epoch": epoch + 1, **values})
             if due.evaluate and training.eval_loader is not None:
                 health.check(completed_steps)
@@ -837,9 +843,9 @@ def train(args, accelerator, model, tokenizer, loaders, log, task, attempt):
         save_best_model(accelerator, model, tokenizer, best_dir, trained_with(args), log, {},
                         remote=args.trust_remote_code)
     best_eval = select_best_model(accelerator, training, best, last_eval, completed_steps, preempted, best_dir)
-    runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime,
-               "train_samples_per_second": samples_seen / runtime, "train_steps": completed_steps,
+    seconds = time.perf_counter() - start_time
+    results = {"startup_seconds": speed.startup_seconds, "train_runtime": seconds,
+               "train_samples_per_second": samples_seen / seconds, "train_steps": completed_steps,
                "launches": training.checkpoints.launches,
                f"best_eval_{selection.metric}": selection.best(state), **selection.results(state, stopped_at)}
     return TrainResult(model, results, preempted, best_eval)
@@ -850,11 +856,11 @@ def report(accelerator, log, prefix, metrics, labels, output_dir):
     if metrics["report"] is not None:  # None for regression
         log.write_json(f"{prefix}_report.json", metrics["report"])
     if metrics["confusion_matrix"] is not None:  # None for multi-label and regression
-        accelerator.on_main_process(save_confusion_matrix)(
+        accelerator.on_main_process(text_metrics.save_confusion_matrix)(
             metrics["confusion_matrix"], labels, output_dir / f"{prefix}_confusion_matrix.csv",
             output_dir / f"{prefix}_confusion_matrix.png", title=f"{prefix} confusion matrix")
-    accelerator.print(f"{prefix}: {format_numbers(metrics)}")
-    return flat_metrics(metrics, prefix)
+    accelerator.print(f"{prefix}: {outputs.format_numbers(metrics)}")
+    return text_metrics.flat_metrics(metrics, prefix)
 
 
 def evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained=None, tag=""):
@@ -870,7 +876,7 @@ def evaluate_selected_model(accelerator, log, model, prepared, labels, args, met
             metrics = reuse or evaluate(accelerator, model, prepared[split], labels, split, args, metric_modules)
             results.update(report(accelerator, log, prefix, metrics, labels, args.output_dir),
                            **{f"{prefix}_settings": trained_with(args)})
-            log.log(f"best_model_{prefix}", step, recorded(metrics))
+            log.log(f"best_model_{prefix}", step, text_metrics.recorded(metrics))
     return results
 
 
@@ -889,20 +895,22 @@ def predicted_rows(accelerator, model, loader, examples, labels, args):
     batch's logits are gathered, and the main process makes its rows (only one batch's logits and rows are held)."""
     model.eval()
     records = iter(examples)
-    windows = StreamedWindows(args.pool)  # --doc_stride: a text's windows pooled once they have all come
-    for batch in progress(accelerator, loader, desc="predict", leave=False):
+    windows = text_metrics.StreamedWindows(args.pool)  # --doc_stride: a text's windows pooled once they have all come
+    for batch in outputs.progress(accelerator, loader, desc="predict", leave=False):
         batch.pop("labels", None)
         docs = batch.pop("doc", None)
         logits = accelerator.gather_for_metrics(model(**batch).logits.float()).cpu()  # (B, C): the whole batch
         if docs is not None:
             logits = windows.add(logits, accelerator.gather_for_metrics(docs).cpu())
         if accelerator.is_main_process:
-            yield from prediction_rows(logits, take_records(records, len(logits)), labels, args.multi_label,
-                                       args.threshold, args.do_regression)
+            yield from text_metrics.prediction_rows(logits, take_records(records, len(logits)), labels,
+                                                    args.multi_label,
+                                                    args.threshold, args.do_regression)
     last = windows.end(len(labels))  # the last text's windows, and the skipped records after it
     if accelerator.is_main_process:
-        yield from prediction_rows(last, take_records(records, len(last)) + list(records), labels, args.multi_label,
-                                   args.threshold, args.do_regression)
+        yield from text_metrics.prediction_rows(last, take_records(records, len(last)) + list(records), labels,
+                                                args.multi_label,
+                                                args.threshold, args.do_regression)
     model.train()
 
 
@@ -924,15 +932,15 @@ def export_selected_onnx(accelerator, args, model, tokenizer, loaders):
     and TRAINED_WITH. Its onnx_* results. Every rank calls it; the main process exports."""
     split = next(name for name in ("validation", "test", "train", "predict") if name in loaders)
     results = {}
-    with writing(accelerator, args.output_dir / "onnx"):
+    with runtime.writing(accelerator, args.output_dir / "onnx"):
         if accelerator.is_main_process:
             texts = (({name: batch[name] for name in ONNX_INPUTS if name in batch},
                       batch.get("labels", torch.full((len(batch["input_ids"]),), float("nan"))))  # none: no accuracy
                      for batch in loaders[split])
-            batches = check_batches(texts, args.onnx_check_samples)
+            batches = onnx_export.check_batches(texts, args.onnx_check_samples)
             accelerator.print(f"ONNX export checked on the {split} texts")
-            results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
-                                       sequence_axis=True, say=accelerator.print)
+            results = onnx_export.export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
+                                                   sequence_axis=True, say=accelerator.print)
             model.config.save_pretrained(args.output_dir / "onnx")
             save_tokenizer_and_settings(tokenizer, trained_with(args), args.output_dir / "onnx")
     return results
@@ -956,37 +964,42 @@ def write_results(log, args, results, results_tag):
 
 def main(args):
     # BERT's buffers (position and token type ids) are constants: DDP's broadcast of them before every forward pass
-    # would be a collective each step for nothing. A model whose buffers training changes (BatchNorm) needs it.
-    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps, broadcast_buffers=False,
-                                    loader_workers=4 * args.num_workers)  # train, validation, test, predict loaders
-    batch = ("--train_batch_size", args.train_batch_size) if args.do_train else ("--eval_batch_size", args.eval_batch_size)
-    say_command(accelerator.print, args, batch_line(*batch, accelerator.num_processes, BERT_BATCH_RULE))
-    hold_output_dir(accelerator, args.output_dir)
-    check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
+    # would be a collective each step for nothing. A model whose buffers training changes (BatchNorm) needs it. Up to
+    # four loaders (train, validation, test, predict) start workers.
+    accelerator = runtime.build_accelerator(args, args.output_dir, args.gradient_accumulation_steps,
+                                            broadcast_buffers=False, loader_workers=4 * args.num_workers)
+    batch = (("--train_batch_size", args.train_batch_size) if args.do_train
+             else ("--eval_batch_size", args.eval_batch_size))
+    flags.say_command(accelerator.print, args, flags.batch_line(*batch, accelerator.num_processes,
+                                                                flags.BERT_BATCH_RULE))
+    runtime.hold_output_dir(accelerator, args.output_dir)
+    text_model.check_hub_ids_or_paths(args)  # before anything could go to the hub for a mistyped path
     # "" unless evaluating with other settings than trained
-    results_tag = use_model_settings(args, accelerator.print, flag_roles())
+    results_tag = text_model.use_model_settings(args, accelerator.print, flag_roles())
     set_seed(args.seed)
     resume_path = None
     if args.do_train:  # the checkpoint to resume from, its files checked before anything is built or written
-        check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-        resume_path = agree_on_resume(accelerator, args.resume_from_checkpoint, args.output_dir / "checkpoints")
+        outputs.check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+        resume_path = checkpoint.agree_on_resume(accelerator, args.resume_from_checkpoint,
+                                                 args.output_dir / "checkpoints")
     batches = {"--train_batch_size": args.train_batch_size} if args.do_train else {}
-    per_device_batch = check_global_batches(accelerator, {**batches, "--eval_batch_size": args.eval_batch_size},
-                                            resume_path)
+    per_device_batch = checkpoint.check_global_batches(accelerator, {**batches,
+                                                                     "--eval_batch_size": args.eval_batch_size},
+                                                       resume_path)
     tokenizer = tokenizer_and_length(args, accelerator.print)
-    checkpoint_labels = None if args.do_train else saved_labels(args.model_name_or_path)
+    checkpoint_labels = None if args.do_train else text_model.saved_labels(args.model_name_or_path)
     data = load_text_data(args, accelerator, tokenizer, checkpoint_labels, accelerator.print)
     labels, splits = data.labels, data.datasets
     if args.num_tags and args.num_tags != len(labels):
-        raise UserError(f"--num_tags {args.num_tags}: the data has {len(labels)} labels ({', '.join(labels[:5])}"
-                        f"{', ...' if len(labels) > 5 else ''})")
-    metric_modules = load_metrics(args.metric, len(labels), args.cache_dir)
+        raise runtime.UserError(f"--num_tags {args.num_tags}: the data has {len(labels)} labels "
+                                f"({', '.join(labels[:5])}{', ...' if len(labels) > 5 else ''})")
+    metric_modules = text_metrics.load_metrics(args.metric, len(labels), args.cache_dir)
     train_ids = splits["train"].with_format("numpy")["labels"] if args.class_weights else None
-    class_weights = load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
+    class_weights = loop.load_class_weights(args.class_weights, labels, train_ids)  # --do_train: checked by parse_args
     if class_weights:
         accelerator.print(class_weights.line())
     tokenizer, model = build_model(args, labels, accelerator.print, tokenizer)
-    padding = resolve_padding(args, accelerator)
+    padding = text_data.resolve_padding(args, accelerator)
     loaders = build_dataloaders(args, tokenizer, splits, data.predict, padding)
     selection = best_model_selection(accelerator, args, model, loaders.get("validation"), labels, metric_modules)
     # what a resumed run must share with its checkpoint: what main computes from the flags kept_by it, and the
@@ -995,23 +1008,24 @@ def main(args):
         "labels": labels, "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
         "model": {k: getattr(model.config, k, None) for k in
                   ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")},
-        DATA_KEY: data.fingerprint, **selection.must_match()})
-    model = maybe_data_parallel(model, args)
-    retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
-                             args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
+        checkpoint.DATA_KEY: data.fingerprint, **selection.must_match()})
+    model = runtime.maybe_data_parallel(model, args)
+    retry = loop.OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
+                                  args.output_dir / "checkpoints", args.auto_find_batch_size and args.do_train)
     stats = long_text_stats(args, splits)
     if data.unk_rate is not None:
-        stats["train_unk_rate"] = check_unk_rate(data.unk_rate, args.tokenizer_name or args.model_name_or_path)
+        stats["train_unk_rate"] = text_model.check_unk_rate(data.unk_rate,
+                                                            args.tokenizer_name or args.model_name_or_path)
         accelerator.print(f"tokenizer: {len(tokenizer)} tokens; [UNK] rate of the training text "
                           f"{stats['train_unk_rate']:.2%}")
 
-    log = RunLog(accelerator, args.output_dir)
-    results = {**run_info(accelerator, args.train_batch_size), **padding, **stats}
+    log = outputs.RunLog(accelerator, args.output_dir)
+    results = {**runtime.run_info(accelerator, args.train_batch_size), **padding, **stats}
     trained = None
     if args.do_train:
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint,
-                  card=model_card(args, labels, data, results))
-        accelerator.on_main_process(write_labels_file)(labels, args.output_dir / "labels.txt")
+                  card=text_model.model_card(args, labels, data, results))
+        accelerator.on_main_process(text_data.write_labels_file)(labels, args.output_dir / "labels.txt")
         task = Task(labels, must_match, selection, metric_modules,
                     class_weights and class_weights.tensor(accelerator.device))
         trained = retry.run(lambda attempt: train(args, accelerator, model, tokenizer, loaders, log, task, attempt),
@@ -1021,8 +1035,8 @@ def main(args):
             accelerator.print(f"stopped early at step {results['stopped_early_at_step']}: "
                               f"{results['stopped_early_reason']}")
         if trained.preempted:
-            accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with "
-                              "--resume_from_checkpoint latest")
+            accelerator.print("stopped on SIGTERM after saving a checkpoint; continue with --resume_from_checkpoint "
+                              "latest")
             log.write_results("all_results.json", {**results, "preempted": True})
             log.end()
             return results
@@ -1030,7 +1044,7 @@ def main(args):
         prepared = {split: accelerator.prepare(loader) for split, loader in loaders.items() if split != "train"}
     else:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        model, prepared = prepare_for_inference(accelerator, model, loaders)
+        model, prepared = export.prepare_for_inference(accelerator, model, loaders)
     results.update(evaluate_selected_model(accelerator, log, model, prepared, labels, args, metric_modules, trained,
                                            results_tag))
     if args.export_onnx:
@@ -1044,4 +1058,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_cli(main, parse_args())
+    runtime.run_cli(main, parse_args())

@@ -51,37 +51,8 @@ from torch.utils.data import DataLoader
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.transforms import v2
 
-from utils.checkpoint import (DATA_KEY, FRESH_START, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, VALIDATION_DUE, Checkpoints,
-                               add_allow_data_change, agree_on_resume, check_compatible, check_global_batches, keep_as, kept_by,
-                               load_checkpoint_weights, per_process_differences, read_training_state, resume_settings,
-                               resumable_process_counts, say_processes, this_launch)
-from utils.export import load_torch_checkpoint, load_weights, on_meta_device
-from utils.flags import Parser, PerDevice, batch_line, say_command
-from utils.loop import (CLASS_WEIGHTS_HELP, SELECTION_ROLES, Cadence, EvaluationAbandoned, HealthCheck, LossMeter,
-                         LossScale, OutOfMemoryRetry, PreemptionGuard, Selection, Throughput, add_selection_args,
-                         check_selection_args, epoch_batches, load_class_weights, resolve_selection, validation_names)
-from utils.onnx_export import ONNX_ROLES, add_onnx_args, check_batches, check_onnx_args, export_and_check
-from utils.outputs import (RunLog, SampleLog, check_output_dir, format_numbers, number_entries, plot_training_curves,
-                           progress)
-from utils.runtime import (UserError, add_runtime_args, build_accelerator,
-                            hold_output_dir, loader_generator, loader_settings,
-                            maybe_data_parallel, nonnegative_int, positive_int, print_run_summary, run_cli, run_info,
-                            writing)
-from utils.image_augment import (AUGMENT_ROLES, AUTO_AUGMENT, IMAGE_DEFAULTS, MIXING_ROLES, RepeatedAugmentationSampler,
-                                 add_augment_args, add_mixing_args, build_mixer, dominant_labels, random_erasing,
-                                 resolve_augment_args, resolve_mixup_mode, soft_cross_entropy, timm_auto_augment,
-                                 use_recorded_settings)
-from utils.image_data import (IMAGENET_MEAN, IMAGENET_STD, IMAGENET_TRAIN_IMAGES, ImageCounts, PredictImages,
-                              RGBImageFolder, bad_image_error, build_datasets, build_dummy_datasets, files_to_predict,
-                              fingerprint_images, prediction_rows, topk_hits)
-from utils.image_device_decode import EncodedImageFolder, check_decode_on_device, collate_for, decode_on_device
-from utils.image_model import (MODEL_ROLES, add_model_args, build_image_model, check_model_args,
-                               enable_gradient_checkpointing, is_weights_file, weights_file_fields)
-from utils.image_optim import (EMA_ROLES, OPTIM_ROLES, add_ema_args, add_optim_args, build_ema, build_optimizer,
-                          load_optimizer_state, lr_lambda, schedule_from, update_ema)
-from utils.image_references import (BATCH_RULE, MAIN_PY_FLAGS, TIMM_FLAGS, TORCHVISION_FLAGS, check_legacy_compatible,
-                                    continuation_line, export_main_py_checkpoints, exported_step, model_card,
-                                    selection_from_file, start_epoch_of)
+from utils import (checkpoint, export, flags, image_augment, image_data, image_device_decode, image_model, image_optim,
+                   image_references, loop, onnx_export, outputs, runtime)
 
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))  # classification models only
 TIMM_METRIC_NAMES = {"top1": "acc1", "top5": "acc5"}  # timm's --eval-metric spellings of evaluate()'s names
@@ -129,13 +100,13 @@ def build_model(args, num_classes, print_fn=print, class_to_idx=None):
     """A torchvision (or timm) model: its starting weights (--weights, --pretrained) with, for another class count or
     other class names, a new head (rows reordered for the same names in another order), and --drop_path/--drop
     (utils/image_model.py)."""
-    return build_image_model(args, num_classes, print_fn, class_to_idx)
+    return image_model.build(args, num_classes, print_fn, class_to_idx)
 
 
 def empty_model(args, num_classes):
     """build_model's model without weights (no download, no memory): the parameter names plain torchvision loads."""
     no_weights = argparse.Namespace(**{**vars(args), "pretrained": False, "weights": None})
-    return on_meta_device(lambda: build_model(no_weights, num_classes))
+    return export.on_meta_device(lambda: build_model(no_weights, num_classes))
 
 
 def train_transform(args):
@@ -153,13 +124,13 @@ def train_transform(args):
         steps.append(v2.RandAugment(magnitude=args.ra_magnitude, interpolation=mode))
     elif args.auto_augment == "augmix":
         steps.append(v2.AugMix(severity=args.augmix_severity, interpolation=mode))
-    elif args.auto_augment in AUTO_AUGMENT:
+    elif args.auto_augment in image_augment.AUTO_AUGMENT:
         steps.append(v2.AutoAugment(v2.AutoAugmentPolicy(args.auto_augment), interpolation=mode))
     elif args.auto_augment:  # timm's --aa strings, with timm's own transforms
-        steps.append(timm_auto_augment(args.auto_augment, args.train_crop_size, args.interpolation))
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        steps.append(image_augment.timm_auto_augment(args.auto_augment, args.train_crop_size, args.interpolation))
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(image_data.IMAGENET_MEAN, image_data.IMAGENET_STD)]
     if args.random_erase > 0:
-        steps.append(random_erasing(args.random_erase, args.random_erase_mode))
+        steps.append(image_augment.random_erasing(args.random_erase, args.random_erase_mode))
     return v2.Compose(steps)
 
 
@@ -168,7 +139,7 @@ def val_transform(args):
     return v2.Compose([v2.Resize(args.val_resize, interpolation=v2.InterpolationMode(args.interpolation),
                                  antialias=True),
                        v2.CenterCrop(args.val_crop_size), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+                       v2.Normalize(image_data.IMAGENET_MEAN, image_data.IMAGENET_STD)])
 
 
 def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
@@ -185,7 +156,7 @@ def training_loss(logits, labels, soft_labels, args, class_weights=None):
     """The loss of this process's (micro-)batch, logits (b, C): against MixUp/CutMix's soft targets (b, C) where the
     batch was mixed (soft_labels not None), else against the labels (b,)."""
     if soft_labels is not None:
-        return soft_cross_entropy(logits, soft_labels, args.label_smoothing, class_weights)
+        return image_augment.soft_cross_entropy(logits, soft_labels, args.label_smoothing, class_weights)
     return classification_loss(logits, labels, args.label_smoothing, class_weights)
 
 
@@ -200,8 +171,10 @@ def evaluate(accelerator, model, loader, args, guard=None):
     skipped = 0
     loss_sum = 0.0
     batches = guard.batches(loader) if guard else loader
-    for inputs, targets in decode_on_device(progress(accelerator, batches, desc="validation", leave=False,
-                                                     total=len(loader)), accelerator.device):
+    for inputs, targets in image_device_decode.decode_on_device(outputs.progress(accelerator, batches,
+                                                                                 desc="validation", leave=False,
+                                                                                 total=len(loader)),
+                                                                accelerator.device):
         if args.channels_last:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         logits = model(inputs).float()  # (B, C)
@@ -209,8 +182,8 @@ def evaluate(accelerator, model, loader, args, guard=None):
         logits, targets = accelerator.gather_for_metrics((logits, targets))
         readable = targets >= 0
         if not args.skip_bad_images and not readable.all():
-            raise bad_image_error(loader.dataset, targets.min().item())
-        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()
+            raise image_data.bad_image_error(loader.dataset, targets.min().item())
+        correct = image_data.topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()
         images += int(readable.sum())
         top1 += correct[0]
         top5 += correct[1]
@@ -226,69 +199,74 @@ def evaluate(accelerator, model, loader, args, guard=None):
 def build_parser():
     """Every flag (utils/flags.py Parser: one-line errors, the other tools' spellings); each one's role for a resume
     and the export is declared in FLAG_ROLES below."""
-    parser = Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
-    parser.refuse("pytorch/examples imagenet/main.py", MAIN_PY_FLAGS)
-    parser.refuse("torchvision's references/classification/train.py", TORCHVISION_FLAGS)
-    parser.refuse("timm's train.py", TIMM_FLAGS)
+    parser = flags.Parser(description=__doc__, roles=FLAG_ROLES, roles_in=f"FLAG_ROLES in {Path(__file__).name}")
+    parser.refuse("pytorch/examples imagenet/main.py", image_references.MAIN_PY_FLAGS)
+    parser.refuse("torchvision's references/classification/train.py", image_references.TORCHVISION_FLAGS)
+    parser.refuse("timm's train.py", image_references.TIMM_FLAGS)
     data = parser.add_argument_group("data")
     data.add_argument("data", nargs="?", type=Path, help="ImageFolder root holding train/<class>/ and val/<class>/")
     data.add_argument("--data-path", "--data_path", "--data-dir", type=Path, dest="data_path",
                       help="torchvision's --data-path, timm's --data-dir: the same")
-    data.add_argument("-j", "--workers", type=nonnegative_int, default=4, help="DataLoader workers per process")
-    data.add_argument("--dummy", nargs="?", type=positive_int, const=IMAGENET_TRAIN_IMAGES, metavar="TRAIN_IMAGES",
+    data.add_argument("-j", "--workers", type=runtime.nonnegative_int, default=4, help="DataLoader workers per process")
+    data.add_argument("--dummy", nargs="?", type=runtime.positive_int, const=image_data.IMAGENET_TRAIN_IMAGES,
+                      metavar="TRAIN_IMAGES",
                       help="random images instead of data (main.py's FakeData); default: ImageNet's count")
     data.add_argument("--skip_bad_images", action="store_true", help="skip and count unreadable images, not stop")
     data.add_argument("--decode_on_device", "--decode-on-device", action="store_true",
                       help="workers only read the files; JPEG decoding and augmentation run on the training device, "
-                           "a batch at a time (utils/image_device_decode.py)")
+                      "a batch at a time (utils/image_device_decode.py)")
     model = parser.add_argument_group("model")
     model.add_argument("-a", "--arch", "--model", default=None,
                        help="any torchvision classification model name, or timm:NAME for a timm model (default: "
-                            "resnet18; --predict: the model's)")
-    add_model_args(model)  # --pretrained [PATH], --weights NAME|PATH, --drop_path, --drop
+                       "resnet18; --predict: the model's)")
+    image_model.add_model_args(model)  # --pretrained [PATH], --weights NAME|PATH, --drop_path, --drop
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", "--channels-last", action="store_true",
                        help="NHWC memory format (faster on tensor cores)")
     train = parser.add_argument_group("training")
-    train.add_argument("--epochs", type=positive_int, default=90)
-    train.add_argument("--start-epoch", type=nonnegative_int, default=0, help="epochs done (the schedule starts there)")
-    train.add_argument("-b", "--batch-size", "--batch_size", type=positive_int, default=256,
-                       help=f"GLOBAL images per step, split over the processes: {BATCH_RULE}")
-    train.add_argument("--per_device_batch_size", type=positive_int, action=PerDevice, dest="batch_size", metavar="N",
+    train.add_argument("--epochs", type=runtime.positive_int, default=90)
+    train.add_argument("--start-epoch", type=runtime.nonnegative_int, default=0,
+                       help="epochs done (the schedule starts there)")
+    train.add_argument("-b", "--batch-size", "--batch_size", type=runtime.positive_int, default=256,
+                       help=f"GLOBAL images per step, split over the processes: {image_references.BATCH_RULE}")
+    train.add_argument("--per_device_batch_size", type=runtime.positive_int, action=flags.PerDevice, dest="batch_size",
+                       metavar="N",
                        global_flag="-b", help="images per process per step (torchvision's and timm's -b): times the "
-                                              "processes = -b")
-    train.add_argument("--label_smoothing", "--label-smoothing", "--smoothing", type=float, default=0.0, help="training loss only")
-    train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=CLASS_WEIGHTS_HELP)
-    train.add_argument("--gradient_accumulation_steps", "--grad-accum-steps", type=positive_int, default=1,
+                       "processes = -b")
+    train.add_argument("--label_smoothing", "--label-smoothing", "--smoothing", type=float, default=0.0,
+                       help="training loss only")
+    train.add_argument("--class_weights", default=None, metavar="balanced|FILE", help=loop.CLASS_WEIGHTS_HELP)
+    train.add_argument("--gradient_accumulation_steps", "--grad-accum-steps", type=runtime.positive_int, default=1,
                        help="batches per optimizer step")
     train.add_argument("--seed", type=int, default=42, help="model init, shuffling and augmentation")
     output = parser.add_argument_group("output")
     output.add_argument("--output_dir", "--output-dir", type=Path, default=Path("outputs/resnet"))
     output.add_argument("--overwrite_output_dir", action="store_true")
-    output.add_argument("-p", "--print-freq", "--log-interval", type=positive_int, default=10, help="optimizer steps between log lines")
+    output.add_argument("-p", "--print-freq", "--log-interval", type=runtime.positive_int, default=10,
+                        help="optimizer steps between log lines")
     output.add_argument("--log_sample_indices", action="store_true",
                         help="write each optimizer step's sample indices, per process, to OUTPUT_DIR/sample_indices/: "
-                             "to check that 1 and N processes, or a resumed run, train the same samples in the same "
-                             "order")
-    output.add_argument("--checkpointing_steps", type=positive_int, default=None,
+                        "to check that 1 and N processes, or a resumed run, train the same samples in the same order")
+    output.add_argument("--checkpointing_steps", type=runtime.positive_int, default=None,
                         help="optimizer steps between resumable checkpoints; default: end of each epoch")
-    output.add_argument("--save_total_limit", type=nonnegative_int, default=2, help="checkpoints kept (0: all)")
+    output.add_argument("--save_total_limit", type=runtime.nonnegative_int, default=2, help="checkpoints kept (0: all)")
     output.add_argument("--resume", "--resume_from_checkpoint", default=None, metavar="PATH",
                         help="'latest' or checkpoints/step_N (exact resume), or a .pth/.pth.tar file (main.py's, "
-                             "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
+                        "or our model_best.pth / checkpoint.pth: weights, optimizer if there, epoch)")
     output.add_argument("-e", "--evaluate", "--test-only", "--test_only", action="store_true",
                         help="evaluate --resume's (or --weights) weights on val/, no training, at the model's sizes")
-    add_allow_data_change(output)
+    checkpoint.add_allow_data_change(output)
     predict = parser.add_argument_group("prediction (no labels needed; the model's sizes and classes)")
     predict.add_argument("--predict", nargs="+", type=Path, metavar="PATH",
                          help="label images with --resume's export (model_best.pth): folders (searched recursively), "
-                              "image files, or .txt files listing image paths; writes predictions.jsonl")
-    predict.add_argument("--topk", type=positive_int, default=5, help="classes per image in predictions.jsonl")
-    for add_group in (add_augment_args, add_mixing_args, add_ema_args, add_optim_args, add_onnx_args,
-                      add_runtime_args):
+                         "image files, or .txt files listing image paths; writes predictions.jsonl")
+    predict.add_argument("--topk", type=runtime.positive_int, default=5, help="classes per image in predictions.jsonl")
+    for add_group in (image_augment.add_augment_args, image_augment.add_mixing_args, image_optim.add_ema_args,
+                      image_optim.add_optim_args, onnx_export.add_onnx_args,
+                      runtime.add_runtime_args):
         add_group(parser)
-    add_selection_args(parser, "acc1, main.py's (timm's top1 and top5 name acc1 and acc5)",
-                       ("--eval-metric", "--eval_metric"))
+    loop.add_selection_args(parser, "acc1, main.py's (timm's top1 and top5 name acc1 and acc5)",
+                            ("--eval-metric", "--eval_metric"))
     return parser
 
 
@@ -296,23 +274,23 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)  # a flag without a role (FLAG_ROLES) stops here in one line, before anything starts
     if (args.data is None and args.dummy is None and args.pretrained not in (None, "DEFAULT")
-            and not is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data
+        and not image_model.is_weights_file(args.pretrained)):  # main.py's `--pretrained DATA`: DATA is the data
         args.data, args.pretrained = Path(args.pretrained), "DEFAULT"
     if args.data and args.data_path and args.data != args.data_path:
         parser.error(f"two data paths: {args.data} and --data-path {args.data_path}; pass one")
     args.data = args.data or args.data_path
-    check_onnx_args(parser, args)
+    onnx_export.check_onnx_args(parser, args)
     if args.export_onnx and (args.predict or args.decode_on_device):
-        parser.error("--export_onnx exports the trained or -e's evaluated model, checked on decoded validation "
-                     "images: not with --predict or --decode_on_device")
+        parser.error("--export_onnx exports the trained or -e's evaluated model, checked on decoded validation images: "
+                     "not with --predict or --decode_on_device")
     if args.predict:
         check_predict_args(parser, args)
     elif args.data is None and args.dummy is None:
         parser.error("pass the data directory (an ImageFolder root with train/ and val/) or --dummy")
     try:
-        resolve_augment_args(args, sizes_from_model=args.evaluate or bool(args.predict))
-        resolve_mixup_mode(args)
-    except UserError as err:
+        image_augment.resolve_augment_args(args, sizes_from_model=args.evaluate or bool(args.predict))
+        image_augment.resolve_mixup_mode(args)
+    except runtime.UserError as err:
         parser.error(str(err))
     if not (args.evaluate or args.predict):  # -e and --predict take the recorded flags from the model, in main
         for dest, default in flag_roles().exported().items():
@@ -322,7 +300,7 @@ def parse_args(argv=None):
     args.arch = args.arch or "resnet18"
     if not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
         parser.error(unknown_arch(args.arch))
-    check_model_args(parser, args)  # and --weights from --pretrained
+    image_model.check_model_args(parser, args)  # and --weights from --pretrained
     if args.evaluate and args.model_ema:
         parser.error("--evaluate/--test-only evaluates one model: for the EMA, --resume checkpoint_ema.pth or "
                      "model_best_ema.pth (its own export), without --model_ema")
@@ -330,7 +308,7 @@ def parse_args(argv=None):
         parser.error("--evaluate needs weights: --resume PATH, --weights NAME or --pretrained")
     if args.evaluate and args.class_weights:
         parser.error("--class_weights weighs the training loss; --evaluate does not train (its loss is unweighted)")
-    check_selection_args(parser, args, not args.evaluate)
+    loop.check_selection_args(parser, args, not args.evaluate)
     return args
 
 
@@ -356,29 +334,33 @@ def check_predict_args(parser, args):
 # flag; --help shows each flag's role. The optimizer's flags come first: the order of the "resumed with changed
 # settings" line.
 FLAG_ROLES = {
-    **OPTIM_ROLES, "--epochs": MAY_CHANGE,  # the schedule is recomputed at the restored step
+    **image_optim.OPTIM_ROLES, "--epochs": checkpoint.MAY_CHANGE,  # the schedule is recomputed at the restored step
     # data: the training images are part of the checkpoint (their list's fingerprint)
-    "data": kept_by(DATA_KEY), "--data-path": kept_by(DATA_KEY), "--dummy": kept_by(DATA_KEY),
-    **this_launch("-j", "--skip_bad_images", "--decode_on_device"),
+    "data": checkpoint.kept_by(checkpoint.DATA_KEY), "--data-path": checkpoint.kept_by(checkpoint.DATA_KEY),
+              "--dummy": checkpoint.kept_by(checkpoint.DATA_KEY),
+    **checkpoint.this_launch("-j", "--skip_bad_images", "--decode_on_device"),
     # model: the architecture must match; the starting weights matter to a fresh run only
-    "-a": keep_as("arch"), **MODEL_ROLES, "--sync_bn": MAY_CHANGE, "--channels_last": THIS_LAUNCH,
+    "-a": checkpoint.keep_as("arch"), **image_model.MODEL_ROLES, "--sync_bn": checkpoint.MAY_CHANGE,
+              "--channels_last": checkpoint.THIS_LAUNCH,
     # training: the global batch, its accumulation and the seed decide which images (and augmentations) each step
     # sees; the loss's smoothing applies from the resumed step on
-    "--start-epoch": FRESH_START, "-b": keep_as("global_batch_size"),
-    "--per_device_batch_size": keep_as("global_batch_size"), "--label_smoothing": MAY_CHANGE,
-    "--class_weights": kept_by("class_weights"), "--gradient_accumulation_steps": MUST_KEEP, "--seed": MUST_KEEP,
-    **this_launch("--output_dir", "--overwrite_output_dir", "-p", "--checkpointing_steps", "--save_total_limit",
-                  "--resume", "-e", "--allow_data_change", "--predict", "--topk"),
-    "--log_sample_indices": THIS_LAUNCH,  # a record of what each step trains on, which it does not change
-    **AUGMENT_ROLES, **MIXING_ROLES, **EMA_ROLES,
-    **ONNX_ROLES,
-    **this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
-                  "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
-                  "--auto_find_batch_size"),
+    "--start-epoch": checkpoint.FRESH_START, "-b": checkpoint.keep_as("global_batch_size"),
+    "--per_device_batch_size": checkpoint.keep_as("global_batch_size"), "--label_smoothing": checkpoint.MAY_CHANGE,
+    "--class_weights": checkpoint.kept_by("class_weights"), "--gradient_accumulation_steps": checkpoint.MUST_KEEP,
+              "--seed": checkpoint.MUST_KEEP,
+    **checkpoint.this_launch("--output_dir", "--overwrite_output_dir", "-p", "--checkpointing_steps",
+                             "--save_total_limit",
+                             "--resume", "-e", "--allow_data_change", "--predict", "--topk"),
+    "--log_sample_indices": checkpoint.THIS_LAUNCH,  # a record of what each step trains on, which it does not change
+    **image_augment.AUGMENT_ROLES, **image_augment.MIXING_ROLES, **image_optim.EMA_ROLES,
+    **onnx_export.ONNX_ROLES,
+    **checkpoint.this_launch("--cpu", "--mixed_precision", "--fp16", "--bf16", "--dist_backend", "--ddp_timeout",
+                             "--data_parallel", "--report_to", "--with_tracking", "--gradient_checkpointing",
+                             "--auto_find_batch_size"),
     # which kernels compute each step, not what is trained: a resume may add or drop it (bitwise equality with an
     # uninterrupted run needs it in every launch of both, on a GPU)
-    "--use_deterministic_algorithms": THIS_LAUNCH,
-    **SELECTION_ROLES,
+    "--use_deterministic_algorithms": checkpoint.THIS_LAUNCH,
+    **loop.SELECTION_ROLES,
 }
 
 
@@ -404,7 +386,7 @@ def model_flags(args):
     script as it ships; a flag a user adds for a head, say), which plain torchvision cannot rebuild (model_card)."""
     roles = flag_roles()
     return {flag: getattr(args, roles.dests[flag]) for flag, role in roles.table.items()
-            if role.exported and roles.dests[flag] not in IMAGE_DEFAULTS}
+            if role.exported and roles.dests[flag] not in image_augment.IMAGE_DEFAULTS}
 
 
 def exported_model(path, args=None, say=print):
@@ -412,17 +394,17 @@ def exported_model(path, args=None, say=print):
     checkpoint.pth), rebuilt from the file alone: its architecture, classes and recorded flags (trained_with), where
     `args` (a parsed command line; None: the parser's defaults) does not give them; the image sizes end up in `args`."""
     args = args or build_parser().parse_args([])
-    export = load_torch_checkpoint(path)
-    class_to_idx = export.get("class_to_idx")
+    saved = export.load_torch_checkpoint(path)
+    class_to_idx = saved.get("class_to_idx")
     if not class_to_idx:
-        raise UserError(f"{path}: records no class names (a main.py or torchvision file?); the model is rebuilt from "
-                        "this script's export, model_best.pth or checkpoint.pth")
-    check_legacy_compatible(export, {"arch": args.arch} if args.arch else {}, path)
-    args.arch = args.arch or export.get("arch", "resnet18")
-    use_recorded_settings(args, flag_roles(), export, path, say)
+        raise runtime.UserError(f"{path}: records no class names (a main.py or torchvision file?); the model is "
+                                f"rebuilt from this script's export, model_best.pth or checkpoint.pth")
+    image_references.check_legacy_compatible(saved, {"arch": args.arch} if args.arch else {}, path)
+    args.arch = args.arch or saved.get("arch", "resnet18")
+    image_augment.use_recorded_settings(args, flag_roles(), saved, path, say)
     model = build_model(args, len(class_to_idx), say)
-    load_weights(model, export["state_dict"], path)
-    return model, export
+    export.load_weights(model, saved["state_dict"], path)
+    return model, saved
 
 
 @dataclass
@@ -438,34 +420,37 @@ def build_dataloaders(accelerator, args):
     """Train and val ImageFolders of args.data (or --dummy data) and their loaders."""
     train_steps = train_transform(args)
     val_steps = val_transform(args)
-    check_decode_on_device(args, (train_steps, val_steps))
+    image_device_decode.check_decode_on_device(args, (train_steps, val_steps))
     if args.dummy is not None:
-        train_set, val_set = build_dummy_datasets(args.dummy, args.train_crop_size, args.val_crop_size)
+        train_set, val_set = image_data.build_dummy_datasets(args.dummy, args.train_crop_size, args.val_crop_size)
     else:
         transforms = (train_steps, val_steps, args.train_crop_size, args.val_crop_size)
-        folder = EncodedImageFolder if args.decode_on_device else RGBImageFolder
-        train_set, val_set = build_datasets(args.data, args.seed, transforms, folder, accelerator.print)
-    common = dict(batch_size=args.batch_size, **loader_settings(args.workers))
+        folder = image_device_decode.EncodedImageFolder if args.decode_on_device else image_data.RGBImageFolder
+        train_set, val_set = image_data.build_datasets(args.data, args.seed, transforms, folder, accelerator.print)
+    common = dict(batch_size=args.batch_size, **runtime.loader_settings(args.workers))
     # a sampler seeded by (seed, epoch) itself; otherwise accelerate's seedable sampler shuffles
-    order = (dict(sampler=RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps, args.seed))
+    order = (dict(sampler=image_augment.RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps,
+                                                                    args.seed))
              if args.ra_sampler else dict(shuffle=True))
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
-    train_loader = DataLoader(train_set, drop_last=True, generator=loader_generator(args.seed), **order, **common,
-                              collate_fn=collate_for(train_set))
+    train_loader = DataLoader(train_set, drop_last=True, generator=runtime.loader_generator(args.seed), **order,
+                              **common,
+                              collate_fn=image_device_decode.collate_for(train_set))
     if len(train_loader) == 0 and not args.evaluate:
-        raise UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch "
-                        f"(-b {args.batch_size})")
-    return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common, collate_fn=collate_for(val_set)))
+        raise runtime.UserError(f"{args.data or '--dummy'}: {len(train_set)} training images, fewer than one batch (-b "
+                                f"{args.batch_size})")
+    return ImageData(train_set, val_set, train_loader, DataLoader(val_set, **common,
+                                                                  collate_fn=image_device_decode.collate_for(val_set)))
 
 
 def best_model_selection(accelerator, args, model, val_loader):
     """Which validation metric selects model_best.pth: --metric_for_best_model or timm's --eval-metric (default acc1,
     main.py's best_acc1), one of the numbers evaluate() returns, whose names one evaluation of a validation batch
     gives before training (a mistyped one stops the run there, in one line naming them); -e selects nothing."""
-    names = None if args.evaluate else validation_names(accelerator, model, val_loader, lambda batches: evaluate(
+    names = None if args.evaluate else loop.validation_names(accelerator, model, val_loader, lambda batches: evaluate(
         accelerator, model, batches, args))
-    resolve_selection(args, names, TIMM_METRIC_NAMES, default="acc1")
-    return Selection.from_args(args, position="epoch")
+    loop.resolve_selection(args, names, TIMM_METRIC_NAMES, default="acc1")
+    return loop.Selection.from_args(args, position="epoch")
 
 
 def place_model(model, args):
@@ -475,8 +460,8 @@ def place_model(model, args):
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if args.gradient_checkpointing:  # after SyncBatchNorm replaced the BatchNorm layers that it adjusts
-        enable_gradient_checkpointing(model, args.arch, CHECKPOINTED_BLOCKS)
-    return maybe_data_parallel(model, args)
+        image_model.enable_gradient_checkpointing(model, args.arch, CHECKPOINTED_BLOCKS)
+    return runtime.maybe_data_parallel(model, args)
 
 
 @torch.no_grad()
@@ -485,13 +470,13 @@ def predicted_rows(accelerator, model, loader, dataset, labels, topk, tally):
     top-k is gathered, and the main process makes its rows (only one batch's are held). `tally` counts the images and
     the unreadable files among them, on every rank."""
     model.eval()
-    for inputs, items in progress(accelerator, loader, desc="predict", leave=False):
+    for inputs, items in outputs.progress(accelerator, loader, desc="predict", leave=False):
         probabilities = model(inputs).float().softmax(dim=-1)  # (B, C)
         top = probabilities.topk(topk, dim=-1)  # (B, k) each
         # every rank gets the whole batch, minus the duplicates padded onto the last one
         items, scores, classes = (t.tolist() for t in accelerator.gather_for_metrics((items, top.values, top.indices)))
         if accelerator.is_main_process:
-            yield from prediction_rows(dataset, tally["images"], items, scores, classes, labels)
+            yield from image_data.prediction_rows(dataset, tally["images"], items, scores, classes, labels)
         tally["images"] += len(items)
         tally["skipped"] += sum(item < 0 for item in items)
     if tally["images"] != len(dataset):
@@ -502,15 +487,16 @@ def predict_images(accelerator, args):
     """--predict: predictions.jsonl, one row per image in input order, from --resume's export (model_best.pth), at
     the architecture, classes and image sizes it records; an unreadable file's row says why."""
     if not Path(args.resume).is_file():
-        raise UserError(f"--resume {args.resume}: no such file; --predict needs the trained model's export (an "
-                        "output directory's model_best.pth or checkpoint.pth)")
-    model, export = exported_model(args.resume, args, accelerator.print)  # and the image sizes into args
-    class_to_idx = export["class_to_idx"]
-    dataset = PredictImages(files_to_predict(args.predict), val_transform(args), args.val_crop_size)
-    loader = DataLoader(dataset, batch_size=args.batch_size, **loader_settings(args.workers))
+        raise runtime.UserError(f"--resume {args.resume}: no such file; --predict needs the trained model's export (an "
+                                f"output directory's model_best.pth or checkpoint.pth)")
+    model, saved = exported_model(args.resume, args, accelerator.print)  # and the image sizes into args
+    class_to_idx = saved["class_to_idx"]
+    dataset = image_data.PredictImages(image_data.files_to_predict(args.predict), val_transform(args),
+                                       args.val_crop_size)
+    loader = DataLoader(dataset, batch_size=args.batch_size, **runtime.loader_settings(args.workers))
     model, loader = accelerator.prepare(model, loader)
     labels = sorted(class_to_idx, key=class_to_idx.get)
-    log = RunLog(accelerator, args.output_dir)
+    log = outputs.RunLog(accelerator, args.output_dir)
     tally = Counter()
     # write_jsonl consumes the rows on every rank as they come: the main process's, none on the others
     log.write_jsonl("predictions.jsonl", predicted_rows(accelerator, model, loader, dataset, labels,
@@ -518,7 +504,8 @@ def predict_images(accelerator, args):
     skipped = tally["skipped"]
     accelerator.print(f"wrote {len(dataset) - skipped} predictions and {skipped} rows for unreadable files to "
                       f"{args.output_dir / 'predictions.jsonl'}, one row per input image in input order")
-    results = {**run_info(accelerator, args.batch_size), "predict_images": len(dataset), "predict_skipped": skipped}
+    results = {**runtime.run_info(accelerator, args.batch_size), "predict_images": len(dataset),
+               "predict_skipped": skipped}
     log.end()
     return results
 
@@ -534,8 +521,8 @@ def log_values(epoch, accuracy, loss, lr, speed):
 def train_line(epoch, batch, num_batches, v):
     """main.py's progress line, with units and throughput; v: the window's values."""
     return (f"Epoch: [{epoch}][{batch:>{len(str(num_batches))}}/{num_batches}] | Time {v['step_time']:.3f} s/step | "
-            f"Data {v['data_time']:.3f} s/step | Loss {v['loss']:.4f} | Acc@1 {v['acc1']:6.2f} | "
-            f"Acc@5 {v['acc5']:6.2f} | lr {v['lr']:.2e} | {v['images_per_second']:,.0f} images/s")
+            f"Data {v['data_time']:.3f} s/step | Loss {v['loss']:.4f} | Acc@1 {v['acc1']:6.2f} | Acc@5 "
+            f"{v['acc5']:6.2f} | lr {v['lr']:.2e} | {v['images_per_second']:,.0f} images/s")
 
 
 def export_weights(accelerator, model, args, fields, is_best, ema_state=None, suffix=""):
@@ -544,7 +531,8 @@ def export_weights(accelerator, model, args, fields, is_best, ema_state=None, su
     acc1, ..., best_<metric>: best_acc1 by default, what the model was trained with). checkpoint.pth also holds the
     EMA's state (torchvision's `model_ema` key); suffix "_ema": the EMA's own files."""
     fresh = empty_model(args, len(fields["class_to_idx"]))
-    export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state, suffix)
+    image_references.export_main_py_checkpoints(accelerator, model, fresh, args.output_dir, is_best, fields, ema_state,
+                                                suffix)
 
 
 def validate(accelerator, model, ema, val_loader, args, guard=None):
@@ -560,17 +548,17 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
     state = training.state
     ema = training.ema
     selection = training.selection
-    state[VALIDATION_DUE] = True
+    state[checkpoint.VALIDATION_DUE] = True
     metrics = validate(accelerator, training.model, ema, training.val_loader, args, guard)
-    state[VALIDATION_DUE] = False
+    state[checkpoint.VALIDATION_DUE] = False
     # the same gathered metrics on every rank: every rank exports (a collective) and stops at the same epoch
     is_best = selection.update(state, metrics, epoch)
     ema_best = ema and selection.update_ema(state, metrics)
     log.log("eval", completed_steps,
             {"epoch": epoch, **metrics, "train_seconds": time.perf_counter() - state["start_time"]})
     best = selection.best(state) if state["best_epoch"] else float("nan")
-    log.console(f" * Epoch {epoch} | {format_numbers(metrics)} | best {selection.metric} {best:.4f} "
-                f"(epoch {state['best_epoch']})")
+    log.console(f" * Epoch {epoch} | {outputs.format_numbers(metrics)} | best {selection.metric} {best:.4f} (epoch "
+                f"{state['best_epoch']})")
     own, averaged = split_ema(metrics)
     # best_epoch: a run continued from the file (--resume checkpoint.pth) knows which epoch model_best.pth holds
     fields = dict(arch=args.arch, class_to_idx=class_to_idx, epoch=epoch, step=completed_steps,
@@ -591,7 +579,7 @@ def end_of_epoch(accelerator, training, args, log, epoch, completed_steps, class
 
 def split_ema(metrics):
     """validate()'s numbers as (the model's, the EMA's without their `ema_` prefix)."""
-    numbers = number_entries(metrics)
+    numbers = outputs.number_entries(metrics)
     return ({k: v for k, v in numbers.items() if not k.startswith("ema_")},
             {k[len("ema_"):]: v for k, v in numbers.items() if k.startswith("ema_")})
 
@@ -601,13 +589,13 @@ def export_selected_onnx(accelerator, args, model, val_loader, class_to_idx):
     OUT/onnx/model.onnx, checked on the first --onnx_check_samples validation images (utils/onnx_export.py), with
     config.json beside it (onnx_config); its onnx_* results. Every rank calls it; the main process exports."""
     results = {}
-    with writing(accelerator, args.output_dir / "onnx"):
+    with runtime.writing(accelerator, args.output_dir / "onnx"):
         if accelerator.is_main_process:
             model = model or load_best_model(args)
             images = (({"pixel_values": inputs}, targets) for inputs, targets in val_loader)
-            batches = check_batches(images, args.onnx_check_samples)
-            results = export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
-                                       sequence_axis=False, say=accelerator.print)
+            batches = onnx_export.check_batches(images, args.onnx_check_samples)
+            results = onnx_export.export_and_check(model, batches, args.output_dir / "onnx", args.onnx_int8,
+                                                   sequence_axis=False, say=accelerator.print)
             (args.output_dir / "onnx" / "config.json").write_text(json.dumps(onnx_config(args, class_to_idx),
                                                                              indent=2, ensure_ascii=False) + "\n")
     return results
@@ -622,16 +610,17 @@ def onnx_config(args, class_to_idx):
             "label2id": {label: index for index, label in enumerate(labels)},
             "preprocessing": {"input": "pixel_values (batch, 3, height, width), RGB", "resize": args.val_resize,
                               "center_crop": args.val_crop_size, "interpolation": args.interpolation,
-                              "rescale_factor": 1 / 255, "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
+                              "rescale_factor": 1 / 255, "mean": list(image_data.IMAGENET_MEAN),
+                              "std": list(image_data.IMAGENET_STD)},
             "output": "logits (batch, num_labels)", "trained_with": trained_with(args)}
 
 
 def load_best_model(args):
     """A fresh model with model_best.pth's weights."""
-    best = load_torch_checkpoint(args.output_dir / "model_best.pth")
+    best = export.load_torch_checkpoint(args.output_dir / "model_best.pth")
     model = build_model(argparse.Namespace(**{**vars(args), "pretrained": False, "weights": None}),
                         len(best["class_to_idx"]))
-    load_weights(model, best["state_dict"], args.output_dir / "model_best.pth")
+    export.load_weights(model, best["state_dict"], args.output_dir / "model_best.pth")
     return model
 
 
@@ -642,7 +631,7 @@ def validate_and_stop(accelerator, training, args, log, task, guard, epoch, comp
     try:
         metrics = end_of_epoch(accelerator, training, args, log, epoch, completed_steps,
                                task.must_match["class_to_idx"], guard)
-    except EvaluationAbandoned as abandoned:
+    except loop.EvaluationAbandoned as abandoned:
         accelerator.print(f"{abandoned}: the checkpoint keeps it due, and the resumed run validates first")
         return None, None, True
     accelerator.on_main_process(plot_curves)(log, args, training.cadence.steps_per_epoch, split_ema(metrics)[0])
@@ -654,15 +643,16 @@ def plot_curves(log, args, steps_per_epoch, numbers):
     """training_curves.png from metrics.jsonl: per epoch, each fraction among the validation's `numbers` (acc1,
     loss, ...: not the counts), beside training's where its log lines measure it too (main process)."""
     curves = [(name, name) for name, value in numbers.items() if not isinstance(value, Integral)]
-    plot_training_curves(log.read_events("train"), log.read_events("eval"), args.output_dir / "training_curves.png",
-                         steps_per_epoch, curves, title=f"{args.arch} on {args.data or 'dummy data'}")
+    outputs.plot_training_curves(log.read_events("train"), log.read_events("eval"),
+                                 args.output_dir / "training_curves.png",
+                                 steps_per_epoch, curves, title=f"{args.arch} on {args.data or 'dummy data'}")
 
 
 @dataclass
 class Task:
     """What main resolved before training that the loop needs."""
     must_match: dict  # what a resumed checkpoint must agree with
-    selection: Selection  # the validation metric that selects model_best.pth, and early stopping
+    selection: loop.Selection  # the validation metric that selects model_best.pth, and early stopping
     class_weights: torch.Tensor | None  # (C,) --class_weights
     legacy: dict | None  # a main.py-layout checkpoint (--resume FILE) to start from
     continues_run: bool  # --resume FILE lies in --output_dir: the run there goes on (its log, its best model)
@@ -678,10 +668,10 @@ class Training:
     mixer: object | None  # --mixup_alpha/--cutmix_alpha's BatchMixer
     train_loader: DataLoader
     val_loader: DataLoader
-    checkpoints: Checkpoints
+    checkpoints: checkpoint.Checkpoints
     state: dict  # where the run starts (a checkpoint's position) and what it selected so far (best_*)
-    cadence: Cadence
-    selection: Selection  # which validation metric selects model_best.pth, and early stopping
+    cadence: loop.Cadence
+    selection: loop.Selection  # which validation metric selects model_best.pth, and early stopping
 
 
 def prepare_training(args, accelerator, model, data, log, task, resume_dir):
@@ -690,50 +680,55 @@ def prepare_training(args, accelerator, model, data, log, task, resume_dir):
     legacy, must_match, selection = task.legacy if resume_dir is None else None, task.must_match, task.selection
     steps_per_epoch = math.ceil(len(data.train_loader) / args.gradient_accumulation_steps)
     total_steps = args.epochs * steps_per_epoch
-    start_epoch = start_epoch_of(legacy, args.start_epoch)  # main.py: epochs done
-    optimizer = build_optimizer(model, args)
+    start_epoch = image_references.start_epoch_of(legacy, args.start_epoch)  # main.py: epochs done
+    optimizer = image_optim.build_optimizer(model, args)
     if legacy and "optimizer" in legacy:
-        load_optimizer_state(optimizer, legacy["optimizer"], args.resume)  # brings the momentum buffers
+        image_optim.load_optimizer_state(optimizer, legacy["optimizer"], args.resume)  # brings the momentum buffers
     # Per optimizer step, sized from the UNprepared loader; with split_batches the prepared one steps once per step.
-    scheduler = schedule_from(optimizer, lr_lambda(args, steps_per_epoch, total_steps), start_epoch * steps_per_epoch)
+    scheduler = image_optim.schedule_from(optimizer, image_optim.lr_lambda(args, steps_per_epoch, total_steps),
+                                          start_epoch * steps_per_epoch)
     if resume_dir is None and (legacy or start_epoch):
-        accelerator.print(continuation_line(args, legacy, start_epoch * steps_per_epoch, total_steps,
-                                            scheduler.get_last_lr()[0]))
-    ema = build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
+        accelerator.print(image_references.continuation_line(args, legacy, start_epoch * steps_per_epoch, total_steps,
+                                                             scheduler.get_last_lr()[0]))
+    ema = image_optim.build_ema(args, model, accelerator.device, args.batch_size * args.gradient_accumulation_steps)
     if ema and legacy and "model_ema" in legacy:  # our checkpoint.pth carries the average on
-        load_weights(ema.module, legacy["model_ema"], args.resume)  # load_torch_checkpoint's averaged weights
+        export.load_weights(ema.module, legacy["model_ema"], args.resume)  # load_torch_checkpoint's averaged weights
         ema.n_averaged.fill_(1)  # an average, not a fresh copy: the next update moves it
-    mixer = build_mixer(args, len(must_match["class_to_idx"]), args.batch_size // accelerator.num_processes)
+    mixer = image_augment.build_mixer(args, len(must_match["class_to_idx"]),
+                                      args.batch_size // accelerator.num_processes)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, data.train_loader, data.val_loader, scheduler)
 
-    checkpoints = Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
-                              resume_settings(args, flag_roles().resumable()),
-                              exports=["model_best.pth", "model_card.md", "model_best_ema.pth", "checkpoint_ema.pth"],
-                              modules={"ema": ema} if ema else None,  # ema.safetensors in every checkpoint
-                              allow_data_change=args.allow_data_change,
-                              best_export_step=lambda: exported_step(args.output_dir / "model_best.pth",
-                                                                     steps_per_epoch),
-                              per_process=per_process_differences(model), say=log.console)
+    checkpoints = checkpoint.Checkpoints(accelerator, args.output_dir, args.save_total_limit, must_match,
+                                         checkpoint.resume_settings(args, flag_roles().resumable()),
+                                         exports=["model_best.pth", "model_card.md", "model_best_ema.pth",
+                                                  "checkpoint_ema.pth"],
+                                         modules={"ema": ema} if ema else None,  # ema.safetensors in every checkpoint
+                                         allow_data_change=args.allow_data_change,
+                                         best_export_step=lambda: image_references.exported_step(
+                                             args.output_dir / "model_best.pth", steps_per_epoch),
+                                         per_process=checkpoint.per_process_differences(model), say=log.console)
     # Another run's file: its best was measured elsewhere, model_best.pth is the best of this run. This directory's
     # own file (the run goes on): the best it records stays the one to beat.
     fresh = {"completed_steps": start_epoch * steps_per_epoch, "epoch": start_epoch, "batches_in_epoch": 0,
-             **selection.fresh_state(), **(selection_from_file(legacy, selection) if task.continues_run else {})}
+             **selection.fresh_state(),
+             **(image_references.selection_from_file(legacy, selection) if task.continues_run else {})}
     state = checkpoints.restore(resume_dir, fresh, len(train_loader), optimizer, scheduler)
     log.open(resume_step=state["completed_steps"] if resume_dir or task.continues_run else None, state=state)
-    print_run_summary(accelerator, "Running training", {
-        **run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(must_match["class_to_idx"]),
+    runtime.print_run_summary(accelerator, "Running training", {
+        **runtime.run_info(accelerator, args.batch_size), "arch": args.arch, "classes": len(must_match["class_to_idx"]),
         "train_images": len(data.train_set), "val_images": len(data.val_set),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "images_per_optimizer_step": args.batch_size * args.gradient_accumulation_steps,
         "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "total_steps": total_steps,
-        "start_step": state["completed_steps"], "checkpoints_resume_on": resumable_process_counts(args.batch_size),
+        "start_step": state["completed_steps"],
+        "checkpoints_resume_on": checkpoint.resumable_process_counts(args.batch_size),
         "mixing": f"mixup {args.mixup_alpha} cutmix {args.cutmix_alpha} ({args.mixup_mode})" if mixer else "off",
         "model_ema_decay": f"{ema.decay:.6g} every {args.model_ema_steps} steps" if ema else "off"})
-    say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
+    checkpoint.say_processes(accelerator.print, accelerator.num_processes, checkpoints.per_process)
     # main.py's cadence: a log line every -p steps, validation and exports at each epoch's end
-    cadence = Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
-                      checkpoint_every=args.checkpointing_steps)
+    cadence = loop.Cadence(total_steps, steps_per_epoch, len(train_loader), log_every=args.print_freq,
+                           checkpoint_every=args.checkpointing_steps)
     return Training(model, optimizer, scheduler, ema, mixer, train_loader, val_loader, checkpoints, state, cadence,
                     selection)
 
@@ -749,26 +744,30 @@ class TrainResult:
 def train(args, accelerator, model, data, log, task, attempt):
     """The training loop; `attempt`: micro-batches and the checkpoint to start from (OutOfMemoryRetry)."""
     training = prepare_training(args, accelerator, model, data, log, task, attempt.resume)
-    samples = SampleLog(accelerator, args.output_dir, training.train_loader, args.gradient_accumulation_steps,
-                        enabled=args.log_sample_indices)
+    samples = outputs.SampleLog(accelerator, args.output_dir, training.train_loader, args.gradient_accumulation_steps,
+                                enabled=args.log_sample_indices)
     model, optimizer, scheduler, state = training.model, training.optimizer, training.scheduler, training.state
     ema, mixer, cadence, selection = training.ema, training.mixer, training.cadence, task.selection
-    guard = PreemptionGuard(accelerator, training.checkpoints.latest)
-    meter = LossMeter(accelerator.device)
-    speed = Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
-    counts = ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5 and unreadable images
-    health = HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr", also=[counts.check_unreadable])
-    loss_scale = LossScale(accelerator, len(data.train_set), args.batch_size, args.gradient_accumulation_steps,
-                           drop_last=True)  # every batch is full: only an epoch's last accumulation window is short
+    guard = loop.PreemptionGuard(accelerator, training.checkpoints.latest)
+    meter = loop.LossMeter(accelerator.device)
+    speed = loop.Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
+    counts = image_data.ImageCounts(accelerator, data.train_set,
+                                    args.skip_bad_images)  # top-1/top-5 and unreadable images
+    health = loop.HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr",
+                              also=[counts.check_unreadable])
+    # every batch is full: only an epoch's last accumulation window is short
+    loss_scale = loop.LossScale(accelerator, len(data.train_set), args.batch_size, args.gradient_accumulation_steps,
+                                drop_last=True)
     completed_steps = state["completed_steps"]
     images_seen = 0
     preempted = False
     last_metrics = None  # the last validation's
     stopped_at = None  # the step of an early stop
-    bar = progress(accelerator, total=cadence.total_steps, initial=completed_steps)
+    bar = outputs.progress(accelerator, total=cadence.total_steps, initial=completed_steps)
     state["start_time"] = start_time = time.perf_counter()
     model.train()
-    if state[VALIDATION_DUE]:  # a stop abandoned the validation of the epoch this checkpoint ends: it comes first
+    # a stop abandoned the validation of the epoch this checkpoint ends: it comes first
+    if state[checkpoint.VALIDATION_DUE]:
         # (stopped again during it, the run leaves that checkpoint as it was: the latest, with its validation due)
         last_metrics, stopped_at, preempted = validate_and_stop(accelerator, training, args, log, task, guard,
                                                                 state["epoch"], completed_steps)
@@ -776,13 +775,13 @@ def train(args, accelerator, model, data, log, task, attempt):
         if preempted or stopped_at is not None:
             break
         data.train_set.set_epoch(epoch)  # the random crops and flips depend on seed + epoch + image only
-        batches, batches_in_epoch = epoch_batches(accelerator, training.train_loader, epoch, state)
+        batches, batches_in_epoch = loop.epoch_batches(accelerator, training.train_loader, epoch, state)
         window = None  # where the accumulation window began, what a stop inside it goes back to
-        for inputs, targets in speed.epoch(decode_on_device(batches, accelerator.device)):
+        for inputs, targets in speed.epoch(image_device_decode.decode_on_device(batches, accelerator.device)):
             window = window or guard.start_window(batches_in_epoch, model)
             if mixer:  # soft targets (B, classes); accuracy against each row's largest-weight label
                 inputs, soft_targets = mixer(accelerator, inputs, targets, epoch, batches_in_epoch)
-                targets = dominant_labels(soft_targets, targets)
+                targets = image_augment.dominant_labels(soft_targets, targets)
             if args.channels_last:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(model):
@@ -810,8 +809,9 @@ def train(args, accelerator, model, data, log, task, attempt):
             window = None
             completed_steps += 1
             samples.step(completed_steps, epoch, batches_in_epoch)
-            update_ema(ema, accelerator.unwrap_model(model), completed_steps - 1 - epoch * cadence.steps_per_epoch,
-                       epoch, args, accelerator)
+            image_optim.update_ema(ema, accelerator.unwrap_model(model),
+                                   completed_steps - 1 - epoch * cadence.steps_per_epoch,
+                                   epoch, args, accelerator)
             speed.step(args.batch_size * loss_scale.window_batches(batches_in_epoch - 1))
             bar.update(1)
             due = cadence.after_step(completed_steps, batches_in_epoch)
@@ -840,47 +840,53 @@ def train(args, accelerator, model, data, log, task, attempt):
         training.checkpoints.finish()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
-    runtime = time.perf_counter() - start_time
-    results = {"startup_seconds": speed.startup_seconds, "train_runtime": runtime, "train_steps": completed_steps,
+    seconds = time.perf_counter() - start_time
+    results = {"startup_seconds": speed.startup_seconds, "train_runtime": seconds, "train_steps": completed_steps,
                "launches": training.checkpoints.launches,
-               "train_images_per_second": images_seen / runtime, "train_skipped_images": counts.skipped_total,
+               "train_images_per_second": images_seen / seconds, "train_skipped_images": counts.skipped_total,
                selection.best_key: selection.best(state), **selection.results(state, stopped_at, ema=bool(ema))}
     return TrainResult(model, last_metrics, results, preempted)
 
 
 def main(args):
-    accelerator = build_accelerator(args, args.output_dir, args.gradient_accumulation_steps,
-                                    loader_workers=2 * args.workers)  # the train and validation loaders
-    say_command(accelerator.print, args, batch_line("-b", args.batch_size, accelerator.num_processes, BATCH_RULE))
-    hold_output_dir(accelerator, args.output_dir)
+    accelerator = runtime.build_accelerator(args, args.output_dir, args.gradient_accumulation_steps,
+                                            loader_workers=2 * args.workers)  # the train and validation loaders
+    flags.say_command(accelerator.print, args, flags.batch_line("-b", args.batch_size, accelerator.num_processes,
+                                                                image_references.BATCH_RULE))
+    runtime.hold_output_dir(accelerator, args.output_dir)
     set_seed(args.seed)
     if args.predict:
-        check_global_batches(accelerator, {"-b": args.batch_size})
+        checkpoint.check_global_batches(accelerator, {"-b": args.batch_size})
         return predict_images(accelerator, args)
     if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
-        raise UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
+        raise runtime.UserError("--sync_bn: torch's SyncBatchNorm runs on GPUs only; drop it for multi-process CPU runs")
     if args.resume not in (None, "latest") and not Path(args.resume).exists():
-        raise UserError(f"--resume {args.resume}: no such file or directory")
+        raise runtime.UserError(f"--resume {args.resume}: no such file or directory")
     legacy_file = args.resume is not None and Path(args.resume).is_file()
-    resume_dir = None if legacy_file else agree_on_resume(accelerator, args.resume, args.output_dir / "checkpoints",
-                                                          modules=["ema"] if args.model_ema else [])
+    resume_dir = None if legacy_file else checkpoint.agree_on_resume(accelerator, args.resume,
+                                                                     args.output_dir / "checkpoints",
+                                                                     modules=["ema"] if args.model_ema else [])
     if args.evaluate and args.resume and not legacy_file and resume_dir is None:
-        raise UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
+        raise runtime.UserError(f"--resume {args.resume}: no checkpoint in {args.output_dir / 'checkpoints'}")
     # a training resume keeps the checkpoint's global batch; an evaluation may use another
-    per_device_batch = check_global_batches(accelerator, {"-b": args.batch_size}, None if args.evaluate else resume_dir,
-                                            saved_as="global_batch_size")
+    per_device_batch = checkpoint.check_global_batches(accelerator, {"-b": args.batch_size},
+                                                       None if args.evaluate else resume_dir,
+                                                       saved_as="global_batch_size")
     resuming = resume_dir is not None or args.resume == "latest"
     continues_run = legacy_file and Path(args.resume).resolve().parent == args.output_dir.resolve()
     if not args.evaluate:
-        check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume if resuming or continues_run else None)
-    legacy = load_torch_checkpoint(args.resume) if legacy_file else None
+        outputs.check_output_dir(args.output_dir, args.overwrite_output_dir,
+                                 args.resume if resuming or continues_run else None)
+    legacy = export.load_torch_checkpoint(args.resume) if legacy_file else None
     if args.evaluate:  # at the sizes the model was trained with, unless given; the tag names other ones
-        fields = legacy or (read_training_state(resume_dir) if resume_dir else weights_file_fields(args.weights))
-        results_tag = use_recorded_settings(args, flag_roles(), fields, args.resume if legacy_file else
-                                            resume_dir or args.weights, accelerator.print)
+        fields = legacy or (checkpoint.read_training_state(resume_dir) if resume_dir
+                            else image_model.weights_file_fields(args.weights))
+        results_tag = image_augment.use_recorded_settings(args, flag_roles(), fields, args.resume if legacy_file else
+                                                          resume_dir or args.weights, accelerator.print)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
-    class_weights = load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets", None))
+    class_weights = loop.load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets",
+                                                                                            None))
     if class_weights:
         accelerator.print(class_weights.line())
     model = build_model(args, len(class_to_idx), accelerator.print, class_to_idx)
@@ -890,23 +896,25 @@ def main(args):
     must_match = flag_roles().must_match(args, {
         "class_to_idx": class_to_idx,
         "class_weights": class_weights and class_weights.by_label,  # a resumed run keeps its loss
-        DATA_KEY: fingerprint_images(data.train_set), **selection.must_match()})
+        checkpoint.DATA_KEY: image_data.fingerprint_images(data.train_set), **selection.must_match()})
     if legacy_file:
-        check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
-        load_weights(model, legacy["state_dict"], args.resume)
+        image_references.check_legacy_compatible(legacy, {"arch": args.arch, "class_to_idx": class_to_idx}, args.resume)
+        export.load_weights(model, legacy["state_dict"], args.resume)
         accelerator.print(f"Loaded {args.resume} (epoch {legacy.get('epoch')}, best_acc1 {legacy.get('best_acc1')})")
     elif args.evaluate and resume_dir is not None:  # loaded by load_state once prepared (any FSDP/DeepSpeed layout)
-        check_compatible(read_training_state(resume_dir), {"arch": args.arch, "class_to_idx": class_to_idx}, resume_dir)
+        checkpoint.check_compatible(checkpoint.read_training_state(resume_dir), {"arch": args.arch,
+                                                                                 "class_to_idx": class_to_idx},
+                                    resume_dir)
     model = place_model(model, args)
-    retry = OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
-                             args.output_dir / "checkpoints", args.auto_find_batch_size and not args.evaluate)
-    log = RunLog(accelerator, args.output_dir)
-    results = run_info(accelerator, args.batch_size)
+    retry = loop.OutOfMemoryRetry(accelerator, model, per_device_batch, args.gradient_accumulation_steps,
+                                  args.output_dir / "checkpoints", args.auto_find_batch_size and not args.evaluate)
+    log = outputs.RunLog(accelerator, args.output_dir)
+    results = runtime.run_info(accelerator, args.batch_size)
     if args.evaluate:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         model, val_loader = accelerator.prepare(model, data.val_loader)  # with a loader: DeepSpeed wants one
         if resume_dir is not None:
-            load_checkpoint_weights(accelerator, resume_dir)
+            checkpoint.load_weights(accelerator, resume_dir)
         metrics = evaluate(accelerator, model, val_loader, args)
         prefix = "eval" + results_tag
         results.update({f"{prefix}_{k}": v for k, v in metrics.items()},
@@ -918,8 +926,9 @@ def main(args):
         log.merge_results(results, (f"{prefix}_",))
     else:
         log.start(args, "resnet", clear=args.overwrite_output_dir and not (resuming or continues_run),
-                  card=model_card(args, class_to_idx, data.train_set, data.val_set, results, Path(__file__),
-                                  model_flags(args)))
+                  card=image_references.model_card(args, class_to_idx, data.train_set, data.val_set, results,
+                                                   Path(__file__),
+                                                   model_flags(args)))
         task = Task(must_match, selection, class_weights and class_weights.tensor(accelerator.device), legacy,
                     continues_run)
         trained = retry.run(lambda attempt: train(args, accelerator, model, data, log, task, attempt),
@@ -943,4 +952,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_cli(main, parse_args())
+    runtime.run_cli(main, parse_args())

@@ -60,7 +60,7 @@ def worker(args):
     from utils.loop import PreemptionGuard
     from utils.runtime import HostChannel, RollCall
 
-    harness.set_threads(1)
+    harness.set_threads(args.threads)
     accelerator = harness.script_accelerator(cpu=True)
     rank = accelerator.process_index
     rng = random.Random(harness.SEED + rank)
@@ -107,8 +107,8 @@ def launch(processes, args, folder):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
                "127.0.0.1", "--master_port", str(harness.free_port()), __file__, "--worker", str(folder),
                "--steps", str(args.steps), "--step_ms", str(args.step_ms), "--jitter", str(args.jitter),
-               "--ring_ops", str(args.ring_ops), "--rounds", str(args.rounds)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+               "--ring_ops", str(args.ring_ops), "--rounds", str(args.rounds), "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(command, cwd=harness.REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{processes} processes failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"

@@ -17,7 +17,7 @@ from conftest import ACCELERATE, ENV, ROOT, free_port, read_json, run
 BENCHMARKS = ROOT / "benchmarks"
 # name -> does it read real data (--data_root) and run interleaved rounds (--rounds); benchmarks/README.md's table
 FLAGS = {"bench_bert_input": True, "bench_overhead": True, "bench_ddp_scaling": True, "bench_cpu_precision": True,
-         "bench_memory": False, "bench_checkpointing": False, "bench_startup": True}
+         "bench_memory": False, "bench_checkpointing": False, "bench_startup": True, "bench_scale": False}
 
 
 def benchmark(name):
@@ -148,6 +148,21 @@ def test_checkpointing_quick(tmp_path):
     peaks = [w["peak_step_bytes"] for w in workloads.values()]
     assert all(peak["plain"] > 0 and peak["--gradient_checkpointing"] > 0 for peak in peaks)
     assert peaks[0]["--gradient_checkpointing"] < peaks[0]["plain"]
+
+
+@pytest.mark.long  # a benchmark's quick run: launches of 2 and 4 processes
+def test_scale_quick_on_2_and_4_processes(tmp_path):
+    """Each launch measures the run's own agreement and the ring, and one more gloo group costs each process a file
+    per other process and 4 of its own; the model's rows are there."""
+    output = tmp_path / "r.json"
+    run([sys.executable, "benchmarks/bench_scale.py", "--quick", "--output", output])
+    record = read_json(output)
+    measured = {m["processes"]: m for m in record["measured"]}
+    assert sorted(measured) == [2, 4]
+    for processes, m in measured.items():
+        assert m["open_files_per_process"] == processes + 3, m
+        assert m["ring_ms"] > 0 and m["agreement_ms_per_step"] > 0 and m["blocking_ms_per_step"] > 0
+    assert [row["processes"] for row in record["model"]] == [128, 1024]
 
 
 def test_a_record_names_uncommitted_changes_in_any_shared_module(tmp_path):

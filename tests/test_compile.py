@@ -16,7 +16,7 @@ from checkpoint_layouts import bert_base_chinese_layout, finetune_args
 from conftest import ACCELERATE, read_json, read_jsonl, run, run_here
 from safetensors.torch import load_file
 
-from utils.export import export_state_dict, on_meta_device
+from utils.export import full_state_dict, on_meta_device
 
 # dynamo's INFO log names each compilation: the proof that the run was compiled at all
 COMPILED = "Step 2: calling compiler function"
@@ -136,8 +136,8 @@ def test_export_strips_the_compile_wrapper_and_refuses_foreign_keys():
         prepared = accelerator.prepare(build())
         assert all(k.startswith("_orig_mod.") for k in accelerator.get_state_dict(prepared))  # why this exists
         fresh = on_meta_device(build)
-        assert set(export_state_dict(accelerator, prepared, fresh)) == set(fresh.state_dict())
+        assert set(full_state_dict(accelerator, prepared, fresh)) == set(fresh.state_dict())
         with pytest.raises(RuntimeError, match="refusing to export"):
-            export_state_dict(accelerator, prepared, torch.nn.Sequential(torch.nn.Linear(2, 3)))
+            full_state_dict(accelerator, prepared, torch.nn.Sequential(torch.nn.Linear(2, 3)))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -261,8 +261,8 @@ def script_with_a_head_flag(folder):
         "    add_model_args(model)  #": "    model.add_argument(\"--head_hidden\", type=positive_int, default=None, "
                                       "help=\"a hidden layer of this width in the head\")\n    add_model_args(model)  #",
         '    "-a": keep_as("arch"),': '    "--head_hidden": MUST_KEEP.recorded(0),\n    "-a": keep_as("arch"),',
-        "    return build_image_model(args, num_classes, print_fn, class_to_idx)\n":
-            "    model = build_image_model(args, num_classes, print_fn, class_to_idx)\n"
+        "    return build(args, num_classes, print_fn, class_to_idx)\n":
+            "    model = build(args, num_classes, print_fn, class_to_idx)\n"
             "    if args.head_hidden:\n"
             "        model.fc = torch.nn.Sequential(torch.nn.Linear(model.fc.in_features, args.head_hidden), "
             "torch.nn.ReLU(), torch.nn.Linear(args.head_hidden, num_classes))\n"

@@ -54,8 +54,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_model, save_model
 
-from .export import check_dcp_checkpoint, check_torch_file, safetensors_problem
-from .runtime import UserError, effective_precision, stop_together, writing
+from . import export, runtime
 
 STATE_FILE = "training_state.json"
 SELECTION_PREFIXES = ("best_", "early_stopping_")  # the loop's `state` entries a checkpoint keeps (training_state)
@@ -103,12 +102,12 @@ def resolve_resume(resume, checkpoint_dir):
         ours = Path(checkpoint_dir) / path.name
         hint = (f"this run's checkpoints are in {checkpoint_dir}: --resume_from_checkpoint {ours}" if (
             ours / STATE_FILE).is_file() else f"resume from `latest` or one of {checkpoint_dir}/step_N")
-        raise UserError(f"{path}: no such checkpoint directory; {hint} (accelerate's examples save OUTPUT_DIR/step_N "
-                        "and epoch_N; this script saves OUTPUT_DIR/checkpoints/step_N)")
+        raise runtime.UserError(f"{path}: no such checkpoint directory; {hint} (accelerate's examples save "
+                                f"OUTPUT_DIR/step_N and epoch_N; this script saves OUTPUT_DIR/checkpoints/step_N)")
     if not (path / STATE_FILE).is_file():
-        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}: an interrupted save, or a bare "
-                        "accelerate save_state directory, which lacks where the run stood); resume from `latest` or "
-                        "a checkpoints/step_N directory")
+        raise runtime.UserError(f"{path}: not a complete checkpoint (no {STATE_FILE}: an interrupted save, or a bare "
+                                f"accelerate save_state directory, which lacks where the run stood); resume from "
+                                f"`latest` or a checkpoints/step_N directory")
     return path
 
 
@@ -126,12 +125,12 @@ def agree_on_resume(accelerator, resume, checkpoint_dir, modules=()):
         try:
             found = resolve_resume(resume, checkpoint_dir)
             decision = [("ok", found.name if found is not None else None)]
-        except UserError as err:
+        except runtime.UserError as err:
             decision = [("error", str(err))]
     broadcast_object_list(decision)
     kind, name = decision[0]
     if kind == "error":
-        raise UserError(name)
+        raise runtime.UserError(name)
     if name is None:
         return None
     path = Path(checkpoint_dir) / name if resume == "latest" else Path(resume)
@@ -139,8 +138,9 @@ def agree_on_resume(accelerator, resume, checkpoint_dir, modules=()):
     missing = [(host, rank, where) for host, rank, where, ok in gather_object([here]) if not ok]
     if missing:
         host, rank, where = missing[0]
-        raise UserError(f"{where}: not on the disk of node {host} (rank {rank}), but the main process resumes from "
-                        f"{name}; copy that checkpoint to every node's --output_dir, or use a shared --output_dir")
+        raise runtime.UserError(f"{where}: not on the disk of node {host} (rank {rank}), but the main process resumes "
+                                f"from {name}; copy that checkpoint to every node's --output_dir, or use a shared "
+                                f"--output_dir")
     check_checkpoint_files(accelerator, path, modules)
     return path
 
@@ -207,7 +207,7 @@ def set_aside_exports_beyond(accelerator, step, output_dir, writer, exports, bes
     accelerator.wait_for_everyone()
     accelerator.print(f"the best model was exported at step {found[0]}, after this checkpoint (step {step}): "
                       f"{', '.join(p.name for p in moved)} moved aside (*{suffix}); the best model is selected afresh "
-                      "from here")
+                      f"from here")
     return True
 
 
@@ -215,14 +215,14 @@ def read_training_state(path):
     try:
         return json.loads((Path(path) / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{Path(path) / STATE_FILE}: unreadable checkpoint state ({err})") from None
+        raise runtime.UserError(f"{Path(path) / STATE_FILE}: unreadable checkpoint state ({err})") from None
 
 
 def add_allow_data_change(group):
     """The flag that resumes on changed training data (`Checkpoints(allow_data_change=...)`)."""
     group.add_argument("--allow_data_change", action="store_true",
                        help="resume although the training data differ from the checkpoint's (its epoch may then skip "
-                            "or repeat examples)")
+                       "or repeat examples)")
 
 
 def data_fingerprint(source, records):
@@ -260,11 +260,11 @@ def check_same_data(saved, current, path, allow_change, say):
         return
     change = (f"{saved['examples']} -> {current['examples']} examples" if saved["examples"] != current["examples"]
               else f"the same {current['examples']} examples in count, other contents (SHA-256 {saved['sha256'][:12]} "
-                   f"-> {current['sha256'][:12]})")
+              f"-> {current['sha256'][:12]})")
     what = f"{current['source']}: the training data differ from those of {Path(path)} ({change})"
     if not allow_change:
-        raise UserError(f"{what}; resuming would skip or repeat examples of the checkpoint's epoch. Pass "
-                        "--allow_data_change if the change is intended")
+        raise runtime.UserError(f"{what}; resuming would skip or repeat examples of the checkpoint's epoch. Pass "
+                                f"--allow_data_change if the change is intended")
     say(f"{what}; resuming as --allow_data_change asks: the resumed epoch may skip or repeat examples")
 
 
@@ -277,10 +277,10 @@ def check_compatible(saved, expected, path):
     for key, value in sorted(expected.items(), key=lambda item: item[0].startswith("--")):
         if key in saved and key != DATA_KEY and saved[key] != value:
             if key.startswith("--"):
-                raise UserError(f"{key} {value!r}: {Path(path)} was trained with {key} {saved[key]!r}; resume with "
-                                "the same value (which samples each step sees, the inputs or the optimizer's state "
-                                "depend on it)")
-            raise UserError(
+                raise runtime.UserError(f"{key} {value!r}: {Path(path)} was trained with {key} {saved[key]!r}; resume "
+                                        f"with the same value (which samples each step sees, the inputs or the "
+                                        f"optimizer's state depend on it)")
+            raise runtime.UserError(
                 f"{Path(path) / STATE_FILE}: checkpoint has {key}={saved[key]!r}, this run has {value!r}"
             )
 
@@ -288,8 +288,8 @@ def check_compatible(saved, expected, path):
 def check_precision(accelerator, path):
     """fp16 needs the loss scale the checkpoint's fp16 run kept (scaler.pt); a bf16/fp32 checkpoint has none."""
     if accelerator.scaler is not None and not (Path(path) / "scaler.pt").is_file():
-        raise UserError(f"--mixed_precision fp16: {Path(path)} was not trained in fp16 (no scaler.pt with the loss "
-                        "scale); resume with the checkpoint's precision (bf16 or no)")
+        raise runtime.UserError(f"--mixed_precision fp16: {Path(path)} was not trained in fp16 (no scaler.pt with the "
+                                f"loss scale); resume with the checkpoint's precision (bf16 or no)")
 
 
 def check_global_batches(accelerator, batches, resume_path=None, saved_as=None):
@@ -301,8 +301,9 @@ def check_global_batches(accelerator, batches, resume_path=None, saved_as=None):
     if resume_path is not None:
         kept = read_training_state(resume_path).get(saved_as or flag)
         if kept is not None and kept != size:
-            raise UserError(f"{flag} {size}: {resume_path} was trained with {flag} {kept}, which a resume keeps; "
-                            f"resume with {flag} {kept}, on {_counts_dividing({**batches, flag: kept})} processes")
+            raise runtime.UserError(f"{flag} {size}: {resume_path} was trained with {flag} {kept}, which a resume "
+                                    f"keeps; resume with {flag} {kept}, on {_counts_dividing({**batches, flag: kept})} "
+                                    f"processes")
     bad = {name: value for name, value in batches.items() if value % processes}
     if not bad:
         return size // processes
@@ -310,16 +311,16 @@ def check_global_batches(accelerator, batches, resume_path=None, saved_as=None):
     if resume_path is None:
         tries = " and ".join(str(max(1, value // processes) * processes) for value in bad.values())
         what = "is the GLOBAL batch" if len(bad) == 1 else "are GLOBAL batches"
-        raise UserError(f"{named} {what} and must divide evenly over {processes} processes (try {tries})")
+        raise runtime.UserError(f"{named} {what} and must divide evenly over {processes} processes (try {tries})")
     counts = _counts_dividing(batches)
     other = {name: value for name, value in batches.items() if name != flag}
     alternative = ""
     if flag not in bad and len(other) == 1:  # only the evaluation batch stands in the way, and a resume may change it
         name, value = next(iter(other.items()))
         alternative = f", or on {processes} with {name} {max(1, value // processes) * processes}"
-    raise UserError(f"{resume_path} cannot continue on {processes} processes: {named} must divide evenly over them "
-                    f"(GLOBAL batches; {flag} {size} is kept on a resume); it can continue on {counts} processes"
-                    f"{alternative}")
+    raise runtime.UserError(f"{resume_path} cannot continue on {processes} processes: {named} must divide evenly over "
+                            f"them (GLOBAL batches; {flag} {size} is kept on a resume); it can continue on {counts} "
+                            f"processes{alternative}")
 
 
 def _counts_dividing(batches):
@@ -363,8 +364,8 @@ class Checkpoints:
         accelerator.project_configuration.save_on_each_node = not shared
         if not shared:
             self.dir.mkdir(parents=True, exist_ok=True)
-            accelerator.print("--output_dir is not shared between the nodes: every node keeps its own complete copy "
-                              "of each checkpoint")
+            accelerator.print("--output_dir is not shared between the nodes: every node keeps its own complete copy of "
+                              "each checkpoint")
 
     @property
     def writer(self):
@@ -389,30 +390,30 @@ class Checkpoints:
         try:
             # three blocks, each ending in a collective: every rank starts writing once tmp exists, and the writer
             # renames it only once every rank has written its part (its RNG state)
-            with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
+            with runtime.writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
                 if self.writer:
                     shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
                     tmp.mkdir(parents=True)
-            with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
+            with runtime.writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
                 self.accelerator.save_state(str(tmp))
                 if self.writer:
                     for name, module in self.modules.items():
                         save_model(module, str(tmp / f"{name}.safetensors"))
                 fsync_files(tmp)  # every rank: its files' data reach the disk before the rename publishes them
-            with writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
+            with runtime.writing(self.accelerator, self.dir, unfinished=tmp, writer=self.writer):
                 if self.writer:
                     _write_json_durably(tmp / STATE_FILE, {
                         **training_state(self.must_match, state, self.settings, step, epoch, batches_in_epoch),
                         "num_processes": self.accelerator.num_processes,
-                        "mixed_precision": effective_precision(self.accelerator), "launches": self.launches})
+                        "mixed_precision": runtime.effective_precision(self.accelerator), "launches": self.launches})
                     replace_dir_atomically(tmp, final)
                     if self.total_limit:
                         for old in complete_checkpoints(self.dir)[:-self.total_limit]:
                             shutil.rmtree(old, ignore_errors=True)
-        except UserError as err:
+        except runtime.UserError as err:
             latest = self.latest()
-            raise UserError(f"{err}: checkpoint step_{step} not saved; the latest complete checkpoint is still "
-                            f"{latest if latest else 'none'}") from None
+            raise runtime.UserError(f"{err}: checkpoint step_{step} not saved; the latest complete checkpoint is still "
+                                    f"{latest if latest else 'none'}") from None
         if self.writer:  # a machine that wrote nothing says nothing of it
             self.say(f"saved checkpoint {final}")
         return final
@@ -497,8 +498,8 @@ START = "a fresh start only"
 ROLE_HELP = {CHANGE: "a resume may change it", KEEP: "a resume must keep it", LAUNCH: "this launch only",
              START: "a fresh start only"}  # what --help says of each flag (utils/runtime.py HelpFormatter)
 ROLE_MEANINGS = {  # what each means (docs/faults_and_resume.md shows them beside ROLE_HELP)
-    CHANGE: "the new value is named in one line (`resumed with changed settings`), then applied from the "
-            "checkpoint's step on",
+    CHANGE: "the new value is named in one line (`resumed with changed settings`), then applied from the checkpoint's "
+            "step on",
     KEEP: "the checkpoint records it (or what it makes: the labels, the model's shape, the training data's "
           "fingerprint), and another value is refused with one line",
     LAUNCH: "how the run executes or reports, not what it trains; a resume takes the command line's value without a "
@@ -626,8 +627,8 @@ class FlagRoles:
                 if self.table[declared[0]].exported and action.default is not None:
                     # a trained model's value could never replace a parser default: an evaluation would ignore it
                     problems.append(f"{declared[0]} (default={action.default!r}): a .recorded() flag is default=None "
-                                    "in the parser, its default in .recorded(DEFAULT), so that an evaluation takes the "
-                                    f"trained model's value where the command line gives none ({where})")
+                                    f"in the parser, its default in .recorded(DEFAULT), so that an evaluation takes "
+                                    f"the trained model's value where the command line gives none ({where})")
             else:
                 problems.append(_undeclared(names, declared, getattr(action, "role_table", None), where))
         for flag in self.table:
@@ -774,30 +775,30 @@ def check_checkpoint_files(accelerator, path, modules=()):
     problem = None
     try:
         _check_files(path, modules, accelerator.process_index)
-    except UserError as err:
+    except runtime.UserError as err:
         problem = str(err)
-    stop_together(accelerator, problem)
+    runtime.stop_together(accelerator, problem)
 
 
 def _check_files(path, modules, rank):
     files = sorted(file for file in path.iterdir() if file.is_file())
     for file in files:
         if _PICKLED_OBJECT.match(file.name):
-            raise UserError(f"{file}: holds a pickle, which is never loaded (unpickling runs whatever code it names); "
-                            "this project saves no such file (train_resnet.py's EMA is ema.safetensors): remove it to "
-                            "load the rest of the checkpoint")
+            raise runtime.UserError(f"{file}: holds a pickle, which is never loaded (unpickling runs whatever code it "
+                                    f"names); this project saves no such file (train_resnet.py's EMA is "
+                                    f"ema.safetensors): remove it to load the rest of the checkpoint")
     for name in modules:
         if not (path / f"{name}.safetensors").is_file():
-            raise UserError(f"{path}: no {name}.safetensors, which this run restores; not a complete checkpoint of "
-                            "this run")
+            raise runtime.UserError(f"{path}: no {name}.safetensors, which this run restores; not a complete "
+                                    f"checkpoint of this run")
     for file in files:
         rng_state = _RNG_STATE.match(file.name)
-        if file.suffix == ".safetensors" and safetensors_problem(file):
-            raise UserError(safetensors_problem(file))
+        if file.suffix == ".safetensors" and export.safetensors_problem(file):
+            raise runtime.UserError(export.safetensors_problem(file))
         if file.suffix in (".bin", ".pt") or (rng_state and int(rng_state.group(1)) == rank):
-            check_torch_file(file)
+            export.check_torch_file(file)
     for directory in sorted(d for d in path.iterdir() if (d / ".metadata").is_file()):
-        check_dcp_checkpoint(directory)  # FSDP's sharded state dicts
+        export.check_dcp_checkpoint(directory)  # FSDP's sharded state dicts
 
 
 _HYPERPARAMETERS = ("lr", "initial_lr", "weight_decay", "momentum", "betas", "eps")
@@ -852,15 +853,15 @@ def say_processes(say, num_processes, per_process):
     on = f"on {num_processes} processes"
     if not per_process:
         say(f"{on}: the same weights as on 1 process up to float rounding (the order of sums over processes): the "
-            "model has no dropout, drop path or per-process BatchNorm")
+            f"model has no dropout, drop path or per-process BatchNorm")
     elif PER_PROCESS_BATCH_NORM in per_process:
         # the note on SyncBatchNorm belongs to the BatchNorm clause, whichever clauses follow it
         clauses = [f"{what} (SyncBatchNorm computes them over the global batch)" if what == PER_PROCESS_BATCH_NORM
                    else what for what in per_process]
         say(f"{on}: not the training of 1 process: {'; '.join(clauses)}")
     else:
-        say(f"{on}: the same training as on 1 process in distribution, not bitwise: {'; '.join(per_process)} (the "
-            "same weights need a model without dropout or drop path)")
+        say(f"{on}: the same training as on 1 process in distribution, not bitwise: {'; '.join(per_process)} (the same "
+            f"weights need a model without dropout or drop path)")
 
 
 def _drop_rate(module):
@@ -872,7 +873,7 @@ def _drop_rate(module):
 
 def launch_record(accelerator, resume_step):
     """all_results.json's record of one launch of the run (`launches`)."""
-    return {"processes": accelerator.num_processes, "mixed_precision": effective_precision(accelerator),
+    return {"processes": accelerator.num_processes, "mixed_precision": runtime.effective_precision(accelerator),
             "resume_step": resume_step}
 
 
@@ -899,13 +900,13 @@ def _report_changes(accelerator, path, saved, settings, per_process=()):
                           f"training goes on as on {now}, not bit for bit as on {before}")
         if accelerator.num_processes > before:
             accelerator.on_main_process(_warn)(
-                f"warning: ranks {before}-{accelerator.num_processes - 1} have no saved random state in {path}: "
-                "their dropout/augmentation draws start afresh (the run stays valid, but is not the bit-for-bit "
-                "continuation of the uninterrupted one)")
-    precision, now = saved.get("mixed_precision"), effective_precision(accelerator)
+                f"warning: ranks {before}-{accelerator.num_processes - 1} have no saved random state in {path}: their "
+                f"dropout/augmentation draws start afresh (the run stays valid, but is not the bit-for-bit "
+                f"continuation of the uninterrupted one)")
+    precision, now = saved.get("mixed_precision"), runtime.effective_precision(accelerator)
     if precision and precision != now:
-        accelerator.print(f"resumed in {_precision_name(now)} from a checkpoint trained in {_precision_name(precision)}"
-                          f": the steps from here compute in {_precision_name(now)}")
+        accelerator.print(f"resumed in {_precision_name(now)} from a checkpoint trained in "
+                          f"{_precision_name(precision)}: the steps from here compute in {_precision_name(now)}")
 
 
 def _processes(count):
@@ -962,7 +963,7 @@ def _write_json_durably(path, data):
         os.fsync(f.fileno())
 
 
-def load_checkpoint_weights(accelerator, path):
+def load_weights(accelerator, path):
     """A resumable checkpoint's model weights into the prepared model for evaluation, in whatever layout
     save_state wrote them (DDP, FSDP, DeepSpeed): through load_state (`path` comes from agree_on_resume, which
     checked its files; the modules saved beside, the EMA, are not read: the model is what is evaluated)."""

@@ -110,7 +110,7 @@ def write_photo_imagefolder(out_dir, n_train, n_val=0, longer_side=500, seed=0, 
         left, top = int(rng.integers(0, photo.width - w + 1)), int(rng.integers(0, photo.height - h + 1))
         scale = longer_side / max(w, h)
         image = photo.crop((left, top, left + w, top + h)).resize((round(w * scale), round(h * scale)),
-                                                                   Image.BILINEAR)
+                                                                  Image.BILINEAR)
         if rng.random() < 0.5:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
         folder = out_dir / ("train" if i < n_train else "val") / name

@@ -10,7 +10,7 @@ between nodes interrupted, a full disk: "damaged or incomplete"), a file that is
 DDP/DataParallel add `module.`, torch.compile adds `_orig_mod.` (before every key when the whole model is
 compiled, inside each block under regional compilation). A file with those names loads into a fresh model as random
 weights with no error (transformers reports every weight MISSING and initialises it), so both scripts export through
-`export_state_dict`, which also refuses to return anything a fresh model would not load.
+`full_state_dict`, which also refuses to return anything a fresh model would not load.
 Every function that gathers or broadcasts weights runs on every process (collectives under FSDP/DeepSpeed).
 
 An export carries what it was trained with that an evaluation needs (BERT's max_seq_len and label mode, ResNet's
@@ -35,12 +35,12 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 
-from .runtime import UserError
+from . import runtime
 
 COMPILE_PREFIX = "_orig_mod."
 
 
-def export_state_dict(accelerator, model, reference):
+def full_state_dict(accelerator, model, reference):
     """The full state dict of the prepared `model` under the names of `reference` (a freshly built model).
 
     Every rank must call it: under FSDP/DeepSpeed it gathers the shards (and only the main process gets the
@@ -61,8 +61,8 @@ def check_same_keys(state_dict, reference):
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
         raise RuntimeError(f"refusing to export weights a fresh {type(reference).__name__} would not load: "
-                           f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected "
-                           f"(e.g. {unexpected[:2]})")
+                           f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. "
+                           f"{unexpected[:2]})")
 
 
 def on_meta_device(build):
@@ -147,13 +147,13 @@ def load_selected_weights(accelerator, model, best_dir, step):
             problem = [f"{best_dir}: no model.safetensors, but the best model (step {step}) was saved there"]
         elif found != step:
             problem = [f"{best_dir}: holds the weights of step {found}, not those of the best step {step} of the "
-                       "checkpoint this run resumed from (an abandoned branch's?); resume from a later checkpoint "
-                       "or train again"]
+                       f"checkpoint this run resumed from (an abandoned branch's?); resume from a later checkpoint or "
+                       f"train again"]
         else:
             problem = [safetensors_problem(weights)]
     broadcast_object_list(problem)
     if problem[0]:
-        raise UserError(problem[0])
+        raise runtime.UserError(problem[0])
     load_full_weights(accelerator, model, weights)
 
 
@@ -177,17 +177,17 @@ def load_torch_checkpoint(path):
         with torch.serialization.safe_globals([argparse.Namespace]):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"{path}: no such checkpoint file") from None
+        raise runtime.UserError(f"{path}: no such checkpoint file") from None
     except Exception as err:
-        raise UserError(torch_load_problem(path, err)) from None
+        raise runtime.UserError(torch_load_problem(path, err)) from None
     if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict, as torch.save(model.state_dict()) writes
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("model"), dict) and "state_dict" not in checkpoint:
         checkpoint = from_torchvision_layout(checkpoint)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UserError(f"{path}: no 'state_dict' in this checkpoint (expected main.py's keys state_dict, "
-                        "optimizer, epoch, best_acc1, torchvision's model, optimizer, epoch, args, or a bare "
-                        "state_dict)")
+        raise runtime.UserError(f"{path}: no 'state_dict' in this checkpoint (expected main.py's keys state_dict, "
+                                f"optimizer, epoch, best_acc1, torchvision's model, optimizer, epoch, args, or a bare "
+                                f"state_dict)")
     checkpoint["state_dict"] = strip_module_prefix(checkpoint["state_dict"])
     checkpoint.pop("model", None)  # this project's exports: torchvision's name for the same dict
     if isinstance(checkpoint.get("model_ema"), dict):
@@ -237,7 +237,7 @@ def torch_load_problem(path, err):
     refused = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(err))
     if refused:
         return (f"{path}: holds a pickled {refused.group(1)}, which torch.load(weights_only=True) refuses; only "
-                "tensors and plain values are loaded from checkpoints")
+                f"tensors and plain values are loaded from checkpoints")
     if path.stat().st_size == 0 or "central directory" in str(err) or isinstance(err, EOFError) or (
             _starts_as_zip(path) and not zipfile.is_zipfile(path)):  # torch.save writes a zip: its end is lost
         return f"{path}: {DAMAGED}: {str(err).strip().splitlines()[0][:160]}"
@@ -259,7 +259,7 @@ def check_torch_file(path):
     try:
         accelerate_load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
     except Exception as err:
-        raise UserError(torch_load_problem(path, err)) from None
+        raise runtime.UserError(torch_load_problem(path, err)) from None
 
 
 def _dcp_class_allowed(module, name):
@@ -291,14 +291,15 @@ def check_dcp_checkpoint(directory):
         with open(metadata_path, "rb") as f:
             metadata = _DcpMetadataUnpickler(f).load()
     except Exception as err:
-        raise UserError(torch_load_problem(metadata_path, err)) from None
+        raise runtime.UserError(torch_load_problem(metadata_path, err)) from None
     for index, info in metadata.storage_data.items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue  # a tensor: torch reads it with weights_only=True
         path = Path(directory) / info.relative_path
         if getattr(info, "transform_descriptors", None):
-            raise UserError(f"{path}: item {index.fqn} is stored transformed ({info.transform_descriptors}), "
-                            "which is not checked here; only plain torch.distributed.checkpoint files are loaded")
+            raise runtime.UserError(f"{path}: item {index.fqn} is stored transformed ({info.transform_descriptors}), "
+                                    f"which is not checked here; only plain torch.distributed.checkpoint files are "
+                                    f"loaded")
         with open(path, "rb") as f:
             f.seek(info.offset)
             item = f.read(info.length)
@@ -306,7 +307,7 @@ def check_dcp_checkpoint(directory):
             torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
         except Exception as err:
             problem = torch_load_problem(path, err) if len(item) == info.length else f"{path}: {DAMAGED}"
-            raise UserError(f"{problem} (item {index.fqn})") from None
+            raise runtime.UserError(f"{problem} (item {index.fqn})") from None
 
 
 def safetensors_problem(path):
@@ -331,7 +332,7 @@ def load_weights(model, state_dict, source):
         model.load_state_dict(state_dict)
     except RuntimeError as err:  # "Error(s) in loading state_dict for ResNet:\n\tsize mismatch for fc.weight ..."
         detail = " ".join(line.strip() for line in str(err).splitlines()[1:2])
-        raise UserError(f"{source}: weights do not fit this model ({detail})") from None
+        raise runtime.UserError(f"{source}: weights do not fit this model ({detail})") from None
 
 
 def settings_from_model(args, defaults, recorded, source, say, flags=None):

@@ -25,8 +25,7 @@ import json
 import math
 import sys
 
-from utils.checkpoint import FlagRoles, RoleError
-from utils.runtime import HelpFormatter, launched_world_size
+from . import checkpoint, runtime
 
 TRUE_WORDS = ("true", "yes", "1")
 FALSE_WORDS = ("false", "no", "0")
@@ -41,7 +40,7 @@ class Parser(argparse.ArgumentParser):
     """
 
     def __init__(self, roles=None, roles_in="FLAG_ROLES", **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("formatter_class", runtime.HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)  # a prefix of a flag is a typo here, not the flag
         super().__init__(**kwargs)
         self.replaced = {}  # {flag: (tool, what replaces it)}
@@ -49,14 +48,14 @@ class Parser(argparse.ArgumentParser):
 
     def flag_roles(self):
         """FlagRoles of this parser's options (a RoleError if one has no role, or a role no option)."""
-        return FlagRoles(self, self.roles, self.roles_in)
+        return checkpoint.FlagRoles(self, self.roles, self.roles_in)
 
     def check_roles(self):
         """Every option has its role, shown by --help: else one line and exit status 2, before anything starts."""
         if self.roles is not None:
             try:
                 self.flag_roles()
-            except RoleError as err:
+            except checkpoint.RoleError as err:
                 self.error(str(err))
 
     def refuse(self, tool, replacements):
@@ -81,7 +80,8 @@ class Parser(argparse.ArgumentParser):
             self.error(self._unknown(extras))
         for dest, value in booleans.items():
             setattr(parsed, dest, value)
-        parsed.command_notes = tuple(getattr(parsed, "command_notes", ())) + tuple(self._resolve_spellings(argv, parsed))
+        parsed.command_notes = tuple(getattr(parsed, "command_notes", ())) + tuple(self._resolve_spellings(argv,
+                                                                                                           parsed))
         return parsed
 
     def _check_value(self, action, value):
@@ -129,7 +129,7 @@ class Parser(argparse.ArgumentParser):
             action = self._action_of(word)
             following = argv[i + 1]
             if (action is not None and action.nargs == "?" and "=" not in word and _takes_numbers(action)
-                    and not following.startswith("-") and not _is_number(following)):
+                and not following.startswith("-") and not _is_number(following)):
                 kept[i] = f"{word}={action.const}"
         return kept
 
@@ -164,7 +164,8 @@ class Parser(argparse.ArgumentParser):
                 notes.append(f"{spelling} {value} = {own_name(action, self)} {action.peer_values[value]}")
             elif not same_name(spelling, action.dest) and not isinstance(action, PerDevice):
                 given = "" if action.nargs == 0 else f" {value}"
-                meant = "" if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) else f" {value}"
+                switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+                meant = "" if switch else f" {value}"
                 notes.append(f"{spelling}{given} = {own_name(action, self)}{meant}")
         return list(dict.fromkeys(notes))
 
@@ -214,10 +215,10 @@ class PerDevice(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        processes = launched_world_size()
+        processes = runtime.launched_world_size()
         setattr(namespace, self.dest, values * processes)
-        note = (f"{option_string} {values} x {processes} process{'es' if processes > 1 else ''} = "
-                f"{self.global_flag} {values * processes} (the GLOBAL batch)")
+        note = (f"{option_string} {values} x {processes} process{'es' if processes > 1 else ''} = {self.global_flag} "
+                f"{values * processes} (the GLOBAL batch)")
         namespace.command_notes = (*getattr(namespace, "command_notes", ()), note)
 
 
@@ -244,7 +245,7 @@ def whole_epochs(text):
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
     if not value.is_integer():
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}: whole epochs only here; for part "
-                                         "of an epoch pass --max_train_steps (optimizer steps)")
+                                         f"of an epoch pass --max_train_steps (optimizer steps)")
     return int(value)
 
 

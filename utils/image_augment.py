@@ -32,10 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torchvision.transforms import v2
 
-from utils.checkpoint import MAY_CHANGE, MUST_KEEP, FlagRoles, kept_by, roles_beside
-from utils.export import settings_from_model
-from utils.image_data import IMAGENET_MEAN
-from utils.runtime import UserError, nonnegative_float, positive_int
+from . import checkpoint, export, image_data, runtime
 
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")  # the last three: AutoAugment policies
 # the first word of timm's --aa strings (timm.data.auto_augment): rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, v0, original
@@ -47,9 +44,8 @@ def augment_policy(text):
     """argparse type of --auto_augment / timm's --aa: torchvision's policy names, or timm's policy strings."""
     if text in AUTO_AUGMENT or text.split("-")[0] in TIMM_AUTO_AUGMENT:
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither a torchvision policy ({', '.join(AUTO_AUGMENT)}) nor "
-                                     f"timm's (a string starting {', '.join(TIMM_AUTO_AUGMENT)}, e.g. "
-                                     "rand-m9-mstd0.5-inc1)")
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a torchvision policy ({', '.join(AUTO_AUGMENT)}) nor timm's "
+                                     f"(a string starting {', '.join(TIMM_AUTO_AUGMENT)}, e.g. rand-m9-mstd0.5-inc1)")
 
 
 class TimmErasing(argparse.Action):
@@ -60,19 +56,20 @@ class TimmErasing(argparse.Action):
         namespace.timm_erasing = option_string
 
 
-@roles_beside("AUGMENT_ROLES")
+@checkpoint.roles_beside("AUGMENT_ROLES")
 def add_augment_args(parser):
     """Augmentation flags, with torchvision's dashed spellings beside ours."""
     group = parser.add_argument_group("augmentation (torchvision's presets; timm's names in docs/resnet_recipes.md)")
-    group.add_argument("--image_size", "--img-size", type=positive_int, default=None,
+    group.add_argument("--image_size", "--img-size", type=runtime.positive_int, default=None,
                        help="pixels: default of --train_crop_size and --val_crop_size (default: 224; -e: the model's)")
-    group.add_argument("--train_crop_size", "--train-crop-size", type=positive_int, default=None,
+    group.add_argument("--train_crop_size", "--train-crop-size", type=runtime.positive_int, default=None,
                        help="pixels: RandomResizedCrop output (default --image_size)")
-    group.add_argument("--val_crop_size", "--val-crop-size", type=positive_int, default=None,
+    group.add_argument("--val_crop_size", "--val-crop-size", type=runtime.positive_int, default=None,
                        help="pixels: validation center crop (default --image_size)")
-    group.add_argument("--val_resize", "--val_resize_size", "--val-resize-size", type=positive_int, default=None,
+    group.add_argument("--val_resize", "--val_resize_size", "--val-resize-size", type=runtime.positive_int,
+                       default=None,
                        dest="val_resize", help="pixels: shorter side before the validation center crop (default: 256; "
-                                               "-e: the model's)")
+                       "-e: the model's)")
     group.add_argument("--crop_scale", type=float, default=0.08,
                        help="smallest fraction of the image area a training crop covers (timm's --scale)")
     group.add_argument("--crop_ratio", type=float, nargs=2, default=(3 / 4, 4 / 3), metavar=("MIN", "MAX"),
@@ -80,8 +77,8 @@ def add_augment_args(parser):
     group.add_argument("--hflip", type=float, default=0.5, help="probability of a horizontal flip; 0 for digits/text")
     group.add_argument("--auto_augment", "--auto-augment", "--aa", type=augment_policy, default=None,
                        help="ta_wide: TrivialAugmentWide, ra: RandAugment, augmix: AugMix, imagenet/cifar10/svhn: "
-                            "AutoAugment with that policy (torchvision's); timm's strings (rand-m9-mstd0.5-inc1, "
-                            "augmix-m5, v0, original) with timm's own transforms, if timm is installed")
+                       "AutoAugment with that policy (torchvision's); timm's strings (rand-m9-mstd0.5-inc1, augmix-m5, "
+                       "v0, original) with timm's own transforms, if timm is installed")
     group.add_argument("--ra_magnitude", "--ra-magnitude", type=int, default=9, help="RandAugment magnitude")
     group.add_argument("--augmix_severity", "--augmix-severity", type=int, default=3, help="AugMix severity")
     group.add_argument("--random_erase", "--random-erase", type=float, default=0.0,
@@ -90,13 +87,13 @@ def add_augment_args(parser):
                        help="timm's: --random_erase with timm's --remode pixel (unless --random_erase_mode is given)")
     group.add_argument("--random_erase_mode", "--remode", choices=ERASE_MODES, default=None,
                        help="what erased pixels become: const zeros (torchvision's), pixel: a normal value per "
-                            "pixel, rand: one per channel (timm's); default const, pixel with timm's --reprob")
+                       "pixel, rand: one per channel (timm's); default const, pixel with timm's --reprob")
     group.add_argument("--interpolation", choices=["bilinear", "bicubic", "nearest"], default=None,
                        help="resampling of crops and resizes (auto-augment's rotations and shears: bilinear "
-                            "for bicubic); default: bilinear; -e: the model's")
+                       "for bicubic); default: bilinear; -e: the model's")
     group.add_argument("--ra_sampler", "--ra-sampler", action="store_true",
                        help="repeated augmentation: each image --ra_reps times per batch, differently augmented")
-    group.add_argument("--ra_reps", "--ra-reps", type=positive_int, default=3,
+    group.add_argument("--ra_reps", "--ra-reps", type=runtime.positive_int, default=3,
                        help="copies per image with --ra_sampler")
     return group
 
@@ -105,15 +102,18 @@ def add_augment_args(parser):
 # torchvision's defaults where neither the command line nor the model gives one; the validation's part of them may
 # change on resume and is recorded with the results. Which images a step sees depends on the repeated-augmentation
 # sampler; the other augmentations apply from the resumed step on.
-AUGMENT_ROLES = {"--image_size": kept_by("--train_crop_size"),
-                 "--train_crop_size": MUST_KEEP.recorded(224, evaluation=False),
-                 "--val_crop_size": MAY_CHANGE.recorded(224), "--val_resize": MAY_CHANGE.recorded(256),
-                 "--interpolation": MAY_CHANGE.recorded("bilinear"), "--crop_scale": MAY_CHANGE,
-                 "--crop_ratio": MAY_CHANGE, "--hflip": MAY_CHANGE, "--auto_augment": MAY_CHANGE,
-                 "--ra_magnitude": MAY_CHANGE, "--augmix_severity": MAY_CHANGE, "--random_erase": MAY_CHANGE,
-                 "--reprob": MAY_CHANGE, "--random_erase_mode": MAY_CHANGE,
-                 "--ra_sampler": MUST_KEEP, "--ra_reps": MUST_KEEP}
-IMAGE_ROLES = FlagRoles.of(add_augment_args, AUGMENT_ROLES)
+AUGMENT_ROLES = {"--image_size": checkpoint.kept_by("--train_crop_size"),
+                 "--train_crop_size": checkpoint.MUST_KEEP.recorded(224, evaluation=False),
+                 "--val_crop_size": checkpoint.MAY_CHANGE.recorded(224),
+                 "--val_resize": checkpoint.MAY_CHANGE.recorded(256),
+                 "--interpolation": checkpoint.MAY_CHANGE.recorded("bilinear"), "--crop_scale": checkpoint.MAY_CHANGE,
+                 "--crop_ratio": checkpoint.MAY_CHANGE, "--hflip": checkpoint.MAY_CHANGE,
+                 "--auto_augment": checkpoint.MAY_CHANGE,
+                 "--ra_magnitude": checkpoint.MAY_CHANGE, "--augmix_severity": checkpoint.MAY_CHANGE,
+                 "--random_erase": checkpoint.MAY_CHANGE,
+                 "--reprob": checkpoint.MAY_CHANGE, "--random_erase_mode": checkpoint.MAY_CHANGE,
+                 "--ra_sampler": checkpoint.MUST_KEEP, "--ra_reps": checkpoint.MUST_KEEP}
+IMAGE_ROLES = checkpoint.FlagRoles.of(add_augment_args, AUGMENT_ROLES)
 IMAGE_DEFAULTS = IMAGE_ROLES.exported()  # {args attribute: default} of the image settings a model's exports record
 EVAL_IMAGE_FLAGS = IMAGE_ROLES.evaluation()  # {flag: args attribute}: the validation's part, recorded with results
 
@@ -127,13 +127,13 @@ def resolve_augment_args(args, sizes_from_model=False):
             setattr(args, key, getattr(args, key) or (args.image_size if key.endswith("crop_size") else default))
     for name in ("hflip", "random_erase"):
         if not 0.0 <= getattr(args, name) <= 1.0:
-            raise UserError(f"--{name} {getattr(args, name)}: a probability, between 0 and 1")
+            raise runtime.UserError(f"--{name} {getattr(args, name)}: a probability, between 0 and 1")
     resolve_erase_mode(args)
     if args.auto_augment and args.auto_augment not in AUTO_AUGMENT:
         timm_auto_augment(args.auto_augment, 224, "bilinear")  # a policy timm cannot read stops here, in one line
     if not 0.0 < args.crop_scale <= 1.0 or not 0.0 < args.crop_ratio[0] <= args.crop_ratio[1]:
-        raise UserError(f"--crop_scale {args.crop_scale} / --crop_ratio {args.crop_ratio}: need 0 < scale <= 1 "
-                        "and 0 < MIN <= MAX")
+        raise runtime.UserError(f"--crop_scale {args.crop_scale} / --crop_ratio {args.crop_ratio}: need 0 < scale <= 1 "
+                                f"and 0 < MIN <= MAX")
 
 
 def resolve_erase_mode(args):
@@ -142,7 +142,8 @@ def resolve_erase_mode(args):
         timm_flag = getattr(args, "timm_erasing", None)
         args.random_erase_mode = "pixel" if timm_flag else "const"
         if timm_flag:
-            args.command_notes = (*args.command_notes, f"{timm_flag}: timm's per-pixel noise = --random_erase_mode pixel")
+            args.command_notes = (*args.command_notes, f"{timm_flag}: timm's per-pixel noise = --random_erase_mode "
+                                  f"pixel")
 
 
 def random_erasing(probability, mode):
@@ -167,12 +168,12 @@ def timm_auto_augment(policy, image_size, interpolation):
     """timm's --aa `policy` as timm's transforms_imagenet_train builds it (timm.data.auto_augment), on the uint8
     tensors of this pipeline; a one-line UserError without timm or for a string timm does not read."""
     if importlib.util.find_spec("timm") is None:
-        raise UserError(f"--aa {policy}: timm's policy strings need timm (pip install timm); without it, "
-                        f"--auto_augment {'|'.join(AUTO_AUGMENT)}")
+        raise runtime.UserError(f"--aa {policy}: timm's policy strings need timm (pip install timm); without it, "
+                                f"--auto_augment {'|'.join(AUTO_AUGMENT)}")
     from timm.data import auto_augment
     from timm.data.transforms import str_to_pil_interp
     hparams = {"translate_const": int(image_size * 0.45), "interpolation": str_to_pil_interp(interpolation),
-               "img_mean": tuple(min(255, round(255 * x)) for x in IMAGENET_MEAN)}
+               "img_mean": tuple(min(255, round(255 * x)) for x in image_data.IMAGENET_MEAN)}
     try:
         if policy.startswith("rand"):
             op = auto_augment.rand_augment_transform(policy, hparams)
@@ -181,7 +182,7 @@ def timm_auto_augment(policy, image_size, interpolation):
         else:
             op = auto_augment.auto_augment_transform(policy, hparams)
     except (AssertionError, KeyError, ValueError) as err:
-        raise UserError(f"--aa {policy}: timm does not read it ({err or type(err).__name__})") from None
+        raise runtime.UserError(f"--aa {policy}: timm does not read it ({err or type(err).__name__})") from None
     for step in getattr(op, "ops", []) + [step for sub_policy in getattr(op, "policy", []) for step in sub_policy]:
         if step.aug_fn is auto_augment.posterize:
             step.aug_fn = posterize_any_bits
@@ -230,9 +231,9 @@ def resolve_image_sizes(args, recorded, source, say, others=None, flags=None):
     flags = {**(flags or {}), "val_crop_size": "--val_crop_size" if args.val_crop_size else "--image_size"}
     args.val_crop_size = args.val_crop_size or args.image_size
     defaults = {**{key: IMAGE_DEFAULTS[key] for key in EVAL_IMAGE_FLAGS.values()}, **(others or {})}
-    tag = settings_from_model(args, defaults, recorded, source, say, flags)
+    tag = export.settings_from_model(args, defaults, recorded, source, say, flags)
     args.train_crop_size = args.train_crop_size or args.image_size or recorded.get("train_crop_size",
-                                                                                    args.val_crop_size)
+                                                                                   args.val_crop_size)
     args.image_size = args.image_size or args.val_crop_size
     return tag
 
@@ -268,8 +269,8 @@ class RepeatedAugmentationSampler(Sampler):
 
     def __init__(self, dataset, batch_size, reps, seed):
         if batch_size % reps:
-            raise UserError(f"--ra_reps {reps}: must divide the global batch (-b {batch_size}), so that every "
-                            "batch holds whole groups of copies")
+            raise runtime.UserError(f"--ra_reps {reps}: must divide the global batch (-b {batch_size}), so that every "
+                                    f"batch holds whole groups of copies")
         self.dataset, self.batch_size, self.reps, self.seed, self.epoch = dataset, batch_size, reps, seed, 0
 
     def set_epoch(self, epoch):  # accelerate's prepared loader forwards its set_epoch here
@@ -288,24 +289,25 @@ class RepeatedAugmentationSampler(Sampler):
 
 # add_mixing_args' flags: each group's mixing is drawn from (seed, epoch, batch, group), so they apply from the
 # resumed step on
-MIXING_ROLES = {"--mixup_alpha": MAY_CHANGE, "--cutmix_alpha": MAY_CHANGE, "--mixup": MAY_CHANGE, "--cutmix": MAY_CHANGE,
-                "--mixup_mode": MAY_CHANGE}
+MIXING_ROLES = {"--mixup_alpha": checkpoint.MAY_CHANGE, "--cutmix_alpha": checkpoint.MAY_CHANGE,
+                "--mixup": checkpoint.MAY_CHANGE, "--cutmix": checkpoint.MAY_CHANGE,
+                "--mixup_mode": checkpoint.MAY_CHANGE}
 
 
-@roles_beside("MIXING_ROLES")
+@checkpoint.roles_beside("MIXING_ROLES")
 def add_mixing_args(parser):
     group = parser.add_argument_group("batch mixing (torchvision's MixUp/CutMix; timm's names in the docs)")
-    group.add_argument("--mixup_alpha", "--mixup-alpha", type=nonnegative_float, default=0.0,
+    group.add_argument("--mixup_alpha", "--mixup-alpha", type=runtime.nonnegative_float, default=0.0,
                        help="MixUp Beta(alpha, alpha); 0: off")
-    group.add_argument("--cutmix_alpha", "--cutmix-alpha", type=nonnegative_float, default=0.0,
+    group.add_argument("--cutmix_alpha", "--cutmix-alpha", type=runtime.nonnegative_float, default=0.0,
                        help="CutMix Beta(alpha, alpha); 0: off. Both set: one of the two per group")
-    group.add_argument("--mixup", type=nonnegative_float, dest="mixup_alpha", action=TimmMixing,
+    group.add_argument("--mixup", type=runtime.nonnegative_float, dest="mixup_alpha", action=TimmMixing,
                        help="timm's: --mixup_alpha with timm's --mixup-mode batch (unless --mixup_mode is given)")
-    group.add_argument("--cutmix", type=nonnegative_float, dest="cutmix_alpha", action=TimmMixing,
+    group.add_argument("--cutmix", type=runtime.nonnegative_float, dest="cutmix_alpha", action=TimmMixing,
                        help="timm's: --cutmix_alpha with timm's --mixup-mode batch (unless --mixup_mode is given)")
     group.add_argument("--mixup_mode", "--mixup-mode", choices=["pair", "batch"], default=None,
                        help="pair: each 2 images mixed together (exact for any process count); batch: each "
-                            "process's share together (torchvision's); default pair, batch with timm's --mixup/--cutmix")
+                       "process's share together (torchvision's); default pair, batch with timm's --mixup/--cutmix")
     return group
 
 
@@ -331,8 +333,8 @@ def build_mixer(args, num_classes, per_process_batch):
     if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
         return None
     if args.mixup_mode == "pair" and per_process_batch % 2:
-        raise UserError(f"--mixup_mode pair mixes pairs of images: the per-process batch ({per_process_batch}) must "
-                        "be even (change -b, or pass --mixup_mode batch)")
+        raise runtime.UserError(f"--mixup_mode pair mixes pairs of images: the per-process batch ({per_process_batch}) "
+                                f"must be even (change -b, or pass --mixup_mode batch)")
     return BatchMixer(args.mixup_alpha, args.cutmix_alpha, num_classes, args.seed, args.mixup_mode)
 
 

@@ -48,8 +48,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from utils.checkpoint import DataFingerprint, data_fingerprint
-from utils.runtime import UserError
+from . import checkpoint, runtime
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
@@ -133,7 +132,7 @@ def pil_rgb(image):
     if image.mode in ("F", "I"):
         kind = "float" if image.mode == "F" else "32-bit integer"
         raise ValueError(f"{kind} pixels (PIL mode {image.mode}) have no defined range; save the image with 8 or 16 "
-                         "bits per channel")
+                         f"bits per channel")
     return pil_to_tensor(image.convert("RGB"))
 
 
@@ -182,8 +181,8 @@ class RGBImageFolder(datasets.ImageFolder):
         files = is_valid_file if isinstance(is_valid_file, ImageFiles) else ImageFiles(directory)
         samples, empty = list_images(directory, class_to_idx, files)
         if empty:
-            raise UserError(f"{Path(directory) / empty[0]}: empty class folder (no "
-                            f"{', '.join(IMAGE_EXTENSIONS)} files); remove it or add its images")
+            raise runtime.UserError(f"{Path(directory) / empty[0]}: empty class folder (no "
+                                    f"{', '.join(IMAGE_EXTENSIONS)} files); remove it or add its images")
         return samples
 
     def set_epoch(self, epoch):
@@ -243,7 +242,7 @@ def list_images(directory, class_to_idx, files):
     directory = os.path.expanduser(os.fspath(directory))
     skip = len(os.path.join(directory, ""))
     blobs, lengths, targets, empty = [], [], [], []
-    fingerprint = DataFingerprint()
+    fingerprint = checkpoint.DataFingerprint()
     for name in sorted(class_to_idx):
         index, found = class_to_idx[name], 0
         for folder, _, names in sorted(os.walk(os.path.join(directory, name), followlinks=True)):
@@ -281,11 +280,11 @@ def image_classes(root):
     `RGBImageFolder.make_dataset`, which refuses an empty class folder); a missing root or no class is an error."""
     root = Path(root)
     if not root.is_dir():
-        raise UserError(f"{root}: no such directory; the data argument must be an ImageFolder root holding "
-                        "train/<class>/*.jpg and val/<class>/*.jpg")
+        raise runtime.UserError(f"{root}: no such directory; the data argument must be an ImageFolder root holding "
+                                f"train/<class>/*.jpg and val/<class>/*.jpg")
     classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and entry.name != MACOS_METADATA)
     if not classes:
-        raise UserError(f"{root}: no class folders (expected {root}/<class>/<image files>)")
+        raise runtime.UserError(f"{root}: no class folders (expected {root}/<class>/<image files>)")
     return classes
 
 
@@ -335,7 +334,7 @@ class ImageFiles:
         notes = []
         if metadata:
             notes.append(f"{self.root}: {metadata} macOS archive metadata files (__MACOSX/, AppleDouble ._*) skipped: "
-                         "not images")
+                         f"not images")
         if self.others:
             counts = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.others.items()))
             notes.append(f"{self.root}: files of types no decoder here reads left out ({counts}); read: "
@@ -348,8 +347,8 @@ def check_same_classes(train_classes, val_classes, train_root, val_root):
     if train_classes != val_classes:
         only_train = sorted(set(train_classes) - set(val_classes))
         only_val = sorted(set(val_classes) - set(train_classes))
-        raise UserError(f"{val_root}: classes differ from {train_root} (only in train: {_few(only_train)}; "
-                        f"only in val: {_few(only_val)}); both must hold the same class folders")
+        raise runtime.UserError(f"{val_root}: classes differ from {train_root} (only in train: {_few(only_train)}; "
+                                f"only in val: {_few(only_val)}); both must hold the same class folders")
 
 
 def _few(names, limit=5):
@@ -415,8 +414,8 @@ class EpochValue:
 def bad_image_error(dataset, target):
     """The one-line error for the unreadable image whose placeholder target is `target` (< 0)."""
     path = dataset.bad_image_path(target)
-    return UserError(f"{path}: unreadable image ({describe_bad_image(path)}); "
-                     "replace or remove it, or pass --skip_bad_images")
+    return runtime.UserError(f"{path}: unreadable image ({describe_bad_image(path)}); replace or remove it, or pass "
+                             f"--skip_bad_images")
 
 
 class ImageCounts:
@@ -470,7 +469,7 @@ def fingerprint_images(dataset):
     """The training set's fingerprint for its checkpoints (module header): an ImageFolder's (relative path, class)
     list, or --dummy's image count."""
     if not hasattr(dataset, "samples"):  # FakeImages: each image a function of its index
-        return data_fingerprint("--dummy", (str(index) for index in range(len(dataset))))
+        return checkpoint.data_fingerprint("--dummy", (str(index) for index in range(len(dataset))))
     return dataset.samples.fingerprint  # hashed by the listing (list_images)
 
 
@@ -488,11 +487,11 @@ def files_to_predict(paths):
             images = ImageFiles(path)  # the types the decoders read, macOS archive metadata left out
             found = sorted(str(p) for p in path.rglob("*") if p.is_file() and images(p))
             if not found:
-                raise UserError(f"--predict {path}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in this folder "
-                                "or below it")
+                raise runtime.UserError(f"--predict {path}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in this "
+                                        f"folder or below it")
             files += found
         elif not path.is_file():
-            raise UserError(f"--predict {path}: no such file or directory")
+            raise runtime.UserError(f"--predict {path}: no such file or directory")
         elif path.suffix.lower() == LIST_SUFFIX:
             files += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         else:

@@ -43,11 +43,9 @@ import torch
 from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.transforms import v2
-
-from utils.runtime import UserError
-
-from .image_data import DECODE_ERRORS, RGBImageFolder, decode_rgb, sample_key, stored_orientation, torchcodec_decoder
 from torchvision.transforms.v2._transform import _RandomApplyTransform
+
+from . import image_data, runtime
 
 # v2's own forwards: draw (make_params) then transform(image, params), which a replay splits between worker and device
 REPLAYABLE_FORWARDS = (v2.Transform.forward, _RandomApplyTransform.forward)
@@ -61,7 +59,7 @@ def check_decode_on_device(args, transforms):
     if not args.decode_on_device:
         return
     if args.dummy is not None:
-        raise UserError("--decode_on_device decodes image files; --dummy has none: drop one of the two")
+        raise runtime.UserError("--decode_on_device decodes image files; --dummy has none: drop one of the two")
     for transform in transforms:
         check_replayable(transform)
 
@@ -71,14 +69,15 @@ def check_replayable(transform):
     how to make it replayable."""
     for step in transform.transforms:
         if type(step).forward not in REPLAYABLE_FORWARDS:
-            raise UserError(f"--decode_on_device: {not_replayable(step)}")
+            raise runtime.UserError(f"--decode_on_device: {not_replayable(step)}")
     with torch.random.fork_rng(devices=[]):
         try:
             draw_params(transform, STAND_IN_SHAPE, torch.uint8)
         except Exception as err:  # noqa: BLE001 - a step whose draw needs the pixels: named, whatever it raised
-            raise UserError(f"--decode_on_device: the transform {failing_step(transform)} cannot draw its parameters "
-                            f"without the image's pixels ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
-                            "drop --decode_on_device, or that transform") from None
+            raise runtime.UserError(f"--decode_on_device: the transform {failing_step(transform)} cannot draw its "
+                                    f"parameters without the image's pixels ({type(err).__name__}: "
+                                    f"{str(err).splitlines()[0][:120]}); drop --decode_on_device, or that "
+                                    f"transform") from None
 
 
 def not_replayable(step):
@@ -87,8 +86,8 @@ def not_replayable(step):
     way = ("use utils.image_device_decode.ReplayableRandomApply(transforms, p) instead: v2.RandomApply with its draws "
            "in make_params, the same images" if isinstance(step, v2.RandomApply) else
            f"write {name} as torchvision's transforms.v2 steps are written, a v2.Transform subclass that draws every "
-           "random choice in make_params(flat_inputs) and applies them in transform(inpt, params), with no forward of "
-           "its own (v2.RandomApply: ReplayableRandomApply)")
+           f"random choice in make_params(flat_inputs) and applies them in transform(inpt, params), with no forward of "
+           f"its own (v2.RandomApply: ReplayableRandomApply)")
     return (f"the transform {name} draws inside its own forward in the loader workers and cannot be replayed on the "
             f"device; {way}; or drop --decode_on_device")
 
@@ -143,7 +142,7 @@ class EncodedImage:
     params: list = None
 
 
-class EncodedImageFolder(RGBImageFolder):
+class EncodedImageFolder(image_data.RGBImageFolder):
     """RGBImageFolder whose samples are EncodedImage; `collate` makes the EncodedBatch that decodes on the device."""
 
     def __init__(self, root, transform, image_size, seed=0):
@@ -151,11 +150,11 @@ class EncodedImageFolder(RGBImageFolder):
         super().__init__(root, transform, image_size, seed)
 
     def __getitem__(self, item):
-        key, index = sample_key(self.seed, self.epoch.get(), item)
+        key, index = image_data.sample_key(self.seed, self.epoch.get(), item)
         path, target = self.samples[index]
         try:
             jpeg, pixels, shape = read_encoded(path)
-        except DECODE_ERRORS:
+        except image_data.DECODE_ERRORS:
             return EncodedImage(path, index), -1 - index  # as RGBImageFolder marks it
         with torch.random.fork_rng(devices=[]):  # the same seeding as RGBImageFolder's, so the same draws
             torch.default_generator.manual_seed(key)
@@ -178,11 +177,11 @@ def read_encoded(path):
         data = file.read()
     try:
         with Image.open(io.BytesIO(data)) as header:  # parses the header only
-            if header.format == "JPEG" and header.mode in ("L", "RGB") and stored_orientation(header) == 1:
+            if header.format == "JPEG" and header.mode in ("L", "RGB") and image_data.stored_orientation(header) == 1:
                 return data, None, (3, header.height, header.width)
     except Exception:  # noqa: BLE001 - any header PIL cannot parse: decode_rgb decides, as in the CPU loader
         pass
-    pixels = decode_rgb(path)
+    pixels = image_data.decode_rgb(path)
     return None, pixels.numpy(), tuple(pixels.shape)
 
 
@@ -263,7 +262,7 @@ def decode_on_device(batches, device):
 def jpeg_decoder():
     """decode(list of JPEG bytes, device) -> list of (3, H, W) uint8 RGB on `device`, one call per batch:
     TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (utils/image_data.py)."""
-    if torchcodec_decoder() is not None:
+    if image_data.torchcodec_decoder() is not None:
         from torchcodec.decoders import decode_jpeg as torchcodec_decode_jpeg
         return lambda jpegs, device: torchcodec_decode_jpeg(jpegs, mode="RGB", device=device)
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -296,8 +295,8 @@ def decode_one(item, decode, device):
         return decode([item.jpeg], device)[0]
     except (RuntimeError, ValueError):  # not for this decoder (nvJPEG): the CPU loader's decoder, here
         try:
-            return decode_rgb(item.path).to(device)
-        except DECODE_ERRORS:
+            return image_data.decode_rgb(item.path).to(device)
+        except image_data.DECODE_ERRORS:
             return None
 
 

@@ -29,12 +29,10 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 import torchvision
-from torch.utils.checkpoint import checkpoint
 
-from utils.checkpoint import FRESH_START, MAY_CHANGE, roles_beside
-from utils.export import load_torch_checkpoint, load_weights, on_meta_device
-from utils.runtime import UserError
+from . import checkpoint, export, runtime
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar")
 AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make training return a tuple
@@ -42,14 +40,15 @@ AUX_HEAD_MODELS = ("googlenet", "inception_v3")  # their auxiliary heads make tr
 
 # add_model_args' flags (utils/checkpoint.py Role): the starting weights matter to a fresh run only; the drop rates
 # add no weights, and apply from the resumed step on
-MODEL_ROLES = {"--pretrained": FRESH_START, "--weights": FRESH_START, "--drop_path": MAY_CHANGE, "--drop": MAY_CHANGE}
+MODEL_ROLES = {"--pretrained": checkpoint.FRESH_START, "--weights": checkpoint.FRESH_START,
+               "--drop_path": checkpoint.MAY_CHANGE, "--drop": checkpoint.MAY_CHANGE}
 
 
-@roles_beside("MODEL_ROLES")
+@checkpoint.roles_beside("MODEL_ROLES")
 def add_model_args(group):
     group.add_argument("--pretrained", nargs="?", const="DEFAULT", default=None, metavar="PATH",
                        help="start from pretrained weights: torchvision's ImageNet ones, timm's default ones (from the "
-                            "Hugging Face cache), or a .safetensors/.pth file's; a new head for other classes")
+                       "Hugging Face cache), or a .safetensors/.pth file's; a new head for other classes")
     group.add_argument("--weights", "--initial-checkpoint", default=None, metavar="NAME|PATH",
                        help="torchvision weights by name, e.g. ResNet50_Weights.IMAGENET1K_V2, or a weights file")
     group.add_argument("--drop_path", "--drop-path", type=float, default=None,
@@ -88,18 +87,18 @@ def check_model_args(parser, args):
             parser.error(f"-a {args.arch}: not a timm model (timm.list_models())")
         if args.weights not in (None, "DEFAULT") and not weights_file:
             parser.error(f"-a {args.arch}: --weights {args.weights} names torchvision weights; for a timm model pass "
-                         "--pretrained (timm's default weights) or a weights file")
+                         f"--pretrained (timm's default weights) or a weights file")
         return
     if args.gradient_checkpointing and not builder(args.arch).__module__.endswith(".resnet"):
-        parser.error(f"--gradient_checkpointing: covers torchvision's ResNet family (resnet*, resnext*, "
-                     f"wide_resnet*) and timm models, not {args.arch}")
+        parser.error(f"--gradient_checkpointing: covers torchvision's ResNet family (resnet*, resnext*, wide_resnet*) "
+                     f"and timm models, not {args.arch}")
     wanted = regularisation_kwargs(args)
     try:  # on the meta device: nothing is allocated or initialised
         if wanted:
-            on_meta_device(lambda: torchvision.models.get_model(args.arch, **wanted))
+            export.on_meta_device(lambda: torchvision.models.get_model(args.arch, **wanted))
     except TypeError:
-        parser.error(f"-a {args.arch}: torchvision's {args.arch} takes no {' or '.join(wanted)} (--drop_path, "
-                     "--drop); timm models take both (-a timm:NAME)")
+        parser.error(f"-a {args.arch}: torchvision's {args.arch} takes no {' or '.join(wanted)} (--drop_path, --drop); "
+                     f"timm models take both (-a timm:NAME)")
 
 
 def builder(arch):
@@ -112,7 +111,7 @@ def regularisation_kwargs(args):
             if value is not None}
 
 
-def build_image_model(args, num_classes, print_fn=print, class_to_idx=None):
+def build(args, num_classes, print_fn=print, class_to_idx=None):
     """The model of -a, with the weights of --weights/--pretrained, a head for `num_classes` classes and the
     regularisation of --drop_path/--drop; `print_fn` says when the head starts new. `class_to_idx`: the data's
     classes, which a weights file's head is matched with by name (classes_by_name)."""
@@ -131,14 +130,14 @@ def timm_model(args, num_classes, print_fn, class_to_idx=None):
         model = timm.create_model(name, pretrained=pretrained, num_classes=num_classes, drop_rate=args.drop,
                                   drop_path_rate=args.drop_path)
     except TypeError as err:
-        raise UserError(f"-a {args.arch}: {err}") from None
+        raise runtime.UserError(f"-a {args.arch}: {err}") from None
     except (OSError, RuntimeError, ValueError) as err:  # offline and not cached; no weights for this model
         if not pretrained:
             raise
         from huggingface_hub.constants import HF_HUB_CACHE
-        raise UserError(f"--pretrained: cannot get timm's {name} weights ({str(err).splitlines()[0]}); timm reads them "
-                        f"from the Hugging Face cache {HF_HUB_CACHE} (HF_HUB_CACHE), where they are downloaded once, "
-                        "which needs the network; or pass --pretrained PATH, a weights file") from None
+        raise runtime.UserError(f"--pretrained: cannot get timm's {name} weights ({str(err).splitlines()[0]}); timm "
+                                f"reads them from the Hugging Face cache {HF_HUB_CACHE} (HF_HUB_CACHE), where they are "
+                                f"downloaded once, which needs the network; or pass --pretrained PATH, a weights file") from None
     if args.weights is not None and not pretrained:
         load_weights_file(model, args.weights, timm_heads(model), num_classes, args.evaluate, print_fn, class_to_idx)
     return model
@@ -162,10 +161,10 @@ def torchvision_model(args, num_classes, print_fn, class_to_idx=None):
     try:
         model = torchvision.models.get_model(args.arch, weights=args.weights, **kwargs)
     except (KeyError, ValueError) as err:  # no such enum, or weights of another architecture
-        raise UserError(f"{flag}: not weights of torchvision's {args.arch} ({err})") from None
+        raise runtime.UserError(f"{flag}: not weights of torchvision's {args.arch} ({err})") from None
     except (OSError, RuntimeError) as err:  # URLError offline, a broken file in the cache
-        raise UserError(f"{flag}: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
-                        f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
+        raise runtime.UserError(f"{flag}: cannot get torchvision's {args.arch} weights ({err}); they are downloaded "
+                                f"once into {torch.hub.get_dir()}/checkpoints, which needs the network") from None
     head_name, head = last_linear(model)
     if head.out_features != num_classes:
         check_new_head(flag, head.out_features, num_classes, args.evaluate, print_fn)
@@ -183,25 +182,25 @@ def check_new_head(source, trained_classes, num_classes, evaluate, print_fn):
     if trained_classes == num_classes:
         return
     if evaluate:
-        raise UserError(f"{source}: its head predicts {trained_classes} classes, the data has {num_classes}; a new "
-                        "head would be random: evaluate a model trained on these classes (--resume PATH)")
-    print_fn(f"{source}: its head predicts {trained_classes} classes, the data has {num_classes}: the head starts "
-             "new (random), every other weight from these weights")
+        raise runtime.UserError(f"{source}: its head predicts {trained_classes} classes, the data has {num_classes}; a "
+                                f"new head would be random: evaluate a model trained on these classes (--resume PATH)")
+    print_fn(f"{source}: its head predicts {trained_classes} classes, the data has {num_classes}: the head starts new "
+             f"(random), every other weight from these weights")
 
 
 def read_weights_file(path):
     """A state dict from a .safetensors file or a PyTorch file (torch.load(weights_only=True), main.py's layout or a
     bare state dict, `module.` prefixes dropped); one-line errors naming the file."""
     if not Path(path).is_file():
-        raise UserError(f"{path}: no such weights file")
+        raise runtime.UserError(f"{path}: no such weights file")
     if str(path).endswith(".safetensors"):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:
             return load_file(path)
         except (SafetensorError, OSError) as err:
-            raise UserError(f"{path}: not a safetensors file ({err})") from None
-    return load_torch_checkpoint(path)["state_dict"]
+            raise runtime.UserError(f"{path}: not a safetensors file ({err})") from None
+    return export.load_torch_checkpoint(path)["state_dict"]
 
 
 def weights_file_fields(weights):
@@ -209,7 +208,7 @@ def weights_file_fields(weights):
     image sizes it was trained with, which -e repeats); {} for safetensors files, weights names and none."""
     if weights is None or not is_weights_file(weights) or str(weights).endswith(".safetensors"):
         return {}
-    return load_torch_checkpoint(weights) if Path(weights).is_file() else {}  # a missing one: build_model's error
+    return export.load_torch_checkpoint(weights) if Path(weights).is_file() else {}  # a missing one: build_model's error
 
 
 def load_weights_file(model, path, heads, num_classes, evaluate, print_fn, class_to_idx=None):
@@ -225,7 +224,7 @@ def load_weights_file(model, path, heads, num_classes, evaluate, print_fn, class
     elif class_to_idx:
         rows = classes_by_name(path, weights_file_fields(path).get("class_to_idx"), class_to_idx, evaluate, print_fn)
         state_dict = {**state_dict, **{key: own[key] if rows is None else state_dict[key][rows] for key in head_keys}}
-    load_weights(model, state_dict, path)
+    export.load_weights(model, state_dict, path)
 
 
 def classes_by_name(path, trained, class_to_idx, evaluate, print_fn):
@@ -239,13 +238,13 @@ def classes_by_name(path, trained, class_to_idx, evaluate, print_fn):
     names = sorted(class_to_idx, key=class_to_idx.get)
     if set(trained) == set(class_to_idx):
         print_fn(f"{path}: its head lists the same {len(names)} classes in another order: its rows are reordered to "
-                 "the data's classes, matched by name")
+                 f"the data's classes, matched by name")
         return [trained[name] for name in names]
     ours, theirs = sorted(set(class_to_idx) - set(trained)), sorted(set(trained) - set(class_to_idx))
     what = f"classes {', '.join(ours[:4])} of the data are not among its classes (it has {', '.join(theirs[:4])})"
     if evaluate:
-        raise UserError(f"{path}: {what}; evaluating by position would score one class as another: evaluate on a "
-                        "folder whose class folders carry the model's class names")
+        raise runtime.UserError(f"{path}: {what}; evaluating by position would score one class as another: evaluate on "
+                                f"a folder whose class folders carry the model's class names")
     print_fn(f"{path}: {what}: the head starts new (random), every other weight from the file")
     return None
 
@@ -257,7 +256,7 @@ def enable_gradient_checkpointing(model, arch, blocks):
         try:
             model.set_grad_checkpointing(True)
         except (AttributeError, AssertionError, NotImplementedError) as err:
-            raise UserError(f"--gradient_checkpointing: timm's {timm_name(arch)} does not support it ({err})") from None
+            raise runtime.UserError(f"--gradient_checkpointing: timm's {timm_name(arch)} does not support it ({err})") from None
     else:
         for block in model.modules():
             if isinstance(block, blocks):
@@ -271,7 +270,7 @@ def enable_gradient_checkpointing(model, arch, blocks):
 def checkpointed_forward(block, forward, x):
     """`forward(block, x)` with its activations recomputed in the backward pass (an instance's forward: the block's
     parameter names, and so every checkpoint and export, stay as they are)."""
-    return checkpoint(forward, block, x, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(forward, block, x, use_reentrant=False)
 
 
 def _in_backward_pass():

@@ -18,8 +18,7 @@ import torch
 from accelerate.utils import broadcast
 from torch.optim.swa_utils import AveragedModel
 
-from utils.checkpoint import MAY_CHANGE, MUST_KEEP, keep_as, roles_beside
-from utils.runtime import UserError, nonnegative_float, positive_float, positive_int
+from . import checkpoint, runtime
 
 NORM_LAYERS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
                torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)  # torchvision's list
@@ -29,38 +28,38 @@ SCHEDULERS = {"step": "step", "steplr": "step", "cosine": "cosine", "cosineannea
               "exponential": "exponential", "exponentiallr": "exponential"}
 
 
-@roles_beside("OPTIM_ROLES")
+@checkpoint.roles_beside("OPTIM_ROLES")
 def add_optim_args(parser):
     group = parser.add_argument_group("optimisation (torchvision's names)")
     group.add_argument("--opt", type=str.lower, choices=["sgd", "sgd_nesterov", "adamw", "rmsprop", "rmsproptf"],
                        default="sgd", help="any case, as torchvision lower-cases it (--opt SGD); rmsproptf: timm's "
-                                           "TensorFlow-style RMSprop")
+                       "TensorFlow-style RMSprop")
     # > 0: the cosine schedule is a fraction of --lr (lr_lambda), and a learning rate of 0 trains nothing
-    group.add_argument("--lr", "--learning-rate", type=positive_float, default=0.1, help="peak learning rate")
-    group.add_argument("--momentum", type=nonnegative_float, default=0.9, help="sgd, sgd_nesterov, rmsprop")
-    group.add_argument("--wd", "--weight-decay", "--weight_decay", type=nonnegative_float, default=1e-4,
+    group.add_argument("--lr", "--learning-rate", type=runtime.positive_float, default=0.1, help="peak learning rate")
+    group.add_argument("--momentum", type=runtime.nonnegative_float, default=0.9, help="sgd, sgd_nesterov, rmsprop")
+    group.add_argument("--wd", "--weight-decay", "--weight_decay", type=runtime.nonnegative_float, default=1e-4,
                        dest="weight_decay")
-    group.add_argument("--norm_weight_decay", "--norm-weight-decay", type=nonnegative_float, default=None,
+    group.add_argument("--norm_weight_decay", "--norm-weight-decay", type=runtime.nonnegative_float, default=None,
                        help="weight decay of normalisation layers' weights and biases (default: --wd)")
-    group.add_argument("--bias_weight_decay", "--bias-weight-decay", type=nonnegative_float, default=None,
+    group.add_argument("--bias_weight_decay", "--bias-weight-decay", type=runtime.nonnegative_float, default=None,
                        help="weight decay of every parameter named 'bias' (default: --wd)")
     group.add_argument("--lr_scheduler", "--lr-scheduler", "--sched", type=str.lower, choices=list(SCHEDULERS),
                        default="step", help="step|steplr: x--lr_gamma every --lr_step_epochs (main.py); "
-                                            "cosine|cosineannealinglr: to --lr_min at the last step; "
-                                            "exponential|exponentiallr: x--lr_gamma every epoch")
-    group.add_argument("--lr_step_epochs", "--lr-step-size", "--decay-epochs", type=positive_int, default=30,
+                       "cosine|cosineannealinglr: to --lr_min at the last step; exponential|exponentiallr: x--lr_gamma "
+                       "every epoch")
+    group.add_argument("--lr_step_epochs", "--lr-step-size", "--decay-epochs", type=runtime.positive_int, default=30,
                        help="epochs between decays")
     group.add_argument("--lr_gamma", "--lr-gamma", "--decay-rate", type=float, default=0.1,
                        help="factor of each 'step' or 'exponential' decay")
-    group.add_argument("--lr_min", "--lr-min", "--min-lr", type=nonnegative_float, default=0.0,
+    group.add_argument("--lr_min", "--lr-min", "--min-lr", type=runtime.nonnegative_float, default=0.0,
                        help="last learning rate of 'cosine'")
     group.add_argument("--warmup_epochs", "--lr_warmup_epochs", "--lr-warmup-epochs", "--warmup-epochs",
-                       type=nonnegative_float,
+                       type=runtime.nonnegative_float,
                        default=0.0, dest="warmup_epochs", help="epochs of warmup")
     group.add_argument("--lr_warmup_method", "--lr-warmup-method", choices=["linear", "constant"], default="linear")
     group.add_argument("--lr_warmup_decay", "--lr-warmup-decay", type=float, default=0.01,
                        help="warmup starts at this fraction of --lr (torchvision's default)")
-    group.add_argument("--clip_grad_norm", "--clip-grad-norm", "--clip-grad", type=positive_float, default=None,
+    group.add_argument("--clip_grad_norm", "--clip-grad-norm", "--clip-grad", type=runtime.positive_float, default=None,
                        help="largest global L2 norm of the gradients")
     return group
 
@@ -68,13 +67,18 @@ def add_optim_args(parser):
 # add_optim_args' flags (utils/checkpoint.py Role): the command line's learning rate, decay and momentum win over
 # the restored optimizer's, and the schedule is recomputed at the restored step; --opt and the norm/bias decays
 # decide the optimizer's state and parameter groups, which the checkpoint must fit
-OPTIM_ROLES = {"--opt": MUST_KEEP, "--lr": MAY_CHANGE, "--momentum": MAY_CHANGE, "--wd": MAY_CHANGE,
-               "--norm_weight_decay": MUST_KEEP, "--bias_weight_decay": MUST_KEEP, "--lr_scheduler": MAY_CHANGE,
-               "--lr_step_epochs": MAY_CHANGE, "--lr_gamma": MAY_CHANGE, "--lr_min": MAY_CHANGE,
-               "--warmup_epochs": MAY_CHANGE, "--lr_warmup_method": MAY_CHANGE, "--lr_warmup_decay": MAY_CHANGE,
-               "--clip_grad_norm": MAY_CHANGE}
+OPTIM_ROLES = {"--opt": checkpoint.MUST_KEEP, "--lr": checkpoint.MAY_CHANGE, "--momentum": checkpoint.MAY_CHANGE,
+               "--wd": checkpoint.MAY_CHANGE,
+               "--norm_weight_decay": checkpoint.MUST_KEEP, "--bias_weight_decay": checkpoint.MUST_KEEP,
+               "--lr_scheduler": checkpoint.MAY_CHANGE,
+               "--lr_step_epochs": checkpoint.MAY_CHANGE, "--lr_gamma": checkpoint.MAY_CHANGE,
+               "--lr_min": checkpoint.MAY_CHANGE,
+               "--warmup_epochs": checkpoint.MAY_CHANGE, "--lr_warmup_method": checkpoint.MAY_CHANGE,
+               "--lr_warmup_decay": checkpoint.MAY_CHANGE,
+               "--clip_grad_norm": checkpoint.MAY_CHANGE}
 # add_ema_args' flags: a checkpoint's EMA must be restored into an EMA; its cadence and decay apply from there on
-EMA_ROLES = {"--model_ema": keep_as("model_ema"), "--model_ema_steps": MAY_CHANGE, "--model_ema_decay": MAY_CHANGE}
+EMA_ROLES = {"--model_ema": checkpoint.keep_as("model_ema"), "--model_ema_steps": checkpoint.MAY_CHANGE,
+             "--model_ema_decay": checkpoint.MAY_CHANGE}
 
 
 def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):
@@ -102,7 +106,7 @@ def build_optimizer(model, args):
         return torch.optim.RMSprop(groups, args.lr, momentum=args.momentum, eps=0.0316, alpha=0.9)
     if args.opt == "rmsproptf":  # timm's --opt rmsproptf, as timm.optim.create_optimizer_v2 builds it
         if importlib.util.find_spec("timm") is None:
-            raise UserError("--opt rmsproptf is timm's optimizer: pip install timm")
+            raise runtime.UserError("--opt rmsproptf is timm's optimizer: pip install timm")
         from timm.optim import RMSpropTF
         return RMSpropTF(groups, args.lr, alpha=0.9, momentum=args.momentum)
     return torch.optim.AdamW(groups, args.lr)
@@ -114,7 +118,7 @@ def load_optimizer_state(optimizer, state, source):
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError) as err:
-        raise UserError(f"{source}: optimizer state does not fit this model and --opt ({err})") from None
+        raise runtime.UserError(f"{source}: optimizer state does not fit this model and --opt ({err})") from None
     for group, chosen in zip(optimizer.param_groups, hyperparameters):
         group.update(chosen, initial_lr=chosen["lr"])
 
@@ -133,7 +137,7 @@ def lr_lambda(args, steps_per_epoch, total_steps):
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
     kind = SCHEDULERS[args.lr_scheduler]
     if kind != "cosine" and args.lr_min:
-        raise UserError("--lr_min applies to --lr_scheduler cosine only")
+        raise runtime.UserError("--lr_min applies to --lr_scheduler cosine only")
 
     def factor(step):
         if step < warmup_steps:
@@ -150,12 +154,12 @@ def lr_lambda(args, steps_per_epoch, total_steps):
     return factor
 
 
-@roles_beside("EMA_ROLES")
+@checkpoint.roles_beside("EMA_ROLES")
 def add_ema_args(parser):
     group = parser.add_argument_group("model EMA (torchvision's --model-ema; timm's --model-ema too)")
     group.add_argument("--model_ema", "--model-ema", action="store_true",
                        help="keep an exponential moving average of the weights, evaluated and exported beside them")
-    group.add_argument("--model_ema_steps", "--model-ema-steps", type=positive_int, default=32,
+    group.add_argument("--model_ema_steps", "--model-ema-steps", type=runtime.positive_int, default=32,
                        help="optimizer steps between EMA updates")
     group.add_argument("--model_ema_decay", "--model-ema-decay", type=float, default=0.99998,
                        help="decay per update before torchvision's adjustment for batch, steps and epochs")
@@ -196,8 +200,8 @@ def build_ema(args, model, device, images_per_step):
     if not args.model_ema:
         return None
     if args.model_ema_steps < 1 or not 0.0 <= args.model_ema_decay <= 1.0:
-        raise UserError(f"--model_ema_steps {args.model_ema_steps} / --model_ema_decay {args.model_ema_decay}: "
-                        "need steps >= 1 and 0 <= decay <= 1")
+        raise runtime.UserError(f"--model_ema_steps {args.model_ema_steps} / --model_ema_decay {args.model_ema_decay}: "
+                                f"need steps >= 1 and 0 <= decay <= 1")
     decay = adjusted_decay(args.model_ema_decay, images_per_step, args.model_ema_steps, args.epochs)
     return ExponentialMovingAverage(model, decay, device=device)
 

@@ -29,19 +29,15 @@ from pathlib import Path
 
 import torch
 
-from utils.export import (averaged_weights, check_same_keys, export_state_dict, load_torch_checkpoint,
-                          strip_module_prefix)
-from utils.outputs import ModelCard, command_line
-from utils.runtime import UserError, writing
-from utils.image_data import IMAGENET_MEAN, IMAGENET_STD
+from . import export, image_data, outputs, runtime
 
 MAIN_PY_FLAGS = {
     "--multiprocessing-distributed": "accelerate launch --multi_gpu --num_processes N (config: distributed_type "
                                      "MULTI_GPU + num_processes, e.g. accelerate_configs/4gpu.yaml)",
-    "--world-size": "accelerate launch --num_machines M (config: num_machines); --num_processes is the TOTAL "
-                    "number of processes over all machines",
-    "--rank": "accelerate launch --machine_rank R (config: machine_rank, accelerate_configs/multinode_node0.yaml "
-              "and multinode_node1.yaml)",
+    "--world-size": "accelerate launch --num_machines M (config: num_machines); --num_processes is the TOTAL number of "
+                    "processes over all machines",
+    "--rank": "accelerate launch --machine_rank R (config: machine_rank, accelerate_configs/multinode_node0.yaml and "
+              "multinode_node1.yaml)",
     "--dist-url": "accelerate launch --main_process_ip HOST --main_process_port PORT (config: main_process_ip, "
                   "main_process_port), or --rdzv_backend c10d (accelerate_configs/multinode_c10d.yaml)",
     "--dist-backend": "nothing: nccl on GPUs, gloo on CPU; override with this script's --dist_backend",
@@ -56,8 +52,8 @@ TORCHVISION_FLAGS = {
     "--cache-dataset": "nothing: the ImageFolder is scanned in seconds; drop the flag",
     "--backend": "nothing: images are always decoded to tensors (torchvision's --backend tensor); drop it",
     "--use-v2": "nothing: transforms are always torchvision.transforms.v2; drop it",
-    "--transformer-embedding-decay": "no separate decay of the position embeddings and class token of swin/vit "
-                                     "models; --norm_weight_decay / --bias_weight_decay for the other groups",
+    "--transformer-embedding-decay": "no separate decay of the position embeddings and class token of swin/vit models; "
+                                     "--norm_weight_decay / --bias_weight_decay for the other groups",
 }
 
 # timm train.py flags with no counterpart here, or another meaning, and what to pass instead (its others are accepted
@@ -79,7 +75,8 @@ def check_legacy_compatible(checkpoint, expected, path):
     """Fields a checkpoint records (arch, class_to_idx) must match this run's; main.py's lack class_to_idx."""
     for key, value in expected.items():
         if checkpoint.get(key) is not None and checkpoint[key] != value:
-            raise UserError(f"{path}: checkpoint's {key}: {_describe(checkpoint[key])}; this run's: {_describe(value)}")
+            raise runtime.UserError(f"{path}: checkpoint's {key}: {_describe(checkpoint[key])}; this run's: "
+                                    f"{_describe(value)}")
 
 
 def exported_step(path, steps_per_epoch):
@@ -87,7 +84,7 @@ def exported_step(path, steps_per_epoch):
     or, in a file that records only its epoch, that epoch's last step."""
     if not Path(path).is_file():
         return None
-    fields = load_torch_checkpoint(path)
+    fields = export.load_torch_checkpoint(path)
     return fields.get("step", fields.get("epoch", 0) * steps_per_epoch)
 
 
@@ -103,8 +100,8 @@ def continuation_line(args, checkpoint, start_step, total_steps, lr):
     momentum; --start-epoch alone starts from the starting weights, not trained ones."""
     epoch = start_epoch_of(checkpoint, args.start_epoch)
     done = "epoch 1 counts" if epoch == 1 else f"epochs 1-{epoch} count"
-    where = (f"{done} as done: training starts at epoch {epoch + 1}, step {start_step} of "
-             f"{total_steps} of the --lr_scheduler {args.lr_scheduler} schedule (lr {lr:.3g})")
+    where = (f"{done} as done: training starts at epoch {epoch + 1}, step {start_step} of {total_steps} of the "
+             f"--lr_scheduler {args.lr_scheduler} schedule (lr {lr:.3g})")
     if checkpoint is None:
         return f"--start-epoch {epoch}: {where}, from the starting weights (no --resume file)"
     ignored = (f"; --start-epoch {args.start_epoch} ignored: the file records epoch {epoch}"
@@ -133,7 +130,7 @@ def save_exported_checkpoint(path, state_dict, **fields):
     """main.py's layout ({state_dict, **fields}) with CPU tensors and no prefix, and torchvision's `model` key for the
     same dict (pickled once: the file holds each tensor once), swapped in atomically."""
     path = Path(path)
-    state_dict = cpu_tensors(strip_module_prefix(state_dict))
+    state_dict = cpu_tensors(export.strip_module_prefix(state_dict))
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         torch.save({"state_dict": state_dict, "model": state_dict, **fields}, tmp)
@@ -154,12 +151,12 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
     the architecture (on the meta device) whose names the weights must have, so that plain torchvision loads them.
     Every rank calls it: under FSDP/DeepSpeed, gathering the weights is a collective, and a failure to write (a full
     disk) stops every rank with one line, the previous files kept."""
-    state_dict = export_state_dict(accelerator, model, fresh)
+    state_dict = export.full_state_dict(accelerator, model, fresh)
     if ema_state is not None:
-        check_same_keys(averaged_weights(ema_state), fresh)
+        export.check_same_keys(export.averaged_weights(ema_state), fresh)
         ema_state = cpu_tensors(ema_state)
     extra = {"model_ema": ema_state} if ema_state is not None else {}
-    with writing(accelerator, output_dir):
+    with runtime.writing(accelerator, output_dir):
         for name in ("checkpoint", "model_best") if is_best else ("checkpoint",):
             accelerator.on_main_process(save_exported_checkpoint)(Path(output_dir) / f"{name}{suffix}.pth",
                                                                   state_dict, **fields,
@@ -191,9 +188,10 @@ def model_card(args, class_to_idx, train_set, val_set, run, script, model_flags)
     usage = "\n".join([
         "```python", *load, "model.eval()",
         "# the validation transform of the training, for an RGB PIL image or a (3, H, W) uint8 tensor",
-        f"preprocess = v2.Compose([v2.ToImage(), v2.Resize({args.val_resize}, interpolation=v2.InterpolationMode."
-        f"{args.interpolation.upper()}, antialias=True), v2.CenterCrop({args.val_crop_size}), "
-        f"v2.ToDtype(torch.float32, scale=True), v2.Normalize({list(IMAGENET_MEAN)}, {list(IMAGENET_STD)})])",
+        f"preprocess = v2.Compose([v2.ToImage(), v2.Resize({args.val_resize}, "
+        f"interpolation=v2.InterpolationMode.{args.interpolation.upper()}, antialias=True), "
+        f"v2.CenterCrop({args.val_crop_size}), v2.ToDtype(torch.float32, scale=True), "
+        f"v2.Normalize({list(image_data.IMAGENET_MEAN)}, {list(image_data.IMAGENET_STD)})])",
         "```", "", "Evaluated on the validation images by this script, at the settings the file records:", "",
         "```bash", f"python {shown} {data} -a {args.arch} -e --resume {best} --output_dir "
         f"{Path(args.output_dir) / 'model_best_eval'}", "```"])
@@ -204,9 +202,9 @@ def model_card(args, class_to_idx, train_set, val_set, run, script, model_flags)
                 "seed": args.seed, "model_ema": args.model_ema, "mixed_precision": run["mixed_precision"],
                 "processes": run["num_processes"], **model_flags}
     folders = (Path(data) / "train", Path(data) / "val") if args.data else (data, data)
-    return ModelCard(
+    return outputs.ModelCard(
         title=str(best), labels=sorted(class_to_idx, key=class_to_idx.get), settings=settings, usage=usage,
         metadata={"library_name": "timm" if timm_name else "pytorch", "pipeline_tag": "image-classification",
                   "tags": ["image-classification", "torchvision", script.name], "model_name": args.arch},
-        command=command_line(),
+        command=outputs.command_line(),
         data_files={"train": (folders[0], len(train_set)), "validation": (folders[1], len(val_set))})

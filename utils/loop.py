@@ -57,10 +57,7 @@ import torch
 from accelerate.utils import DistributedType, find_batch_size, send_to_device, slice_tensors
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from .checkpoint import MAY_CHANGE, complete_checkpoints, kept_by, roles_beside
-from .outputs import number_entries
-from .runtime import (HostChannel, Interrupted, UserError, forget_a_dead_launcher, hf_bool, note_stop_signal,
-                      on_ctrl_c, random_states, set_random_states, stop_outside_training)
+from . import checkpoint, outputs, runtime
 
 
 class Due(NamedTuple):
@@ -170,8 +167,8 @@ class LossScale:
         return self.accumulation / self.window_batches(index)
 
 
-CLASS_WEIGHTS_HELP = ("single-label cross-entropy weighted per class: 'balanced' (n_samples / (n_classes * count) "
-                      "of the training labels, scikit-learn's) or a JSON file {label: weight}")
+CLASS_WEIGHTS_HELP = ("single-label cross-entropy weighted per class: 'balanced' (n_samples / (n_classes * count) of "
+                      "the training labels, scikit-learn's) or a JSON file {label: weight}")
 
 
 @dataclass(frozen=True)
@@ -198,8 +195,8 @@ def load_class_weights(spec, labels, train_targets):
     if spec is None:
         return None
     if spec == "balanced" and train_targets is None:
-        raise UserError("--class_weights balanced counts the training labels, and this data has none (--dummy): "
-                        "pass a JSON file {label: weight}")
+        raise runtime.UserError("--class_weights balanced counts the training labels, and this data has none "
+                                "(--dummy): pass a JSON file {label: weight}")
     if spec == "balanced":
         from sklearn.utils.class_weight import compute_class_weight
 
@@ -215,13 +212,13 @@ def read_class_weights_file(path, labels):
     """{label: weight} in the order of `labels` from a JSON object naming each label once."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"--class_weights {path}: no such file (or pass 'balanced')")
+        raise runtime.UserError(f"--class_weights {path}: no such file (or pass 'balanced')")
     try:
         weights = json.loads(path.read_text(encoding="utf-8-sig"))  # with or without a BOM, as every input
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"{path}: not a JSON file ({err})") from None
+        raise runtime.UserError(f"{path}: not a JSON file ({err})") from None
     if not isinstance(weights, dict):
-        raise UserError(f"{path}: expected a JSON object {{label: weight}}")
+        raise runtime.UserError(f"{path}: expected a JSON object {{label: weight}}")
     problems = []
     unknown = [str(label) for label in weights if label not in labels]
     missing = [label for label in labels if label not in weights]
@@ -231,12 +228,12 @@ def read_class_weights_file(path, labels):
         problems.append(f"no weight for {', '.join(missing[:5])}")
     if problems:
         shown = ", ".join(labels[:10]) + (", ..." if len(labels) > 10 else "")
-        raise UserError(f"{path}: {'; '.join(problems)} (the labels: {shown})")
+        raise runtime.UserError(f"{path}: {'; '.join(problems)} (the labels: {shown})")
     for label, weight in weights.items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise UserError(f"{path}: the weight of {label} is {weight!r}; weights are numbers >= 0")
+            raise runtime.UserError(f"{path}: the weight of {label} is {weight!r}; weights are numbers >= 0")
     if not any(weights.values()):
-        raise UserError(f"{path}: every weight is 0")
+        raise runtime.UserError(f"{path}: every weight is 0")
     return {label: float(weights[label]) for label in labels}
 
 
@@ -289,10 +286,10 @@ class HealthCheck:
 
     def check(self, completed_steps, parameters=False):
         if (self.meter.diverged(self.accelerator)
-                or (parameters and not parameters_finite(self.accelerator, self.model))):
-            raise UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything from it. "
-                            f"Last good checkpoint: {self.last_good()}. Try a lower {self.lr_flag} or bf16 instead "
-                            "of fp16.")
+            or (parameters and not parameters_finite(self.accelerator, self.model))):
+            raise runtime.UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything "
+                                    f"from it. Last good checkpoint: {self.last_good()}. Try a lower {self.lr_flag} or "
+                                    f"bf16 instead of fp16.")
         for check in self.also:
             check()
 
@@ -413,7 +410,7 @@ class PreemptionGuard:
 
     def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
         self.accelerator, self.last_checkpoint, self.resume = accelerator, last_checkpoint, resume
-        self.channel = HostChannel.of(accelerator)
+        self.channel = runtime.HostChannel.of(accelerator)
         self.received = None
         self.step = None  # the last optimizer step taken, as of the last check
         self.pending = None  # the agreement in flight
@@ -423,7 +420,7 @@ class PreemptionGuard:
         self.agreed = False  # the ranks agreed to stop: every later check says so without a collective
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
-        on_ctrl_c(self.where)  # a peer's Ctrl-C that reaches this process as a broken collective says where, too
+        runtime.on_ctrl_c(self.where)  # a peer's Ctrl-C that reaches this process as a broken collective says where
 
     def close(self, preempted):
         """The training steps are over (every rank, at the same point): the agreement in flight is finished, and SIGTERM
@@ -432,18 +429,18 @@ class PreemptionGuard:
         if self.pending is not None:
             self.pending.result()
             self.pending = None
-        stop_outside_training()
+        runtime.stop_outside_training()
         if self.received and not preempted:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _handler(self, signum, frame):
-        forget_a_dead_launcher()
-        note_stop_signal()
+        runtime.forget_a_dead_launcher()
+        runtime.note_stop_signal()
         self.received = signal.Signals(signum).name
 
     def _interrupt(self, signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes the terminal's Ctrl-C on: one is enough
-        raise Interrupted(self.where())
+        raise runtime.Interrupted(self.where())
 
     def where(self):
         """`interrupted (Ctrl-C) after step N; ...`: the line an interrupted process prints."""
@@ -451,8 +448,7 @@ class PreemptionGuard:
         after = f" after step {self.step}" if self.step is not None else ""
         if last is None:
             return f"interrupted (Ctrl-C){after}; no checkpoint was saved yet"
-        return (f"interrupted (Ctrl-C){after}; the last checkpoint, {last}, is complete: continue with "
-                f"{self.resume}")
+        return (f"interrupted (Ctrl-C){after}; the last checkpoint, {last}, is complete: continue with {self.resume}")
 
     def should_stop(self, completed_steps=None):
         """True on every rank, at the same check, once a rank had received the signal by the check before (one
@@ -486,7 +482,7 @@ class PreemptionGuard:
         window goes back to. None when every batch is an optimizer step."""
         if self.accelerator.gradient_accumulation_steps == 1:
             return None
-        return AccumulationWindow(batches_in_epoch, self.accelerator.step, random_states(),
+        return AccumulationWindow(batches_in_epoch, self.accelerator.step, runtime.random_states(),
                                   [b.detach().clone() for b in model.buffers()])
 
     def stops_inside_window(self, completed_steps, window, model):
@@ -497,14 +493,14 @@ class PreemptionGuard:
         run did. A long window does not hold a stop past the launcher's grace."""
         if window is None or not self.should_stop(completed_steps):
             return False
-        set_random_states(window.rng)
+        runtime.set_random_states(window.rng)
         self.accelerator.step = window.micro_step  # save_state keeps it: the resumed window syncs after all its batches
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), window.buffers):
                 buffer.copy_(saved)
         self.accelerator.print(f"stopped inside the accumulation window after step {completed_steps}: the checkpoint "
                                f"holds the window's start (batch {window.first_batch} of the epoch), and the resumed "
-                               "run trains the window again")
+                               f"run trains the window again")
         return True
 
     def batches(self, loader):
@@ -531,12 +527,13 @@ def epoch_batches(accelerator, loader, epoch, state):
 
 # add_selection_args' flags: the checkpoint's best value was measured with the metric and its direction, and the
 # count of validations since the best carries on under a changed patience or threshold (utils/checkpoint.py Role)
-SELECTION_ROLES = {"--metric_for_best_model": kept_by("metric_for_best_model"),
-                   "--greater_is_better": kept_by("greater_is_better"),
-                   "--early_stopping_patience": MAY_CHANGE, "--early_stopping_threshold": MAY_CHANGE}
+SELECTION_ROLES = {"--metric_for_best_model": checkpoint.kept_by("metric_for_best_model"),
+                   "--greater_is_better": checkpoint.kept_by("greater_is_better"),
+                   "--early_stopping_patience": checkpoint.MAY_CHANGE,
+                   "--early_stopping_threshold": checkpoint.MAY_CHANGE}
 
 
-@roles_beside("SELECTION_ROLES")
+@checkpoint.roles_beside("SELECTION_ROLES")
 def add_selection_args(parser, default_help, aliases=()):
     """transformers Trainer's flags for choosing the best model and stopping early (`aliases`: other spellings of
     --metric_for_best_model, such as timm's --eval-metric; `default_help`: the script's default metric, in words).
@@ -545,12 +542,12 @@ def add_selection_args(parser, default_help, aliases=()):
     group = parser.add_argument_group("best model and early stopping (transformers Trainer's names)")
     group.add_argument("--metric_for_best_model", *aliases, dest="metric_for_best_model", default=None,
                        metavar="NAME", help="the validation metric that selects the best model: the name of a number "
-                                            "the script's evaluate() returns (its ADAPTATION SECTION), with or without "
-                                            "Trainer's eval_ prefix; a run that trains evaluates one validation batch "
-                                            f"first and lists them if NAME is not one; default: {default_help}")
-    group.add_argument("--greater_is_better", type=hf_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                       f"the script's evaluate() returns (its ADAPTATION SECTION), with or without Trainer's eval_ "
+                       f"prefix; a run that trains evaluates one validation batch first and lists them if NAME is not "
+                       f"one; default: {default_help}")
+    group.add_argument("--greater_is_better", type=runtime.hf_bool, nargs="?", const=True, default=None, metavar="BOOL",
                        help="whether a larger metric is better (true/false); default: false for a name ending in "
-                            "'loss' and for mse, rmse, mae, else true")
+                       "'loss' and for mse, rmse, mae, else true")
     group.add_argument("--early_stopping_patience", type=int, default=None, metavar="EVALUATIONS",
                        help="stop after this many validations in a row without an improvement; default: never")
     group.add_argument("--early_stopping_threshold", type=float, default=0.0,
@@ -588,18 +585,19 @@ def resolve_selection(args, names, renames=None, default=None):
     given = args.metric_for_best_model
     if names is None:
         if args.early_stopping_patience is not None:
-            raise UserError("--early_stopping_patience stops on the validation metric: this run has no validation set")
+            raise runtime.UserError("--early_stopping_patience stops on the validation metric: this run has no "
+                                    "validation set")
         if given is not None:
-            raise UserError(f"--metric_for_best_model {given} selects by a validation metric: this run has no "
-                            "validation set")
+            raise runtime.UserError(f"--metric_for_best_model {given} selects by a validation metric: this run has no "
+                                    f"validation set")
         name = default
     else:
         given = given or default
         name = given[len("eval_"):] if given.startswith("eval_") and given not in names else given
         name = (renames or {}).get(name, name)
         if name not in names:
-            raise UserError(f"--metric_for_best_model {given}: not a validation metric of this run; choose from the "
-                            f"numbers its evaluate() returns: {', '.join(names)}")
+            raise runtime.UserError(f"--metric_for_best_model {given}: not a validation metric of this run; choose "
+                                    f"from the numbers its evaluate() returns: {', '.join(names)}")
     args.metric_for_best_model = name
     if args.greater_is_better is None:
         args.greater_is_better = not (name.endswith("loss") or name in LOWER_IS_BETTER)
@@ -636,7 +634,7 @@ def validation_names(accelerator, model, loader, evaluate):
 
     The run goes on as it would have without it: the model is put back on its device and each module in its mode, and
     every random generator a training step draws from back where it was (exact resumes compare bitwise)."""
-    generators = random_states()
+    generators = runtime.random_states()
     modes = [(module, module.training) for module in model.modules()]
     home = next((tensor.device for tensor in model.parameters()), None)
     try:
@@ -648,8 +646,8 @@ def validation_names(accelerator, model, loader, evaluate):
             model.to(home)
         for module, training in modes:
             module.training = training
-        set_random_states(generators)
-    return list(number_entries(metrics))
+        runtime.set_random_states(generators)
+    return list(outputs.number_entries(metrics))
 
 
 @dataclass(frozen=True)
@@ -799,11 +797,11 @@ class OutOfMemoryRetry:
 
     def __init__(self, accelerator, model, per_device_batch, accumulation_steps, checkpoint_dir, enabled):
         if enabled and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise UserError(f"--auto_find_batch_size: not under {accelerator.distributed_type.value}, whose forward "
-                            "pass runs collectives (an out-of-memory error on one process cannot be agreed on); pass "
-                            "a smaller batch or --gradient_checkpointing")
+            raise runtime.UserError(f"--auto_find_batch_size: not under {accelerator.distributed_type.value}, whose "
+                                    f"forward pass runs collectives (an out-of-memory error on one process cannot be "
+                                    f"agreed on); pass a smaller batch or --gradient_checkpointing")
         self.accelerator, self.model, self.enabled = accelerator, model, enabled
-        self.channel = HostChannel.of(accelerator) if enabled else None  # where the forward hook agrees
+        self.channel = runtime.HostChannel.of(accelerator) if enabled else None  # where the forward hook agrees
         self.per_device_batch, self.accumulation_steps = per_device_batch, accumulation_steps
         self.checkpoint_dir = checkpoint_dir
         self.micro_batch_size, self.retries = per_device_batch, 0
@@ -825,7 +823,7 @@ class OutOfMemoryRetry:
         hook = self.model.register_forward_hook(self._agree_after_forward, always_call=True)
         try:
             while True:
-                saved_before = set(complete_checkpoints(self.checkpoint_dir))
+                saved_before = set(checkpoint.complete_checkpoints(self.checkpoint_dir))
                 self.agreed = self.while_evaluating = False
                 try:
                     return train(attempt)
@@ -834,7 +832,7 @@ class OutOfMemoryRetry:
                         raise
                     self._check_retriable(error)
                 # out of the except block: the failed attempt's frames and tensors can be freed
-                saved = [p for p in complete_checkpoints(self.checkpoint_dir) if p not in saved_before]
+                saved = [p for p in checkpoint.complete_checkpoints(self.checkpoint_dir) if p not in saved_before]
                 attempt = self._next_attempt(attempt, saved[-1] if saved else attempt.resume, start)
         finally:
             hook.remove()
@@ -855,16 +853,16 @@ class OutOfMemoryRetry:
     def _check_retriable(self, error):
         rank = self.accelerator.process_index
         if self.while_evaluating:
-            raise UserError(f"out of memory while evaluating (process {rank}): --auto_find_batch_size splits the "
-                            "training batches only; evaluate with a smaller batch") from None
+            raise runtime.UserError(f"out of memory while evaluating (process {rank}): --auto_find_batch_size splits "
+                                    f"the training batches only; evaluate with a smaller batch") from None
         if self.accelerator.num_processes > 1 and not self.agreed:
-            raise UserError(f"out of memory on process {rank} in the backward pass or the optimizer step, where the "
-                            "other processes wait in a collective: on several processes --auto_find_batch_size "
-                            "retries an error in the forward pass only; pass a smaller batch or "
-                            "--gradient_checkpointing") from None
+            raise runtime.UserError(f"out of memory on process {rank} in the backward pass or the optimizer step, "
+                                    f"where the other processes wait in a collective: on several processes "
+                                    f"--auto_find_batch_size retries an error in the forward pass only; pass a smaller "
+                                    f"batch or --gradient_checkpointing") from None
         if self.micro_batch_size == 1:
-            raise UserError("out of memory at a per-device micro-batch of 1 sample (--auto_find_batch_size): the "
-                            "model does not fit; try --gradient_checkpointing or bf16") from None
+            raise runtime.UserError("out of memory at a per-device micro-batch of 1 sample (--auto_find_batch_size): "
+                                    "the model does not fit; try --gradient_checkpointing or bf16") from None
 
     def _next_attempt(self, attempt, resume, start):
         smaller = math.ceil(self.micro_batch_size / 2)
@@ -879,11 +877,11 @@ class OutOfMemoryRetry:
     def _snapshot(self):
         scaler = self.accelerator.scaler
         return {"weights": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-                "rng": random_states(), "scaler": scaler.state_dict() if scaler is not None else None}
+                "rng": runtime.random_states(), "scaler": scaler.state_dict() if scaler is not None else None}
 
     def _restore(self, start):
         self.model.load_state_dict(start["weights"])
-        set_random_states(start["rng"])
+        runtime.set_random_states(start["rng"])
         if start["scaler"] is not None:
             self.accelerator.scaler.load_state_dict(start["scaler"])
 

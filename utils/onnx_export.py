@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.checkpoint import roles_beside, this_launch
+from . import checkpoint
 
 # how the ONNX export is made and checked concerns that launch only (utils/checkpoint.py ROLE_MEANINGS)
-ONNX_ROLES = this_launch("--export_onnx", "--onnx_int8", "--onnx_check_samples")
+ONNX_ROLES = checkpoint.this_launch("--export_onnx", "--onnx_int8", "--onnx_check_samples")
 CHECK_FILE = "onnx_check.json"
 INPUTS_FILE = "check_inputs.npz"
 OPSET = 17  # onnxruntime 1.16+ runs it; LayerNormalization is one op from 17 on
@@ -43,15 +43,15 @@ LATENCY_REPEATS = 20  # timed runs of one sample after one warm-up; the median i
 BATCH_REPEATS = 5  # the same for the first batch (a 256-image batch at 224 px: seconds per run in int8)
 
 
-@roles_beside("ONNX_ROLES")
+@checkpoint.roles_beside("ONNX_ROLES")
 def add_onnx_args(parser):
     group = parser.add_argument_group("ONNX export (optional: pip install onnx onnxruntime)")
     group.add_argument("--export_onnx", action="store_true",
                        help="write the selected model as OUT/onnx/model.onnx (dynamic batch and sequence axes) and "
-                            "check it with onnxruntime against PyTorch on evaluation samples (onnx_* results)")
+                       "check it with onnxruntime against PyTorch on evaluation samples (onnx_* results)")
     group.add_argument("--onnx_int8", action="store_true",
                        help="with --export_onnx: also OUT/onnx/model_int8.onnx (onnxruntime's dynamic int8 "
-                            "quantisation), its accuracy and CPU latency beside fp32's")
+                       "quantisation), its accuracy and CPU latency beside fp32's")
     group.add_argument("--onnx_check_samples", type=int, default=256,
                        help="evaluation samples the check runs (>= 1)")
     return group
@@ -69,8 +69,8 @@ def check_onnx_args(parser, args):
         try:
             importlib.import_module(module)
         except ImportError:
-            parser.error(f"--export_onnx needs the optional packages onnx and onnxruntime ({module} is not "
-                         "installed): pip install onnx onnxruntime")
+            parser.error(f"--export_onnx needs the optional packages onnx and onnxruntime ({module} is not installed): "
+                         f"pip install onnx onnxruntime")
 
 
 def check_batches(batches, samples):

@@ -35,9 +35,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .checkpoint import TRACKER_RUNS, TRACKERS_LOGGED_TO, complete_checkpoints
-from .runtime import (MASK, SECRET_ARGS, UserError, public_argv, public_command, release_output_dirs, stop_signalled,
-                      write_failure, writing)
+from . import checkpoint, runtime
 
 
 class RunLog:
@@ -61,7 +59,7 @@ class RunLog:
             self.start_trackers(resume_step, state)
             if resume_step is not None:
                 self.send_missed(resume_step, state)
-        with writing(self.accelerator, self.output_dir):
+        with runtime.writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
                 for path in [self.metrics_path, *sample_files(self.output_dir, self.accelerator.num_processes)]:
@@ -93,13 +91,13 @@ class RunLog:
         into `state`, so that every later checkpoint records them. The configuration is logged once, by the run that
         starts them (MLflow's parameters cannot change)."""
         project_name, config = self.tracker_start
-        recorded = (state or {}).get(TRACKER_RUNS) or {}
+        recorded = (state or {}).get(checkpoint.TRACKER_RUNS) or {}
         runs = recorded if resume_step is not None else {}
         init_kwargs, places = tracker_settings(self.accelerator, self.output_dir, project_name, runs, resume_step)
         self.accelerator.init_trackers(project_name, config=None if runs else config, init_kwargs=init_kwargs)
         self.trackers_started = True
         if state is not None:
-            state[TRACKER_RUNS] = started_runs(self.accelerator, init_kwargs)
+            state[checkpoint.TRACKER_RUNS] = started_runs(self.accelerator, init_kwargs)
         continued = (f"; continuing the runs that checkpoint step {resume_step} records "
                      f"({', '.join(f'{name} {run}' for name, run in runs.items())})" if runs else "")
         self.console(f"trackers: {', '.join(places)}{continued}")
@@ -108,21 +106,22 @@ class RunLog:
         """One JSON line ({"event", "step", **values}) and, with tracking on, the numbers to TensorBoard."""
         if event == "train" and self.partial_from is not None:  # the uninterrupted run's window began earlier
             values, self.partial_from = {**values, "partial_window": True, "window_from_step": self.partial_from}, None
-        with writing(self.accelerator, self.output_dir):
+        with runtime.writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 with open(self.metrics_path, "a") as f:
                     f.write(json.dumps({"event": event, "step": step, **values}) + "\n")
         if self.accelerator.log_with and not self.hold_trackers():
             self.accelerator.log(tracker_numbers(event, values), step=step)
             if self.state is not None:
-                self.state[TRACKERS_LOGGED_TO] = step
+                self.state[checkpoint.TRACKERS_LOGGED_TO] = step
 
     def hold_trackers(self):
         """Whether the trackers get nothing more in this launch: from this process's stop signal on, W&B's service may
-        be gone (a scheduler signals every process of the job), and the numbers wait for the resumed run (send_missed)."""
-        if stop_signalled() and not self.held:
+        be gone (a scheduler signals every process of the job), and the numbers wait for the resumed run
+        (send_missed)."""
+        if runtime.stop_signalled() and not self.held:
             self.held = True
-            last = (self.state or {}).get(TRACKERS_LOGGED_TO)
+            last = (self.state or {}).get(checkpoint.TRACKERS_LOGGED_TO)
             self.console(f"SIGTERM: the trackers get nothing more from this launch; the resumed run sends them the "
                          f"numbers after step {last or 0} from metrics.jsonl")
         return self.held
@@ -130,7 +129,7 @@ class RunLog:
     def send_missed(self, resume_step, state):
         """Send the trackers what a stopped launch held back (hold_trackers): metrics.jsonl's events after the last
         step they were sent, up to the checkpoint's."""
-        last = (state or {}).get(TRACKERS_LOGGED_TO)
+        last = (state or {}).get(checkpoint.TRACKERS_LOGGED_TO)
         if last is None or last >= resume_step:
             return
         events = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()] \
@@ -138,7 +137,7 @@ class RunLog:
         for event in events:
             if last < event.get("step", 0) <= resume_step:
                 self.accelerator.log(tracker_numbers(event["event"], event), step=event["step"])
-        state[TRACKERS_LOGGED_TO] = resume_step
+        state[checkpoint.TRACKERS_LOGGED_TO] = resume_step
 
     def console(self, line):
         """A line on the main process that does not break the tqdm bar."""
@@ -146,13 +145,13 @@ class RunLog:
             tqdm.write(line)
 
     def write_json(self, name, data):
-        with writing(self.accelerator, self.output_dir):
+        with runtime.writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 _write_atomically(self.output_dir / name, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
     def write_results(self, name, results):
         """`results` as a flat results file `name` and its nested entries in NAME_settings.json (main process)."""
-        with writing(self.accelerator, self.output_dir):
+        with runtime.writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 write_results(self.output_dir / name, results)
 
@@ -160,7 +159,7 @@ class RunLog:
         """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
         `merge_results`, which names in one line the numbers it keeps because they were measured with other
         settings."""
-        with writing(self.accelerator, self.output_dir):
+        with runtime.writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 for line in merge_results(self.output_dir / "all_results.json", results, prefixes):
                     self.console(line)
@@ -171,7 +170,7 @@ class RunLog:
         failure to write stops the writing, not the iteration, so that every rank reaches the same collectives."""
         path = self.output_dir / name
         tmp = path.with_name(f".{path.name}.tmp")
-        with writing(self.accelerator, self.output_dir, unfinished=tmp):
+        with runtime.writing(self.accelerator, self.output_dir, unfinished=tmp):
             f = open(tmp, "w", encoding="utf-8") if self.accelerator.is_main_process else None
             problem = None
             try:
@@ -203,7 +202,7 @@ class RunLog:
         directory's lock released (every rank has written what it writes), then the trackers' end_training, which
         destroys the process group."""
         self.accelerator.wait_for_everyone()
-        release_output_dirs()
+        runtime.release_output_dirs()
         if self.accelerator.log_with:
             self.accelerator.end_training()
 
@@ -244,8 +243,8 @@ def tracker_settings(accelerator, output_dir, project_name, runs=None, resume_st
             init_kwargs["wandb"] = {"name": output_dir.name, "id": runs.get("wandb") or secrets.token_hex(8),
                                     "resume": "allow", **({} if os.environ.get("WANDB_DIR") else
                                                           {"dir": str(output_dir)})}
-            places.append(f"wandb ({os.environ.get('WANDB_DIR') or output_dir / 'wandb'}, "
-                          f"mode {os.environ.get('WANDB_MODE', 'online')})")
+            places.append(f"wandb ({os.environ.get('WANDB_DIR') or output_dir / 'wandb'}, mode "
+                          f"{os.environ.get('WANDB_MODE', 'online')})")
         else:
             places.append(tracker)
     return init_kwargs, places
@@ -307,8 +306,8 @@ class ModelCard:
             return "The last model of the run: there was no validation set to select with."
         where = f"step {results['best_step']}" if "best_step" in results else f"epoch {results['best_epoch']}"
         line = (f"Selected by validation `{results['metric_for_best_model']}` "
-                f"({'higher' if results['greater_is_better'] else 'lower'} is better): {results['best_metric']:.6g} "
-                f"at {where}.")
+                f"({'higher' if results['greater_is_better'] else 'lower'} is better): {results['best_metric']:.6g} at "
+                f"{where}.")
         if results.get("stopped_early"):
             line += (f" Training stopped early at step {results['stopped_early_at_step']}: "
                      f"{results['stopped_early_reason']}.")
@@ -326,7 +325,7 @@ class ModelCard:
 
     def render(self, results):
         splits = [(split, self.metrics(results, prefix)) for split, prefix in (("validation", "eval_"),
-                                                                                ("test", "test_"))]
+                                                                               ("test", "test_"))]
         splits = [(split, values) for split, values in splits if values]
         names = list(dict.fromkeys(name for _, values in splits for name in values))
         lines = [f"# {self.title}", "", self.selection_line(results), "", "## Labels", "", "| id | label |",
@@ -363,12 +362,12 @@ def _number(value):
 
 def command_line():
     """The command this process runs, as a shell would take it back, secrets masked (public_argv)."""
-    return shlex.join(["python", *public_argv(sys.argv)])
+    return shlex.join(["python", *runtime.public_argv(sys.argv)])
 
 
 def public_args(args):
     """vars(args) with the SECRET_ARGS masked."""
-    return {k: MASK if k in SECRET_ARGS and v is not None else v for k, v in vars(args).items()}
+    return {k: runtime.MASK if k in runtime.SECRET_ARGS and v is not None else v for k, v in vars(args).items()}
 
 
 def provenance(args):
@@ -380,7 +379,7 @@ def provenance(args):
         revision = None
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in public_args(args).items()},
-        "command": public_command(sys.argv),
+        "command": runtime.public_command(sys.argv),
         "git_revision": revision,
         "versions": {
             "python": platform.python_version(),
@@ -475,20 +474,22 @@ def check_output_dir(output_dir, overwrite, resume):
     output_dir = Path(output_dir)
     taken = [name for name in RUN_MARKERS if (output_dir / name).exists()]
     if taken and not overwrite and not resume:
-        raise UserError(
-            f"{output_dir}: holds another run ({', '.join(taken)}); pass --overwrite_output_dir to replace it "
-            "or --resume_from_checkpoint/--resume latest to continue it"
+        raise runtime.UserError(
+            f"{output_dir}: holds another run ({', '.join(taken)}); pass --overwrite_output_dir to replace it or "
+            f"--resume_from_checkpoint/--resume latest to continue it"
         )
     results = output_dir / "all_results.json"
-    if resume != "latest" or overwrite or not results.is_file() or complete_checkpoints(output_dir / "checkpoints"):
+    if (resume != "latest" or overwrite or not results.is_file()
+        or checkpoint.complete_checkpoints(output_dir / "checkpoints")):
         return
     try:
         preempted = json.loads(results.read_text()).get("preempted", False)
     except (OSError, json.JSONDecodeError):
         preempted = False
     if not preempted:
-        raise UserError(f"{output_dir}: holds a finished run (all_results.json) but no checkpoint to resume from "
-                        "(--checkpointing_steps longer than the run?); pass --overwrite_output_dir to train again")
+        raise runtime.UserError(f"{output_dir}: holds a finished run (all_results.json) but no checkpoint to resume "
+                                f"from (--checkpointing_steps longer than the run?); pass --overwrite_output_dir to "
+                                f"train again")
 
 
 def clear_previous_run(output_dir):
@@ -531,8 +532,8 @@ def read_results(path):
             try:
                 results.update(json.loads(part.read_text(encoding="utf-8")))
             except json.JSONDecodeError as err:
-                raise UserError(f"{part}: not valid JSON ({err}), so the results cannot be added to it; move it "
-                                "aside") from None
+                raise runtime.UserError(f"{part}: not valid JSON ({err}), so the results cannot be added to it; move "
+                                        f"it aside") from None
     return results
 
 
@@ -551,7 +552,7 @@ def merge_results(path, results, prefixes=("eval_", "test_")):
         for prefix in prefixes:
             settings = f"{prefix}settings"
             if (any(k.startswith(prefix) for k in results) and settings in merged
-                    and merged[settings] != results.get(settings)):
+                and merged[settings] != results.get(settings)):
                 kept.append(prefix)
         merged.update({k: v for k, v in results.items() if k.startswith(prefixes) and not k.startswith(tuple(kept))})
     write_results(path, merged)
@@ -586,10 +587,10 @@ def keep_up_to(path, step):
             event = json.loads(line)
         except json.JSONDecodeError as err:
             if number != lines[-1][0]:
-                raise UserError(f"{path}:{number}: not a JSON line ({err.msg}); only the last line can be cut short "
-                                "by a crash: remove or repair this one") from None
+                raise runtime.UserError(f"{path}:{number}: not a JSON line ({err.msg}); only the last line can be cut "
+                                        f"short by a crash: remove or repair this one") from None
             print(f"note: {path}:{number}: the last line is cut short (a crash or a full disk during a write) and is "
-                  "dropped", flush=True)
+                  f"dropped", flush=True)
             break
         if event.get("step", 0) <= step:
             kept.append(line)
@@ -677,14 +678,14 @@ class SampleLog:
         # epoch positions [k * B + rank * share, ... + share), cut at the epoch's end: the repeats accelerate pads a
         # short last batch with weigh nothing in the loss and are left out
         starts = [k * self.batches.batch_size + self.process * share for k in range(last - last % self.accumulation,
-                                                                                     batches_in_epoch)]
+                                                                                    batches_in_epoch)]
         line = {"step": step, "epoch": epoch + 1, "process": self.process,
                 "batches": [self.order.take(start, start + share) for start in starts]}
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError as err:
-            raise UserError(write_failure(err, self.path.parent)) from None
+            raise runtime.UserError(runtime.write_failure(err, self.path.parent)) from None
 
 
 def read_sample_indices(output_dir):

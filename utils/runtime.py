@@ -230,7 +230,8 @@ def run_cli(main, args):
         RollCall.leave_on_ctrl_c()
         code = 130
     except Stopped as err:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the launcher passes its own on) changes nothing
+        signal.signal(signal.SIGTERM,
+                      signal.SIG_IGN)  # a second SIGTERM (the launcher passes its own on) changes nothing
         line = _ranked(str(err))
         say(line)
         record_for_launcher(line)
@@ -263,9 +264,9 @@ def nondeterministic_op(err):
 def nondeterministic_op_line(op):
     """The one line of a run that met an op without a deterministic kernel under --use_deterministic_algorithms."""
     return (f"{op}: torch {torch.__version__} has no deterministic kernel for this op, and "
-            "--use_deterministic_algorithms (--full_determinism) allows deterministic kernels only: drop the flag "
-            "(the run is then not bitwise reproducible on a GPU: docs/gpu.md#reproducibility), or change the model "
-            "or loss (the script's adaptation section) to do without the op")
+            f"--use_deterministic_algorithms (--full_determinism) allows deterministic kernels only: drop the flag "
+            f"(the run is then not bitwise reproducible on a GPU: docs/gpu.md#reproducibility), or change the model or "
+            f"loss (the script's adaptation section) to do without the op")
 
 
 def _ranked(line):
@@ -297,7 +298,7 @@ def lost_peer_line(err, ddp_timeout):
         "exited": "exited",
         "stuck": "is stuck in the kernel on this machine (a disk or network filesystem that does not answer)",
         "running": (f"did not answer the roll call within {RollCall.ANSWER_SECONDS:g} s but runs on this machine "
-                    "(busy, or waiting in a collective of its own): left to the launcher"),
+                    f"(busy, or waiting in a collective of its own): left to the launcher"),
         "elsewhere": "stopped answering (on another machine: a frozen or dead process, a stuck disk or network)"}
     parts = []
     for fate, words in said.items():
@@ -309,8 +310,8 @@ def lost_peer_line(err, ddp_timeout):
     who = "; ".join(parts) or "another rank stopped answering"
     store = ("; the launcher's store cannot be reached either: the machine that holds it (rank 0's) is gone or its "
              "launcher ended") if absent is None else ""
-    return (f"rank {os.environ.get('RANK', '?')}: {who} ({waited}){store}; the job ends here: continue from its "
-            "latest checkpoint")
+    return (f"rank {os.environ.get('RANK', '?')}: {who} ({waited}){store}; the job ends here: continue from its latest "
+            f"checkpoint")
 
 
 class StoreGone(Exception):
@@ -396,7 +397,7 @@ def agree_on_attempt(store, rank, world_size, timeout):
             answered |= tokens
         if time.monotonic() > deadline:
             raise RuntimeError(f"{TIMEOUT_MARK} {timeout.total_seconds():g} s for every rank to join this launch "
-                               "attempt's process group")
+                               f"attempt's process group")
         time.sleep(ATTEMPT_POLL_SECONDS)
     return number
 
@@ -407,9 +408,9 @@ def elastic_restart_note(environ=os.environ):
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if not restarts or _attempt is None:
         return None
-    return (f"elastic restarts (up to {restarts}): this attempt's process groups keep their keys under attempt/"
-            f"{_attempt}/ in the launcher's store, apart from a failed attempt's, so a restarted group never reads a "
-            "dead worker's address; TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not needed")
+    return (f"elastic restarts (up to {restarts}): this attempt's process groups keep their keys under "
+            f"attempt/{_attempt}/ in the launcher's store, apart from a failed attempt's, so a restarted group never "
+            f"reads a dead worker's address; TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not needed")
 
 
 class RollCall:
@@ -717,12 +718,12 @@ def add_runtime_args(parser):
     group = parser.add_argument_group("runtime")
     group.add_argument("--cpu", "--no-accel", action="store_true",
                        help="CPU only, whatever the machine holds (GPUs are hidden from the process); needed for "
-                            "multi-process CPU (gloo) DDP (main.py's --no-accel)")
+                       "multi-process CPU (gloo) DDP (main.py's --no-accel)")
     group.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                        help="default: whatever the launcher / accelerate config says")
     group.add_argument("--fp16", "--amp", dest="mixed_precision", action="store_const", const="fp16",
                        help="the same as --mixed_precision fp16 (the Trainer's and accelerate's examples' --fp16, "
-                            "torchvision's and timm's --amp)")
+                       "torchvision's and timm's --amp)")
     group.add_argument("--bf16", dest="mixed_precision", action="store_const", const="bf16",
                        help="the same as --mixed_precision bf16 (the Trainer's --bf16)")
     group.add_argument("--dist_backend", choices=["nccl", "gloo"], default=None,
@@ -734,20 +735,20 @@ def add_runtime_args(parser):
     group.add_argument("--use_deterministic_algorithms", "--use-deterministic-algorithms", "--full_determinism",
                        action="store_true",
                        help="bitwise-reproducible runs on a GPU, usually slower: deterministic kernels only, cuDNN's "
-                            f"autotuner off, CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]} (torchvision's flag, "
-                            "the Trainer's --full_determinism); an op without a deterministic kernel stops the run in "
-                            "one line naming it (docs/gpu.md#reproducibility)")
+                       f"autotuner off, CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS[0]} (torchvision's flag, the "
+                       f"Trainer's --full_determinism); an op without a deterministic kernel stops the run in one line "
+                       f"naming it (docs/gpu.md#reproducibility)")
     group.add_argument("--report_to", nargs="+", choices=REPORT_TO, default=None, metavar="TRACKER",
                        help=f"experiment trackers, one or more of {', '.join(REPORT_TO)} (Trainer's names; 'all': "
-                            "every one accelerate finds installed); default: none")
+                       "every one accelerate finds installed); default: none")
     group.add_argument("--with_tracking", action="store_true", help="the same as --report_to tensorboard")
     memory = parser.add_argument_group("memory (what is trained stays the same with or without these)")
     memory.add_argument("--gradient_checkpointing", "--grad_checkpointing", "--grad-checkpointing", action="store_true",
                         help="keep fewer activations and recompute them in the backward pass: less device memory, "
-                             "about one more forward pass of compute (the Trainer's and timm's flag)")
+                        "about one more forward pass of compute (the Trainer's and timm's flag)")
     memory.add_argument("--auto_find_batch_size", action="store_true",
                         help="on an out-of-memory error, train again with half the per-device micro-batch and twice "
-                             "the accumulation: the same global batch, samples and steps (utils/loop.py)")
+                        "the accumulation: the same global batch, samples and steps (utils/loop.py)")
     return group
 
 
@@ -778,7 +779,7 @@ def resolve_trackers(args):
         if missing:
             raise UserError(f"--report_to mlflow: its local store (output_dir/mlflow.db) needs {' and '.join(missing)} "
                             f"(pip install {' '.join(missing)}; the full mlflow package has them), or set "
-                            "MLFLOW_TRACKING_URI to a tracking server")
+                            f"MLFLOW_TRACKING_URI to a tracking server")
     return trackers
 
 
@@ -792,20 +793,20 @@ def check_launch(args):
     world_size = launched_world_size()
     if world_size > 1 and not args.cpu and not torch.cuda.is_available():
         raise UserError(
-            f"{world_size} processes were launched on a machine without a GPU but without --cpu: each would train "
-            "on its own (duplicate, independent runs). Add --cpu to the script's arguments for gloo DDP on CPU."
+            f"{world_size} processes were launched on a machine without a GPU but without --cpu: each would train on "
+            f"its own (duplicate, independent runs). Add --cpu to the script's arguments for gloo DDP on CPU."
         )
     if args.data_parallel and world_size > 1:
         raise UserError(
-            "--data_parallel (single-process nn.DataParallel) cannot be combined with a multi-process launch "
+            f"--data_parallel (single-process nn.DataParallel) cannot be combined with a multi-process launch "
             f"({world_size} processes): drop --data_parallel, the launch already does DDP."
         )
     here, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     if here > gpus > 0 and not args.cpu:
         raise UserError(
             f"{here} processes were launched on this machine, which has {gpus} GPU{'s' * (gpus > 1)} visible: each "
-            f"process trains on a GPU of its own. Launch at most {gpus} per machine (--num_processes, or "
-            "num_processes in the config file), or add --cpu for gloo DDP on CPU."
+            f"process trains on a GPU of its own. Launch at most {gpus} per machine (--num_processes, or num_processes "
+            f"in the config file), or add --cpu for gloo DDP on CPU."
         )
 
 
@@ -840,9 +841,9 @@ def check_open_file_limit(needed, say=print):
         return
     launch = f"this {launched_world_size():,}-process launch" if launched_world_size() > 1 else "this launch"
     if hard != resource.RLIM_INFINITY and needed > hard:
-        raise UserError(f"open files: each rank of {launch} may hold about {needed:,} at once (docs/launching.md"
-                        f"#3-at-scale), and the limit here is {soft:,} (hard limit {hard:,}): raise it before launching, "
-                        f"e.g. `ulimit -n {needed}` (under Slurm: on the nodes)")
+        raise UserError(f"open files: each rank of {launch} may hold about {needed:,} at once "
+                        f"(docs/launching.md#3-at-scale), and the limit here is {soft:,} (hard limit {hard:,}): raise "
+                        f"it before launching, e.g. `ulimit -n {needed}` (under Slurm: on the nodes)")
     raised = needed * 2 if hard == resource.RLIM_INFINITY else min(hard, needed * 2)  # room for what is not counted
     resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
     if os.environ.get("LOCAL_RANK", "0") == "0":
@@ -900,9 +901,9 @@ class HostChannel:
             cls._run = cls(torch.distributed.new_group(backend="gloo", timeout=timeout))
         except RuntimeError as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(f"the processes could not open the small gloo group they agree on stops in ({reason}): "
-                            "set GLOO_SOCKET_IFNAME to the network interface the machines share, as NCCL_SOCKET_IFNAME "
-                            "(docs/launching.md)") from None
+            raise UserError(f"the processes could not open the small gloo group they agree on stops in ({reason}): set "
+                            f"GLOO_SOCKET_IFNAME to the network interface the machines share, as NCCL_SOCKET_IFNAME "
+                            f"(docs/launching.md)") from None
         return cls._run
 
     @classmethod
@@ -1085,8 +1086,8 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
         RollCall.enter()
     HostChannel.open(accelerator, timeout)
     if effective_precision(accelerator) != accelerator.mixed_precision:
-        accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 "
-                          "(use bf16 for CPU autocast)")
+        accelerator.print("warning: fp16 mixed precision is not applied on CPU; this run trains in fp32 (use bf16 for "
+                          "CPU autocast)")
     for note in (determinism, cpu_bf16_note(accelerator.device, effective_precision(accelerator)),
                  elastic_restart_note()):
         if note:
@@ -1225,9 +1226,9 @@ def check_sharding_applies(accelerator):
                              ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
         if os.environ.get(variable, "false").lower() == "true" and accelerator.distributed_type != wanted:
             got = str(accelerator.distributed_type).split(".")[-1]
-            raise UserError(f"the accelerate config asks for {wanted.value} (distributed_type: {wanted.value}), "
-                            f"which does not run {'on CPU (--cpu)' if accelerator.device.type == 'cpu' else 'here'}: "
-                            f"this run would be plain {got}. Use accelerate_configs/cpu_ddp.yaml on CPU, or GPUs")
+            raise UserError(f"the accelerate config asks for {wanted.value} (distributed_type: {wanted.value}), which "
+                            f"does not run {'on CPU (--cpu)' if accelerator.device.type == 'cpu' else 'here'}: this "
+                            f"run would be plain {got}. Use accelerate_configs/cpu_ddp.yaml on CPU, or GPUs")
 
 
 SECRET_ARGS = ("token",)  # arguments whose values are never written or printed (--token)
@@ -1322,7 +1323,7 @@ def _claim(output_dir, token):
     if path.is_symlink():  # O_EXCL refuses to create through it, and reading it finds no holder
         _remove_empty(created)
         raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, not a lock a run writes (one is a file); "
-                        "remove it, then start the run again")
+                        f"remove it, then start the run again")
     for _ in range(5):  # each round: create, or judge the holder (and take a stale lock over)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -1436,7 +1437,7 @@ def _describe_holder(holder):
 
 def _refusal(output_dir, path, holder):
     if not holder.get("unreadable") and holder.get("host") == socket.gethostname():
-        return (f"{output_dir}: another run is using this directory ({_describe_holder(holder)}); wait for it to "
-                "end, or pass another --output_dir")
+        return (f"{output_dir}: another run is using this directory ({_describe_holder(holder)}); wait for it to end, "
+                f"or pass another --output_dir")
     return (f"{output_dir}: locked by a run on another machine ({_describe_holder(holder)}), which cannot be checked "
             f"from here; pass another --output_dir, or, if that run is over, remove {path}")

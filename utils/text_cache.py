@@ -43,8 +43,7 @@ import datasets
 from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 
-from utils.checkpoint import output_dir_is_shared
-from utils.runtime import UserError, write_failure
+from . import checkpoint, runtime
 
 CACHE_FORMAT = 1  # what an entry holds; another value names other entries, so older ones are never misread
 
@@ -61,7 +60,7 @@ def file_sha256(path):
     """The SHA-256 of a file's bytes, read in 1 MiB blocks (memory stays flat for any size)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: file not found")
+        raise runtime.UserError(f"{path}: file not found")
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -94,7 +93,7 @@ class DataCache:
     def __init__(self, accelerator, root):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        shared = output_dir_is_shared(accelerator, self.root)
+        shared = checkpoint.output_dir_is_shared(accelerator, self.root)
         self.writes = accelerator.is_main_process if shared else accelerator.is_local_main_process
         self.accelerator = accelerator
         self.token = self._agree(lambda: secrets.token_hex(8))  # names this launch's failure notes
@@ -106,13 +105,13 @@ class DataCache:
         if self.accelerator.is_main_process:
             try:
                 outcome = [(compute(), None)]
-            except UserError as err:
+            except runtime.UserError as err:
                 outcome = [(None, str(err))]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(outcome)
         value, problem = outcome[0]
         if problem:
-            raise UserError(problem)
+            raise runtime.UserError(problem)
         return value
 
     def key(self, inputs):
@@ -142,11 +141,11 @@ class DataCache:
             self._rename(tmp, entry)
         except Exception as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            line = str(err) if isinstance(err, UserError) else write_failure(err, self.root)
+            line = str(err) if isinstance(err, runtime.UserError) else runtime.write_failure(err, self.root)
             self._note_failure(failed, line or f"{type(err).__name__}: {err}")
             if line is None:
                 raise
-            raise UserError(line) from None
+            raise runtime.UserError(line) from None
         failed.unlink(missing_ok=True)
         say(f"tokenised the data in {time.perf_counter() - start:.1f} s")
 
@@ -176,7 +175,7 @@ class DataCache:
         while not (entry / META).is_file():
             problem = self._read_failure(note)
             if problem:
-                raise UserError(problem)
+                raise runtime.UserError(problem)
             time.sleep(POLL_SECONDS)
             os.listdir(self.root)  # a listing revalidates NFS's cached view of the directory
 

@@ -83,9 +83,7 @@ from datasets.exceptions import DatasetsError
 from torch.utils.data import Sampler
 from transformers import DataCollatorWithPadding
 
-from utils.checkpoint import (DATA_KEY, MAY_CHANGE, MUST_KEEP, THIS_LAUNCH, DataFingerprint, data_fingerprint,
-                              keep_as, kept_by, roles_beside, this_launch)
-from utils.runtime import UserError, hf_bool, nonnegative_int, positive_int
+from . import checkpoint, runtime
 
 TEXT_SUFFIXES = {".txt", ".tsv"}
 
@@ -151,21 +149,21 @@ DEFAULT_FORMAT = TextFormat()
 # repeats (utils/text_model.py TRAINED_WITH)
 TEXT_FORMAT_ROLES = {**dict.fromkeys(("--text_column", "--text_column_names", "--text_column_delimiter",
                                       "--text_pair_column", "--label_column", "--label_separator", "--encoding"),
-                                     kept_by(DATA_KEY)),
-                     "--multi_label": keep_as("multi_label").recorded(False),
-                     "--threshold": MAY_CHANGE.recorded(0.5, only_with="multi_label"),
-                     "--do_regression": keep_as("regression")}
+                                     checkpoint.kept_by(checkpoint.DATA_KEY)),
+                     "--multi_label": checkpoint.keep_as("multi_label").recorded(False),
+                     "--threshold": checkpoint.MAY_CHANGE.recorded(0.5, only_with="multi_label"),
+                     "--do_regression": checkpoint.keep_as("regression")}
 
 
-@roles_beside("TEXT_FORMAT_ROLES")
+@checkpoint.roles_beside("TEXT_FORMAT_ROLES")
 def add_text_format_args(group):
     """The flags of `TextFormat` (transformers' run_classification names where it has them)."""
     group.add_argument("--text_column", default=None,
                        help="csv/json field of the text (default: text; where the data have a 'sentence' field and no "
-                            "'text', sentence, run_classification.py's default, said once)")
+                       "'text', sentence, run_classification.py's default, said once)")
     group.add_argument("--text_column_names", "--text_column_name", default=None,
                        help="run_classification.py's: one field (= --text_column), or several, comma-separated, "
-                            "joined into one text by --text_column_delimiter")
+                       "joined into one text by --text_column_delimiter")
     group.add_argument("--text_column_delimiter", default=None, help="with several --text_column_names; default ' '")
     group.add_argument("--text_pair_column", default=None,
                        help="csv/json field of the second sentence: a sentence-pair task (LCQMC, AFQMC, OCNLI)")
@@ -173,12 +171,12 @@ def add_text_format_args(group):
                        help="csv/json field of the label(s)")
     group.add_argument("--multi_label", action="store_true", default=None,
                        help="several labels per text (sigmoid + binary cross-entropy); evaluating a trained model: "
-                            "its own label mode")
+                       "its own label mode")
     group.add_argument("--label_separator", default=",", help="with --multi_label: between labels in a label field")
     group.add_argument("--threshold", type=float, default=None,
                        help="with --multi_label: probability from which a label is predicted (default: 0.5; "
-                            "evaluating a trained model: the model's)")
-    group.add_argument("--do_regression", type=hf_bool, nargs="?", const=True, default=False,
+                       "evaluating a trained model: the model's)")
+    group.add_argument("--do_regression", type=runtime.hf_bool, nargs="?", const=True, default=False,
                        help="the label is a number (STS-B, ratings): one output, mean squared error")
     group.add_argument("--encoding", default="utf-8", help="of every input file, e.g. gb18030 (GBK), big5")
 
@@ -186,19 +184,19 @@ def add_text_format_args(group):
 def check_text_format_args(args):
     """The flag combinations `text_format` cannot take, found while parsing the command line."""
     if args.text_column_names and args.text_column is not None:
-        raise UserError("--text_column and --text_column_names name the same thing: pass one")
+        raise runtime.UserError("--text_column and --text_column_names name the same thing: pass one")
     if args.text_column_delimiter is not None and len((args.text_column_names or "").split(",")) < 2:
-        raise UserError("--text_column_delimiter joins several --text_column_names (comma-separated); here there "
-                        "is nothing to join")
+        raise runtime.UserError("--text_column_delimiter joins several --text_column_names (comma-separated); here "
+                                "there is nothing to join")
     if args.do_regression and args.multi_label:
-        raise UserError("--do_regression predicts one number per text; it cannot be combined with --multi_label")
+        raise runtime.UserError("--do_regression predicts one number per text; it cannot be combined with --multi_label")
 
 
 def text_format(args):
     """The TextFormat of the flags (--text_column: `text` until resolve_text_column has looked at the data)."""
     check_encoding(args.encoding)
     if args.multi_label and not args.label_separator:
-        raise UserError("--label_separator: must not be empty")
+        raise runtime.UserError("--label_separator: must not be empty")
     names = [name.strip() for name in (args.text_column_names or "").split(",") if name.strip()]
     joined = tuple(names) if len(names) > 1 else ()
     text_column = names[0] if len(names) == 1 else args.text_column or DEFAULT_FORMAT.text_column
@@ -218,7 +216,7 @@ def resolve_text_column(args, columns, source, say=print):
     args.text_column = "sentence" if sentence else DEFAULT_FORMAT.text_column
     if sentence:
         say(f"--text_column sentence: {source} has a 'sentence' field and no 'text' (run_classification.py's default "
-            "text column)")
+            f"text column)")
 
 
 def resolve_file_text_column(args, say=print):
@@ -265,8 +263,8 @@ def find_split_file(data_dir, split):
     found = [Path(data_dir) / f"{stem}{suffix}" for stem in SPLIT_STEMS[split] for suffix in DATA_SUFFIXES
              if (Path(data_dir) / f"{stem}{suffix}").is_file()]
     if len(found) > 1:
-        raise UserError(f"--data_dir {data_dir}: {' and '.join(path.name for path in found)} are each a {split} "
-                        f"file; keep one of them there, or name it with {SPLIT_FLAGS[split]}")
+        raise runtime.UserError(f"--data_dir {data_dir}: {' and '.join(path.name for path in found)} are each a "
+                                f"{split} file; keep one of them there, or name it with {SPLIT_FLAGS[split]}")
     return found[0] if found else None
 
 
@@ -276,7 +274,7 @@ def split_files(data_dir, given, say=print):
     if data_dir is None:
         return dict(given)
     if not Path(data_dir).is_dir():
-        raise UserError(f"--data_dir {data_dir}: no such directory")
+        raise runtime.UserError(f"--data_dir {data_dir}: no such directory")
     files = {split: given.get(split) or find_split_file(data_dir, split) for split in SPLIT_FLAGS}
     say(f"--data_dir {data_dir}: " + ", ".join(f"{split} {files[split] or '(none)'}" for split in SPLIT_FLAGS))
     return files
@@ -288,10 +286,10 @@ def check_encoding(encoding):
     try:
         name = codecs.lookup(encoding).name
     except LookupError:
-        raise UserError(f"--encoding {encoding}: unknown encoding (e.g. utf-8, gb18030, big5)") from None
+        raise runtime.UserError(f"--encoding {encoding}: unknown encoding (e.g. utf-8, gb18030, big5)") from None
     if "\n".encode(name) != b"\n":
-        raise UserError(f"--encoding {encoding}: not supported (lines must end in a 0x0A byte; convert the file "
-                        "to utf-8 or gb18030)")
+        raise runtime.UserError(f"--encoding {encoding}: not supported (lines must end in a 0x0A byte; convert the "
+                                f"file to utf-8 or gb18030)")
     return name
 
 
@@ -299,7 +297,7 @@ def _open_text(path, codec, newline=None):
     """`path` opened for reading as text in `codec`; a UTF-8 byte order mark (Excel writes one) is not text."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: file not found")
+        raise runtime.UserError(f"{path}: file not found")
     return open(path, encoding="utf-8-sig" if codec == "utf-8" else codec, newline=newline)
 
 
@@ -325,9 +323,9 @@ def _decode_error(path, codec):
         before = data[:skip + err.start]
         line = len(LINE_BREAK.findall(before)) + 1
         byte = len(before) - max(before.rfind(b"\n"), before.rfind(b"\r")) - 1
-        return UserError(f"{path}:{line}: not valid {'UTF-8' if utf8 else codec} ({err.reason} at byte {byte})"
-                         f"{hint}")
-    return UserError(f"{path}: not valid {'UTF-8' if utf8 else codec}{hint}")  # changed while it was read
+        return runtime.UserError(f"{path}:{line}: not valid {'UTF-8' if utf8 else codec} ({err.reason} at byte "
+                                 f"{byte}){hint}")
+    return runtime.UserError(f"{path}: not valid {'UTF-8' if utf8 else codec}{hint}")  # changed while it was read
 
 
 def _decoded_lines(path, encoding="utf-8"):
@@ -357,11 +355,11 @@ def _table_records(path, codec, delimiter):
             raise _decode_error(path, codec) from None
         except csv.Error as err:
             if str(err) == "unexpected end of data":
-                raise UserError(f"{path}:{start}: a quoted field of this record is never closed (the file ends "
-                                "inside it)") from None
+                raise runtime.UserError(f"{path}:{start}: a quoted field of this record is never closed (the file ends "
+                                        f"inside it)") from None
             hint = "; or remove the header row to read lines as label<TAB>text" if delimiter == "\t" else ""
-            raise UserError(f"{path}:{reader.line_num}: {str(err).replace(chr(9), 'TAB')} (a field holding a quote "
-                            f"must be quoted as a whole, its quotes doubled{hint})") from None
+            raise runtime.UserError(f"{path}:{reader.line_num}: {str(err).replace(chr(9), 'TAB')} (a field holding a "
+                                    f"quote must be quoted as a whole, its quotes doubled{hint})") from None
 
 
 def _table_rows(path, fmt, labelled, delimiter):
@@ -371,15 +369,15 @@ def _table_rows(path, fmt, labelled, delimiter):
     header_line, header = next(((line, fields) for line, fields in records if fields), (1, []))
     missing = [f"{column} ({flag})" for column, flag in _columns(fmt, labelled) if column not in header]
     if missing:
-        raise UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}"
-                        + _sentence_hint(fmt, header))
+        raise runtime.UserError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}"
+                                + _sentence_hint(fmt, header))
     for line, fields in records:
         if not any(field.strip() for field in fields):
             yield line, None
         elif len(fields) != len(header):
             separator = "TAB" if delimiter == "\t" else f"'{delimiter}'"
-            raise UserError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)} (a field holding a "
-                            f"{separator}, a quote or a line break must be quoted)")
+            raise runtime.UserError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)} (a field "
+                                    f"holding a {separator}, a quote or a line break must be quoted)")
         else:
             yield line, dict(zip(header, fields))
 
@@ -396,7 +394,7 @@ def _json_rows(path, fmt):
         try:
             value = json.loads(line) if line.strip() else None
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+            raise runtime.UserError(f"{path}:{number}: invalid JSON ({err.msg})") from None
         yield number, value
 
 
@@ -411,15 +409,15 @@ def _json_array_items(path, text):
         try:
             item, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+            raise runtime.UserError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
         items.append((line, item))
         position = space.match(text, position).end()
         closed = text.startswith("]", position)
         if not closed and not text.startswith(",", position):
-            raise UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (expected ',' or ']')")
+            raise runtime.UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (expected ',' or ']')")
         position = position if closed else space.match(text, position + 1).end()
     if text[position + 1:].strip():
-        raise UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (data after the array)")
+        raise runtime.UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (data after the array)")
     return items
 
 
@@ -445,34 +443,34 @@ def _rows(path, fmt, say, plain_lines, labelled=True):
     if suffix in JSON_SUFFIXES:
         return _json_rows(path, fmt)
     if suffix not in TEXT_SUFFIXES:
-        raise UserError(f"{path}: unsupported file type '{suffix}' (use .txt/.tsv, .csv, .json or .jsonl)")
+        raise runtime.UserError(f"{path}: unsupported file type '{suffix}' (use .txt/.tsv, .csv, .json or .jsonl)")
     header = _header_row(path, fmt)
     if header is None:
         return plain_lines(path, fmt)
     line, fields = header
-    say(f"skipped the header row of {path}:{line} ({', '.join(name or '(index)' for name in fields)}): its columns "
-        "are read by name, quoted fields as pandas and the csv module write them")
+    say(f"skipped the header row of {path}:{line} ({', '.join(name or '(index)' for name in fields)}): its columns are "
+        f"read by name, quoted fields as pandas and the csv module write them")
     return _table_rows(path, fmt, labelled, "\t")
 
 
 def _cnews_lines(path, fmt):
     """Rows of a header-less .txt/.tsv training file: `label<TAB>text` lines (the text may hold more TABs)."""
     if fmt.text_pair_column:
-        raise UserError(f"{path}: sentence pairs need a .csv or .json(l) file with named columns (or a .tsv whose "
-                        "first line is a header row); other .txt/.tsv files are 'label<TAB>text'")
+        raise runtime.UserError(f"{path}: sentence pairs need a .csv or .json(l) file with named columns (or a .tsv "
+                                f"whose first line is a header row); other .txt/.tsv files are 'label<TAB>text'")
     for number, line in _decoded_lines(path, fmt.encoding):
         if not line.strip():
             yield number, None  # blank lines (often a trailing one) carry nothing
             continue
         if "\t" not in line:
-            raise UserError(f"{path}:{number}: expected 'label<TAB>text', found no TAB")
+            raise runtime.UserError(f"{path}:{number}: expected 'label<TAB>text', found no TAB")
         label, text = line.split("\t", 1)
         yield number, {fmt.label_column: label, fmt.text_column: text}
 
 
 def _check_text(text, where):
     if not isinstance(text, str) or not text.strip():
-        raise UserError(f"{where}: empty text")
+        raise runtime.UserError(f"{where}: empty text")
     return text.strip()
 
 
@@ -500,30 +498,30 @@ def _check_label(label, where, fmt=DEFAULT_FORMAT):
     if fmt.regression:
         return _check_number(label, where)
     if isinstance(label, dict):
-        raise UserError(f"{where}: the label is a JSON object; expected a label (with --multi_label: a list)")
+        raise runtime.UserError(f"{where}: the label is a JSON object; expected a label (with --multi_label: a list)")
     items = _list_items(label)
     if items is not None and not fmt.multi_label:
-        raise UserError(f"{where}: the label {str(label)[:60]} is a list; pass --multi_label for several labels "
-                        "per text")
+        raise runtime.UserError(f"{where}: the label {str(label)[:60]} is a list; pass --multi_label for several "
+                                f"labels per text")
     if fmt.multi_label:
         if label is None:
-            raise UserError(f"{where}: no label field")
+            raise runtime.UserError(f"{where}: no label field")
         parts = items if items is not None else str(label).split(fmt.label_separator)
         return tuple(sorted({str(part).strip() for part in parts if str(part).strip()}))
     if label is None or not str(label).strip():
-        raise UserError(f"{where}: empty label")
+        raise runtime.UserError(f"{where}: empty label")
     return str(label).strip()
 
 
 def _check_number(label, where):
     if label is None or not str(label).strip():
-        raise UserError(f"{where}: empty label")
+        raise runtime.UserError(f"{where}: empty label")
     try:
         value = float(label)
     except (TypeError, ValueError):
-        raise UserError(f"{where}: label {str(label).strip()!r} is not a number (--do_regression)") from None
+        raise runtime.UserError(f"{where}: label {str(label).strip()!r} is not a number (--do_regression)") from None
     if not math.isfinite(value) or isinstance(label, bool):
-        raise UserError(f"{where}: label {str(label).strip()!r} is not a finite number (--do_regression)")
+        raise runtime.UserError(f"{where}: label {str(label).strip()!r} is not a finite number (--do_regression)")
     return value
 
 
@@ -542,12 +540,12 @@ def _columns(fmt, labelled):
 def _check_columns(row, where, fmt, labelled):
     if not isinstance(row, dict):
         fields = " and ".join(f"'{column}'" for column, _ in _columns(fmt, labelled))
-        raise UserError(f"{where}: expected an object with {fields}")
+        raise runtime.UserError(f"{where}: expected an object with {fields}")
     for column, flag in _columns(fmt, labelled):
         if column not in row:
             hint = ("; files to train or evaluate on need labels (texts without labels go to --predict_file)"
                     if column == fmt.label_column else _sentence_hint(fmt, row))
-            raise UserError(f"{where}: no field '{column}' ({flag}){hint}")
+            raise runtime.UserError(f"{where}: no field '{column}' ({flag}){hint}")
 
 
 def _sentence_hint(fmt, fields):
@@ -583,7 +581,7 @@ def iter_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
             found = True
             yield _example(row, f"{path}:{line}", fmt, line, labelled)
     if not found:
-        raise UserError(f"{path}: no examples (the file is empty)")
+        raise runtime.UserError(f"{path}: no examples (the file is empty)")
 
 
 def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
@@ -611,8 +609,8 @@ class ExampleTable:
         label = (Value("float64") if fmt.regression else List(Value("string")) if fmt.multi_label
                  else Value("string"))
         features = Features({"text": Value("string"), **({"text_pair": Value("string")} if fmt.text_pair_column
-                                                          else {}), "label": label, "line": Value("int64")})
-        first_seen, fingerprint = {}, DataFingerprint()
+                                                         else {}), "label": label, "line": Value("int64")})
+        first_seen, fingerprint = {}, checkpoint.DataFingerprint()
         with ArrowWriter(features=features, path=str(path)) as writer:
             examples = iter(examples)
             while batch := list(itertools.islice(examples, cls.BATCH)):
@@ -663,7 +661,7 @@ def read_predict_file(path, fmt=DEFAULT_FORMAT, labels=(), say=print):
     rows = _rows(path, fmt, say, functools.partial(_predict_lines, labels=set(labels), say=say), labelled=False)
     examples = [_predict_example(row, f"{path}:{line}", fmt, line) for line, row in rows]
     if all(example.skipped for example in examples):
-        raise UserError(f"{path}: no texts (the file is empty)")
+        raise runtime.UserError(f"{path}: no texts (the file is empty)")
     return examples
 
 
@@ -671,19 +669,19 @@ def _predict_lines(path, fmt, labels, say):
     """Rows of a header-less .txt/.tsv predict file: one text per line (a TAB may be part of a text), or, when every
     non-blank line is `label<TAB>text` with a label of the model, those lines' texts and labels."""
     if fmt.text_pair_column:
-        raise UserError(f"{path}: sentence pairs to predict need a .csv or .json(l) file with named columns")
+        raise runtime.UserError(f"{path}: sentence pairs to predict need a .csv or .json(l) file with named columns")
     lines = list(_decoded_lines(path, fmt.encoding))
     texts = [(number, line) for number, line in lines if line.strip()]
     with_label = [number for number, line in texts if _starts_with_label(line, labels, fmt)]
     if len(texts) / 2 < len(with_label) < len(texts):
         first = next(number for number, line in texts if not _starts_with_label(line, labels, fmt))
-        raise UserError(f"{path}:{first}: {len(with_label)} of the {len(texts)} lines are 'label<TAB>text' with a "
-                        "label of the model, this one is not; correct it, or give the texts as .jsonl with a "
-                        "'text' field")
+        raise runtime.UserError(f"{path}:{first}: {len(with_label)} of the {len(texts)} lines are 'label<TAB>text' "
+                                f"with a label of the model, this one is not; correct it, or give the texts as .jsonl "
+                                f"with a 'text' field")
     is_labelled = bool(texts) and len(with_label) == len(texts)
     if is_labelled:
-        say(f"{path}: every line is 'label<TAB>text' with a label of the model: predicting on the texts (the "
-            "labels go to label_given)")
+        say(f"{path}: every line is 'label<TAB>text' with a label of the model: predicting on the texts (the labels go "
+            f"to label_given)")
     for number, line in lines:
         if not line.strip():
             yield number, None
@@ -728,8 +726,8 @@ class Splits:
 
 # run_classification.py evaluates on the test split when there is no validation split; here the test set is only
 # ever evaluated by --do_test, once, on the selected model
-TEST_FOR_EVAL = ("; run_classification.py would evaluate on the test split instead: here that is --do_test (or "
-                 "pass the test file as --validation_file)")
+TEST_FOR_EVAL = ("; run_classification.py would evaluate on the test split instead: here that is --do_test (or pass "
+                 "the test file as --validation_file)")
 
 
 def read_file_splits(args, fmt, say=print, tables=None):
@@ -742,9 +740,9 @@ def read_file_splits(args, fmt, say=print, tables=None):
     needed = {"train": args.do_train, "validation": args.do_eval, "test": args.do_test}
     for split, need in needed.items():
         if need and files[split] is None:
-            raise UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
-                            f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)"
-                            + (TEST_FOR_EVAL if split == "validation" and files["test"] is not None else ""))
+            raise runtime.UserError(f"--do_{'eval' if split == 'validation' else split} needs a {split} file "
+                                    f"(--{split}_file, or --data_dir {args.data_dir or 'DIR'} holding one)"
+                                    + (TEST_FOR_EVAL if split == "validation" and files["test"] is not None else ""))
     if args.do_train and files["validation"] is not None:
         needed["validation"] = True  # model selection uses the validation set, never the test set
     if tables is None:
@@ -761,21 +759,21 @@ def load_dataset_dict(name, config_name, cache_dir=None, token=None):
     path = Path(name)
     saved = path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
     if saved and config_name:
-        raise UserError(f"--dataset_config_name {config_name}: {name} was written by save_to_disk, which has no "
-                        "configurations")
+        raise runtime.UserError(f"--dataset_config_name {config_name}: {name} was written by save_to_disk, which has "
+                                f"no configurations")
     scripts = sorted(path.glob("*.py")) if path.is_dir() and not saved else []
     if scripts:  # datasets 4 no longer runs loading scripts (a RuntimeError)
-        raise UserError(f"--dataset_name {name}: holds a loading script ({scripts[0].name}), which datasets no longer "
-                        "runs; load the data with it once and save_to_disk, or convert it to parquet/csv/json files "
-                        "in that directory")
+        raise runtime.UserError(f"--dataset_name {name}: holds a loading script ({scripts[0].name}), which datasets no "
+                                f"longer runs; load the data with it once and save_to_disk, or convert it to "
+                                f"parquet/csv/json files in that directory")
     try:
         loaded = (datasets.load_from_disk(str(path)) if saved else
                   datasets.load_dataset(name, config_name, cache_dir=cache_dir and str(cache_dir), token=token))
     except (OSError, ValueError, DatasetsError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"--dataset_name {name}: cannot load ({first}); a hub id needs the hub or its cache "
-                        "(--cache_dir), a local directory must be written by save_to_disk or hold "
-                        "parquet/csv/json files") from None
+        raise runtime.UserError(f"--dataset_name {name}: cannot load ({first}); a hub id needs the hub or its cache "
+                                f"(--cache_dir), a local directory must be written by save_to_disk or hold "
+                                f"parquet/csv/json files") from None
     return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
 
 
@@ -789,8 +787,8 @@ def removed_splits(dataset_dict, names, dataset_name):
     `pop` requires)."""
     missing = [name for name in names if name not in dataset_dict]
     if missing:
-        raise UserError(f"--remove_splits {','.join(names)}: {dataset_name} has no split {missing[0]} (it has "
-                        f"{', '.join(dataset_dict)})")
+        raise runtime.UserError(f"--remove_splits {','.join(names)}: {dataset_name} has no split {missing[0]} (it has "
+                                f"{', '.join(dataset_dict)})")
     return DatasetDict({key: split for key, split in dataset_dict.items() if key not in names})
 
 
@@ -798,8 +796,8 @@ def dataset_split(dataset_dict, role, chosen, name):
     """The DatasetDict key used as `role` ('train', 'validation', 'test'): --{role}_split_name, else the first of
     DATASET_SPLITS[role] the dataset has; None if it has none."""
     if chosen is not None and chosen not in dataset_dict:
-        raise UserError(f"--{role}_split_name {chosen}: {name} has no such split (it has "
-                        f"{', '.join(dataset_dict)})")
+        raise runtime.UserError(f"--{role}_split_name {chosen}: {name} has no such split (it has "
+                                f"{', '.join(dataset_dict)})")
     return chosen or next((key for key in DATASET_SPLITS[role] if key in dataset_dict), None)
 
 
@@ -819,17 +817,17 @@ def dataset_labels(dataset, fmt, where):
     class_label = _label_feature(dataset, fmt)
     if fmt.regression:
         if class_label is not None:
-            raise UserError(f"{where}: column '{fmt.label_column}' is a ClassLabel (categories, not numbers); "
-                            "drop --do_regression")
+            raise runtime.UserError(f"{where}: column '{fmt.label_column}' is a ClassLabel (categories, not numbers); "
+                                    f"drop --do_regression")
         return None, None
     if isinstance(feature, (datasets.List, datasets.LargeList)) and not fmt.multi_label:
-        raise UserError(f"{where}: column '{fmt.label_column}' holds lists of labels: pass --multi_label")
+        raise runtime.UserError(f"{where}: column '{fmt.label_column}' holds lists of labels: pass --multi_label")
     if class_label is not None:
         return list(class_label.names), (f"labels: the ClassLabel names of column '{fmt.label_column}', in the "
-                                         "dataset's order (ids as in the dataset)")
+                                         f"dataset's order (ids as in the dataset)")
     if dtype in ("float16", "float32", "float64"):
-        raise UserError(f"{where}: column '{fmt.label_column}' holds {dtype} numbers: pass --do_regression to "
-                        "predict them, or make them integer classes")
+        raise runtime.UserError(f"{where}: column '{fmt.label_column}' holds {dtype} numbers: pass --do_regression to "
+                                f"predict them, or make them integer classes")
     if dtype is not None and dtype.startswith(("int", "uint")) and not fmt.multi_label:
         values = sorted(set(dataset[fmt.label_column]))
         return [str(v) for v in values], f"labels: the integers of column '{fmt.label_column}', in numeric order"
@@ -841,7 +839,7 @@ def dataset_examples(dataset, fmt, where, labelled=True):
     columns = [column for column, _ in _columns(fmt, labelled)]
     missing = [f"'{column}' ({flag})" for column, flag in _columns(fmt, labelled) if column not in dataset.features]
     if missing:
-        raise UserError(f"{where}: no column {', '.join(missing)}; it has {', '.join(dataset.features)}")
+        raise runtime.UserError(f"{where}: no column {', '.join(missing)}; it has {', '.join(dataset.features)}")
     rows = dataset.select_columns(columns).to_dict()  # {column: values}: one pass in C instead of a dict per row
     class_label = _label_feature(dataset, fmt) if labelled else None
     examples = []
@@ -851,7 +849,7 @@ def dataset_examples(dataset, fmt, where, labelled=True):
             row[fmt.label_column] = _label_names(row[fmt.label_column], class_label, f"{where} row {index}")
         examples.append(_example(row, f"{where} row {index}", fmt, None, labelled))
     if not examples:
-        raise UserError(f"{where}: no rows")
+        raise runtime.UserError(f"{where}: no rows")
     return examples
 
 
@@ -859,8 +857,8 @@ def _label_names(ids, class_label, where):
     if isinstance(ids, list):
         return [_label_names(i, class_label, where) for i in ids]
     if ids is None or ids < 0:  # GLUE's test splits carry -1: no label
-        raise UserError(f"{where}: label {ids} (no label; a test split without labels can only be predicted, "
-                        "with --do_predict)")
+        raise runtime.UserError(f"{where}: label {ids} (no label; a test split without labels can only be predicted, "
+                                f"with --do_predict)")
     return class_label.names[ids]
 
 
@@ -875,12 +873,12 @@ def read_dataset_splits(args):
               "validation": args.do_eval or (args.do_train and roles["validation"] is not None), "test": args.do_test}
     for role, need in needed.items():
         if need and roles[role] is None:
-            raise UserError(f"--do_{'eval' if role == 'validation' else role} needs a {role} split: "
-                            f"{args.dataset_name} has {', '.join(dataset_dict)} (--{role}_split_name NAME)"
-                            + (TEST_FOR_EVAL if role == "validation" and roles["test"] is not None else ""))
+            raise runtime.UserError(f"--do_{'eval' if role == 'validation' else role} needs a {role} split: "
+                                    f"{args.dataset_name} has {', '.join(dataset_dict)} (--{role}_split_name NAME)"
+                                    + (TEST_FOR_EVAL if role == "validation" and roles["test"] is not None else ""))
     if args.do_predict and not args.predict_file and roles["test"] is None:
-        raise UserError(f"--do_predict needs --predict_file or a test split: {args.dataset_name} has "
-                        f"{', '.join(dataset_dict)} (--test_split_name NAME)")
+        raise runtime.UserError(f"--do_predict needs --predict_file or a test split: {args.dataset_name} has "
+                                f"{', '.join(dataset_dict)} (--test_split_name NAME)")
     where = {role: f"{args.dataset_name} split '{key}'" for role, key in roles.items()}
     first = next(role for role, need in needed.items() if need) if any(needed.values()) else "test"
     column_notes = []
@@ -927,32 +925,32 @@ def select_examples(examples, args):
 # the cuts and the shuffle decide which examples there are; the validation set may change (named: the best model so
 # far was measured on the old one); the test and predict cuts concern this launch only
 DATASET_ROLES = {**dict.fromkeys(("--dataset_name", "--dataset_config_name", "--train_split_name", "--remove_splits"),
-                                 kept_by(DATA_KEY)),
-                 "--validation_split_name": MAY_CHANGE, "--test_split_name": THIS_LAUNCH,
-                 "--max_train_samples": MUST_KEEP, "--max_eval_samples": MUST_KEEP,
-                 "--max_predict_samples": THIS_LAUNCH,
-                 "--shuffle_train_dataset": MUST_KEEP, "--shuffle_seed": MUST_KEEP}
+                                 checkpoint.kept_by(checkpoint.DATA_KEY)),
+                 "--validation_split_name": checkpoint.MAY_CHANGE, "--test_split_name": checkpoint.THIS_LAUNCH,
+                 "--max_train_samples": checkpoint.MUST_KEEP, "--max_eval_samples": checkpoint.MUST_KEEP,
+                 "--max_predict_samples": checkpoint.THIS_LAUNCH,
+                 "--shuffle_train_dataset": checkpoint.MUST_KEEP, "--shuffle_seed": checkpoint.MUST_KEEP}
 
 
-@roles_beside("DATASET_ROLES")
+@checkpoint.roles_beside("DATASET_ROLES")
 def add_dataset_args(group):
     """run_classification.py's dataset flags: a `datasets` dataset instead of files, and the quick-try cuts."""
     group.add_argument("--dataset_name", default=None,
                        help="instead of files: a hub id, or a local directory written by save_to_disk or holding "
-                            "parquet/csv/json files (datasets.load_from_disk / load_dataset)")
+                       "parquet/csv/json files (datasets.load_from_disk / load_dataset)")
     group.add_argument("--dataset_config_name", default=None, help="the hub dataset's configuration, e.g. stsb")
     for role, default in (("train", "train"), ("validation", "validation, dev, val or valid"), ("test", "test")):
         group.add_argument(f"--{role}_split_name", default=None,
                            help=f"the dataset's split used as {role} set; default: {default}")
     group.add_argument("--remove_splits", type=comma_list, default=(),
                        help="splits of the dataset to drop before the train/validation/test splits are chosen "
-                            "(comma-separated; run_classification.py's), e.g. unused")
+                       "(comma-separated; run_classification.py's), e.g. unused")
     group.add_argument("--max_train_samples", type=int, default=None,
                        help="train on the first N examples (labels still come from all of them)")
     group.add_argument("--max_eval_samples", type=int, default=None,
                        help="the first N examples of the validation and the test set")
     group.add_argument("--max_predict_samples", type=int, default=None, help="the first N texts to predict")
-    group.add_argument("--shuffle_train_dataset", type=hf_bool, nargs="?", const=True, default=False,
+    group.add_argument("--shuffle_train_dataset", type=runtime.hf_bool, nargs="?", const=True, default=False,
                        help="shuffle the training examples once, before --max_train_samples")
     group.add_argument("--shuffle_seed", type=int, default=None,
                        help=f"with --shuffle_train_dataset; default {SHUFFLE_SEED}")
@@ -963,38 +961,38 @@ def check_dataset_args(args):
     files = [f"--{name}" for name in ("data_dir", "train_file", "validation_file", "test_file")
              if getattr(args, name) is not None]
     if args.dataset_name and files:
-        raise UserError(f"--dataset_name and {files[0]} are two sources of data: pass one")
+        raise runtime.UserError(f"--dataset_name and {files[0]} are two sources of data: pass one")
     without_dataset = [f"--{name}" for name in ("dataset_config_name", "train_split_name", "validation_split_name",
                                                 "test_split_name", "remove_splits") if getattr(args, name)]
     if without_dataset and not args.dataset_name:
-        raise UserError(f"{without_dataset[0]} needs --dataset_name")
+        raise runtime.UserError(f"{without_dataset[0]} needs --dataset_name")
     for name, mode in (("max_train_samples", args.do_train), ("max_predict_samples", args.do_predict),
                        ("max_eval_samples", args.do_train or args.do_eval or args.do_test)):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise UserError(f"--{name} {value}: must be at least 1")
+            raise runtime.UserError(f"--{name} {value}: must be at least 1")
         if value is not None and not mode:
-            raise UserError(f"--{name}: nothing of that kind is read in this run")
+            raise runtime.UserError(f"--{name}: nothing of that kind is read in this run")
     if args.shuffle_seed is not None and not args.shuffle_train_dataset:
-        raise UserError("--shuffle_seed needs --shuffle_train_dataset")
+        raise runtime.UserError("--shuffle_seed needs --shuffle_train_dataset")
     if args.shuffle_train_dataset and args.shuffle_seed is None:  # the seed the shuffle uses, as checkpoints record it
         args.shuffle_seed = SHUFFLE_SEED
     # a --data_dir that does not exist is named by the data loading, in its own line
     test_split = args.test_file or args.dataset_name or (args.data_dir and (not Path(args.data_dir).is_dir()
                                                                             or find_split_file(args.data_dir, "test")))
     if args.do_predict and not (args.predict_file or test_split):
-        raise UserError("--do_predict needs --predict_file, or a test split to predict (run_classification.py's "
-                        "--test_file, --data_dir with a test file, --dataset_name)")
+        raise runtime.UserError("--do_predict needs --predict_file, or a test split to predict "
+                                "(run_classification.py's --test_file, --data_dir with a test file, --dataset_name)")
 
 
 def read_labels_file(path, encoding="utf-8"):
     """Label names, one per line, in the order that defines their ids."""
     labels = [line.strip() for _, line in _decoded_lines(path, encoding) if line.strip()]
     if not labels:
-        raise UserError(f"{path}: no labels (the file is empty)")
+        raise runtime.UserError(f"{path}: no labels (the file is empty)")
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
-        raise UserError(f"{path}: label(s) listed twice: {', '.join(duplicates)}")
+        raise runtime.UserError(f"{path}: label(s) listed twice: {', '.join(duplicates)}")
     return labels
 
 
@@ -1035,9 +1033,9 @@ def _check_spellings(first_seen):
         number = _label_number(label)
         if number is not None and number in by_number:
             other, other_where = by_number[number]
-            raise UserError(f"{other_where}: label '{other}' and {where}: label '{label}' are one number written two "
-                            "ways and would be two classes; write it one way (or, if they are different classes, "
-                            "list both in --labels_file)")
+            raise runtime.UserError(f"{other_where}: label '{other}' and {where}: label '{label}' are one number "
+                                    f"written two ways and would be two classes; write it one way (or, if they are "
+                                    f"different classes, list both in --labels_file)")
         if number is not None:
             by_number[number] = (label, where)
 
@@ -1058,7 +1056,7 @@ def check_known_labels(examples, labels, source="the train file"):
     known = set(labels)
     for label, where in _first_seen(examples).items():  # the first line with an unknown label
         if label not in known:
-            raise UserError(f"{where}: label '{label}' is not in {source}")
+            raise runtime.UserError(f"{where}: label '{label}' is not in {source}")
 
 
 def write_labels_file(labels, path):
@@ -1070,15 +1068,15 @@ COMPILE_PAD_MULTIPLE = 32  # at 512 tokens: at most 16 lengths per batch size to
 
 
 # add_padding_args' flags (utils/checkpoint.py Role): padding never enters a per-sample loss
-PADDING_ROLES = this_launch("--pad_to_multiple_of", "--pad_to_max_length")
+PADDING_ROLES = checkpoint.this_launch("--pad_to_multiple_of", "--pad_to_max_length")
 
 
-@roles_beside("PADDING_ROLES")
+@checkpoint.roles_beside("PADDING_ROLES")
 def add_padding_args(group):
     padding = group.add_mutually_exclusive_group()
-    padding.add_argument("--pad_to_multiple_of", type=positive_int, default=None,
+    padding.add_argument("--pad_to_multiple_of", type=runtime.positive_int, default=None,
                          help=f"tokens; default: none on CPU, {CUDA_PAD_MULTIPLE} on CUDA, "
-                              f"{COMPILE_PAD_MULTIPLE} under torch.compile (bounds the shapes it compiles)")
+                         f"{COMPILE_PAD_MULTIPLE} under torch.compile (bounds the shapes it compiles)")
     padding.add_argument("--pad_to_max_length", action="store_true",
                          help="pad every batch to --max_seq_len (one shape; most padding)")
 
@@ -1088,24 +1086,25 @@ POOLING = ("mean", "max")
 # the cut changes the training inputs (a resume keeps it); the pooling, an evaluation's, may change; the export records
 # what applies, so an evaluation of the model cuts and pools as its training did (the defaults: where none is
 # recorded; --head_tokens': resolve_head_tokens, from --max_seq_len)
-LONG_TEXT_ROLES = {"--truncation": MUST_KEEP.recorded("head"),
-                   "--head_tokens": MUST_KEEP.recorded(None, only_with="truncation=head_tail"),
-                   "--doc_stride": MUST_KEEP.recorded(None), "--pool": MAY_CHANGE.recorded("mean", only_with="doc_stride")}
+LONG_TEXT_ROLES = {"--truncation": checkpoint.MUST_KEEP.recorded("head"),
+                   "--head_tokens": checkpoint.MUST_KEEP.recorded(None, only_with="truncation=head_tail"),
+                   "--doc_stride": checkpoint.MUST_KEEP.recorded(None),
+                   "--pool": checkpoint.MAY_CHANGE.recorded("mean", only_with="doc_stride")}
 
 
-@roles_beside("LONG_TEXT_ROLES")
+@checkpoint.roles_beside("LONG_TEXT_ROLES")
 def add_long_text_args(group):
     group.add_argument("--truncation", choices=TRUNCATION, default=None,
                        help="which tokens of a text longer than --max_seq_len are kept: the first (head), the last "
-                            "(tail), or --head_tokens first and the rest last (head_tail) (default: head; without "
-                            "--do_train: the model's)")
-    group.add_argument("--head_tokens", type=positive_int, default=None,
+                       "(tail), or --head_tokens first and the rest last (head_tail) (default: head; without "
+                       "--do_train: the model's)")
+    group.add_argument("--head_tokens", type=runtime.positive_int, default=None,
                        help="--truncation head_tail: tokens kept from the head (default: a quarter of --max_seq_len's "
-                            "text tokens, as Sun et al. 2019's 128 of 510; without --do_train: the model's)")
-    group.add_argument("--doc_stride", type=nonnegative_int, default=None,
+                       "text tokens, as Sun et al. 2019's 128 of 510; without --do_train: the model's)")
+    group.add_argument("--doc_stride", type=runtime.nonnegative_int, default=None,
                        help="tokens: a longer text becomes windows of --max_seq_len tokens overlapping by this many; "
-                            "each window trains with its text's label, evaluation and prediction pool a text's windows "
-                            "(--pool) (default: no windows; without --do_train: the model's)")
+                       "each window trains with its text's label, evaluation and prediction pool a text's windows "
+                       "(--pool) (default: no windows; without --do_train: the model's)")
     group.add_argument("--pool", choices=POOLING, default=None,
                        help="--doc_stride: a text's logits from its windows': their mean or maximum (default: mean)")
 
@@ -1143,29 +1142,29 @@ def resolve_head_tokens(args, say=print):
     args.head_tokens = default_head_tokens(args.max_seq_len)
     room = args.max_seq_len - 2
     if args.head_tokens < room:
-        say(f"--head_tokens {args.head_tokens}: --truncation head_tail keeps the first {args.head_tokens} and the "
-            f"last {room - args.head_tokens} of the {room} text tokens of --max_seq_len {args.max_seq_len} (a "
-            "quarter from the head, as Sun et al.'s 128 of 510)")
+        say(f"--head_tokens {args.head_tokens}: --truncation head_tail keeps the first {args.head_tokens} and the last "
+            f"{room - args.head_tokens} of the {room} text tokens of --max_seq_len {args.max_seq_len} (a quarter from "
+            f"the head, as Sun et al.'s 128 of 510)")
 
 
 def long_text(args, max_seq_len, paired):
     """The LongText of the resolved flags, checked against max_seq_len and the data (one line each)."""
     settings = LongText(args.truncation, args.head_tokens, args.doc_stride, args.pool)
     if settings.doc_stride is not None and settings.truncation != "head":
-        raise UserError(f"--doc_stride {settings.doc_stride} keeps every token in windows: --truncation "
-                        f"{settings.truncation} has nothing to cut; pass one of them")
+        raise runtime.UserError(f"--doc_stride {settings.doc_stride} keeps every token in windows: --truncation "
+                                f"{settings.truncation} has nothing to cut; pass one of them")
     if paired and settings != LongText(pool=settings.pool, head_tokens=settings.head_tokens):
-        raise UserError("--truncation tail/head_tail and --doc_stride cut single texts; sentence pairs are cut "
-                        "longest_first (the longer one loses tokens)")
+        raise runtime.UserError("--truncation tail/head_tail and --doc_stride cut single texts; sentence pairs are cut "
+                                "longest_first (the longer one loses tokens)")
     if settings.doc_stride is not None and settings.doc_stride >= max_seq_len - 2:
-        raise UserError(f"--doc_stride {settings.doc_stride}: windows of --max_seq_len {max_seq_len} tokens hold "
-                        f"{max_seq_len - 2} text tokens; the overlap must be smaller")
+        raise runtime.UserError(f"--doc_stride {settings.doc_stride}: windows of --max_seq_len {max_seq_len} tokens "
+                                f"hold {max_seq_len - 2} text tokens; the overlap must be smaller")
     if settings.truncation == "head_tail" and max_seq_len - 2 < 2:
-        raise UserError(f"--truncation head_tail: --max_seq_len {max_seq_len} holds {max_seq_len - 2} text tokens; "
-                        "a head and a tail need 2 or more")
+        raise runtime.UserError(f"--truncation head_tail: --max_seq_len {max_seq_len} holds {max_seq_len - 2} text "
+                                f"tokens; a head and a tail need 2 or more")
     if settings.truncation == "head_tail" and settings.head_tokens >= max_seq_len - 2:
-        raise UserError(f"--head_tokens {settings.head_tokens}: --max_seq_len {max_seq_len} holds {max_seq_len - 2} "
-                        "text tokens; leave some for the tail")
+        raise runtime.UserError(f"--head_tokens {settings.head_tokens}: --max_seq_len {max_seq_len} holds "
+                                f"{max_seq_len - 2} text tokens; leave some for the tail")
     return settings
 
 
@@ -1179,7 +1178,7 @@ def default_pad_multiple(device_type, compiled):
 def resolve_padding(args, accelerator):
     """{"pad_to_multiple_of": N or None, "pad_to_max_length": bool} for this run, recorded with its results."""
     if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
-        raise UserError(f"--pad_to_multiple_of {args.pad_to_multiple_of}: must be a positive number of tokens")
+        raise runtime.UserError(f"--pad_to_multiple_of {args.pad_to_multiple_of}: must be a positive number of tokens")
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     multiple = args.pad_to_multiple_of
     if multiple is None and not args.pad_to_max_length:
@@ -1272,16 +1271,16 @@ def check_windows_cover(tokenizer, max_seq_len, doc_stride):
                         return_overflowing_tokens=True)["input_ids"]  # a batch, as tokenize_windows calls it
     covered = sum(len(w) - tokenizer.num_special_tokens_to_add() for w in windows) - doc_stride * (len(windows) - 1)
     if covered != whole:
-        raise UserError(f"--doc_stride: this tokenizer's windows hold {covered} of a {whole}-token text "
-                        f"({len(windows)} windows, tokenizers {tokenizers.__version__}; 0.23.2 stops after two): "
-                        "pip install 'tokenizers>=0.23.3'")
+        raise runtime.UserError(f"--doc_stride: this tokenizer's windows hold {covered} of a {whole}-token text "
+                                f"({len(windows)} windows, tokenizers {tokenizers.__version__}; 0.23.2 stops after "
+                                f"two): pip install 'tokenizers>=0.23.3'")
 
 
 def tokenize_cut(tokenizer, dataset, max_seq_len, cut, cache_file=None):
     """Each text's tail, or its head and tail, in max_seq_len tokens with [CLS] and [SEP] (the tokenizer's ids)."""
     if tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
-        raise UserError(f"--truncation {cut.truncation}: the tokenizer has no [CLS]/[SEP] tokens to frame the kept "
-                        "tokens with; use --truncation head or --doc_stride")
+        raise runtime.UserError(f"--truncation {cut.truncation}: the tokenizer has no [CLS]/[SEP] tokens to frame the "
+                                f"kept tokens with; use --truncation head or --doc_stride")
     room = max_seq_len - 2
     head = cut.head_tokens if cut.truncation == "head_tail" else 0
 
@@ -1314,7 +1313,7 @@ def fingerprint_examples(path, examples):
         return None
     if isinstance(examples, ExampleTable) and examples.fingerprint is not None:
         return examples.fingerprint.result(path)  # taken as the file was read
-    return data_fingerprint(path, map(example_record, examples))
+    return checkpoint.data_fingerprint(path, map(example_record, examples))
 
 
 _RECORD = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps' output, without its per-call set-up

@@ -31,8 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from utils.outputs import number_entries
-from utils.runtime import UserError
+from . import outputs, runtime
 
 # scikit-learn and matplotlib are imported where used: together they add about a second to every process start.
 
@@ -60,7 +59,8 @@ def recorded(metrics):
     """What an evaluation's result (train_bert_cls.py evaluate) gives metrics.jsonl, all_results.json and the model
     card, in its order: its numbers, and the lists a --metric module may return (one number per class); the per-class
     report and the confusion matrix are written as files."""
-    return {**number_entries(metrics), **{key: value for key, value in metrics.items() if isinstance(value, list)}}
+    return {**outputs.number_entries(metrics), **{key: value for key, value in metrics.items() if isinstance(value,
+                                                                                                             list)}}
 
 
 def check_task_args(args):
@@ -68,21 +68,21 @@ def check_task_args(args):
     for flag, value in (("--label_smoothing", args.label_smoothing), ("--labels_file", args.labels_file),
                         ("--metric", args.metric), ("--class_weights", args.class_weights)):
         if args.do_regression and value:
-            raise UserError(f"{flag} is for classes; --do_regression predicts a number (evaluated by mse, rmse, mae, "
-                            "pearson and spearmanr)")
+            raise runtime.UserError(f"{flag} is for classes; --do_regression predicts a number (evaluated by mse, "
+                                    f"rmse, mae, pearson and spearmanr)")
     if args.class_weights and args.multi_label:
-        raise UserError("--class_weights weighs single-label cross-entropy; --multi_label's binary cross-entropy is "
-                        "not weighted per class here")
+        raise runtime.UserError("--class_weights weighs single-label cross-entropy; --multi_label's binary "
+                                "cross-entropy is not weighted per class here")
     if args.class_weights and not args.do_train:
-        raise UserError("--class_weights weighs the training loss: it needs --do_train")
+        raise runtime.UserError("--class_weights weighs the training loss: it needs --do_train")
     if not 0.0 <= args.label_smoothing < 1.0:
-        raise UserError(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
+        raise runtime.UserError(f"--label_smoothing {args.label_smoothing}: must be in [0, 1)")
     if args.multi_label and args.label_smoothing:
-        raise UserError("--label_smoothing applies to single-label cross-entropy, not to --multi_label")
+        raise runtime.UserError("--label_smoothing applies to single-label cross-entropy, not to --multi_label")
     if args.metric and args.multi_label:
         take_multi_label_builtins(args)
     if args.threshold is not None and not 0.0 < args.threshold < 1.0:  # None: the trained model's, or 0.5
-        raise UserError(f"--threshold {args.threshold}: must be in (0, 1)")
+        raise runtime.UserError(f"--threshold {args.threshold}: must be in (0, 1)")
 
 
 # run_classification.py's --metric_name with --multi_label: evaluate's module on the multi-hot rows, average="micro"
@@ -94,11 +94,11 @@ def take_multi_label_builtins(args):
     module is refused, since an evaluate module is passed one class id per sample here."""
     others = [name for name in args.metric if name not in MULTI_LABEL_BUILTINS]
     if others:
-        raise UserError(f"--metric {others[0]} passes one class id per sample to the evaluate module; with "
-                        "--multi_label use the built-in exact-match accuracy and micro/macro F1")
+        raise runtime.UserError(f"--metric {others[0]} passes one class id per sample to the evaluate module; with "
+                                f"--multi_label use the built-in exact-match accuracy and micro/macro F1")
     args.command_notes = (*getattr(args, "command_notes", ()),
                           *(f"--metric {name} with --multi_label = the built-in {MULTI_LABEL_BUILTINS[name]} "
-                            "(run_classification.py's average='micro')" for name in args.metric))
+                            f"(run_classification.py's average='micro')" for name in args.metric))
     args.metric = []
 
 
@@ -185,8 +185,8 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regres
     its order), the input, the label(s) the file gave (`label_given`), the predicted label(s) with their probability,
     every probability; for regression the predicted number (`score`, as `pipeline()` names it). A skipped record (a
     blank line) has a row saying why and no prediction; `logits` (N, C) are those of the N others, in order."""
-    outputs = iter(logits.squeeze(-1).tolist() if regression else  # (N,) numbers or (N, C) probabilities
-                   (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist())
+    values = iter(logits.squeeze(-1).tolist() if regression else  # (N,) numbers or (N, C) probabilities
+                  (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist())
     rows = []
     for example in examples:
         row = {**({"line": example.line} if example.line is not None else {}), "text": example.text}
@@ -198,9 +198,9 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regres
         if example.label is not None:
             row["label_given"] = list(example.label) if isinstance(example.label, tuple) else example.label
         if regression:
-            rows.append({**row, "score": next(outputs)})
+            rows.append({**row, "score": next(values)})
             continue
-        probs = next(outputs)
+        probs = next(values)
         ranked = sorted(range(len(labels)), key=probs.__getitem__, reverse=True)
         if multi_label:  # every label at or above the threshold, most probable first (possibly none)
             row["labels"] = {labels[i]: probs[i] for i in ranked if probs[i] >= threshold}
@@ -208,7 +208,7 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regres
             row.update(label=labels[ranked[0]], score=probs[ranked[0]])
         row["probabilities"] = dict(zip(labels, probs))
         rows.append(row)
-    if next(outputs, None) is not None:
+    if next(values, None) is not None:
         raise ValueError(f"{len(logits)} predictions for {sum(not e.skipped for e in examples)} texts")
     return rows
 
@@ -277,8 +277,8 @@ def load_metrics(names_or_paths, num_labels, cache_dir=None):
             # keep_in_memory: no cache file, so that several processes computing at once do not share a lock
             modules.append(evaluate.load(name, keep_in_memory=True, cache_dir=cache_dir and str(cache_dir)))
         except Exception as err:  # evaluate raises whatever its download or import raised
-            raise UserError(f"--metric {name}: cannot load this evaluate module ({first_line(err)}); offline, "
-                            "pass a local metric script or a folder <name>/ holding <name>.py") from None
+            raise runtime.UserError(f"--metric {name}: cannot load this evaluate module ({first_line(err)}); offline, "
+                                    f"pass a local metric script or a folder <name>/ holding <name>.py") from None
     every_class = list(range(num_labels))
     compute_metrics(modules, every_class, every_class, reserved={})
     return modules
@@ -297,8 +297,8 @@ def compute_metrics(modules, predictions, references, reserved):
         try:
             values = module.compute(predictions=list(predictions), references=list(references))
         except Exception as err:
-            raise UserError(f"--metric {module.name}: compute failed on {len(references)} class ids "
-                            f"({first_line(err)})") from None
+            raise runtime.UserError(f"--metric {module.name}: compute failed on {len(references)} class ids "
+                                    f"({first_line(err)})") from None
         for key, value in (values or {}).items():
             taken = key in reserved or key in results
             results[f"{module.name}_{key}" if taken else key] = plain(value)

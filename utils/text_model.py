@@ -40,10 +40,7 @@ import pyarrow.compute as pc
 import torch
 from transformers import Adafactor, get_scheduler
 
-from utils.checkpoint import MUST_KEEP, kept_by, roles_beside, this_launch
-from utils.export import load_torch_checkpoint, safetensors_problem, settings_from_model
-from utils.outputs import ModelCard, command_line
-from utils.runtime import UserError, hf_bool
+from . import checkpoint, export, outputs, runtime
 
 TRAINED_WITH = "trained_with.json"
 DEFAULT_MAX_SEQ_LEN = 512  # the reference's, and BERT's positions
@@ -53,11 +50,11 @@ ALLOWED_NEW_IN_ENCODER = ("pooler.",)
 
 # add_model_source_args' flags (utils/checkpoint.py Role): the config's shape is part of what a resume must match
 # (the scripts' `model` entry); another tokenizer would change the inputs; the rest say where files come from
-MODEL_SOURCE_ROLES = {"--config_name": kept_by("model"), "--tokenizer_name": MUST_KEEP,
-                      **this_launch("--cache_dir", "--model_revision", "--token", "--use_fast_tokenizer")}
+MODEL_SOURCE_ROLES = {"--config_name": checkpoint.kept_by("model"), "--tokenizer_name": checkpoint.MUST_KEEP,
+                      **checkpoint.this_launch("--cache_dir", "--model_revision", "--token", "--use_fast_tokenizer")}
 
 
-@roles_beside("MODEL_SOURCE_ROLES")
+@checkpoint.roles_beside("MODEL_SOURCE_ROLES")
 def add_model_source_args(group):
     """Where the config, tokenizer and weights come from, with run_classification.py's flags."""
     group.add_argument("--config_name", default=None,
@@ -66,25 +63,25 @@ def add_model_source_args(group):
                        help="the tokenizer from this hub id or directory instead of --model_name_or_path")
     group.add_argument("--cache_dir", type=Path, default=None,
                        help="where hub downloads (model, config, tokenizer, --dataset_name) are kept; default: the "
-                            "Hugging Face cache")
+                       "Hugging Face cache")
     group.add_argument("--model_revision", default=None,
                        help="branch, tag or commit of the hub ids of the model, config and tokenizer (default main)")
     group.add_argument("--token", default=None,
                        help="Hugging Face access token for private or gated repositories; never printed or written "
-                            "(default: the one `hf auth login` saved)")
-    group.add_argument("--use_fast_tokenizer", type=hf_bool, nargs="?", const=True, default=True,
+                       "(default: the one `hf auth login` saved)")
+    group.add_argument("--use_fast_tokenizer", type=runtime.hf_bool, nargs="?", const=True, default=True,
                        help="only true: transformers 5 always loads the fast (Rust) tokenizer")
 
 
 def check_model_source_args(args):
     """Refused while parsing: settings transformers would ignore."""
     if not args.use_fast_tokenizer:
-        raise UserError("--use_fast_tokenizer false: transformers 5 always loads the fast (Rust `tokenizers`) "
-                        "tokenizer and ignores this setting; drop it")
+        raise runtime.UserError("--use_fast_tokenizer false: transformers 5 always loads the fast (Rust `tokenizers`) "
+                                "tokenizer and ignores this setting; drop it")
     sources = [args.model_name_or_path, args.config_name, args.tokenizer_name]
     if args.model_revision and all(Path(source).is_dir() for source in sources if source):
-        raise UserError(f"--model_revision {args.model_revision}: a revision selects a version of a hub id, and "
-                        "the model, config and tokenizer all come from local directories")
+        raise runtime.UserError(f"--model_revision {args.model_revision}: a revision selects a version of a hub id, "
+                                f"and the model, config and tokenizer all come from local directories")
 
 
 @contextmanager
@@ -94,9 +91,9 @@ def loading(source, what):
         yield
     except (OSError, ValueError) as err:
         if "trust_remote_code" in str(err):  # transformers asks to run the repository's own Python code
-            raise UserError(f"{source}: its {what} is custom code in the model's files; pass --trust_remote_code if "
-                            "you trust that code") from None
-        raise UserError(f"{source}: cannot load {what} ({str(err).strip().splitlines()[0]})") from None
+            raise runtime.UserError(f"{source}: its {what} is custom code in the model's files; pass "
+                                    f"--trust_remote_code if you trust that code") from None
+        raise runtime.UserError(f"{source}: cannot load {what} ({str(err).strip().splitlines()[0]})") from None
 
 
 def check_custom_code(source, trust_remote_code):
@@ -109,8 +106,8 @@ def check_custom_code(source, trust_remote_code):
 
     config = read_model_json(config_file)
     if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
-        raise UserError(f"{source}: its model type {config.get('model_type')!r} is custom code in the model's files "
-                        "(config.json auto_map); pass --trust_remote_code if you trust that code")
+        raise runtime.UserError(f"{source}: its model type {config.get('model_type')!r} is custom code in the model's "
+                                f"files (config.json auto_map); pass --trust_remote_code if you trust that code")
 
 
 def hub_options(args):
@@ -121,9 +118,9 @@ def hub_options(args):
 def check_weight_files(model_name_or_path):
     """A local safetensors file that is cut short, named before transformers reads it (its error would not name it)."""
     for weights in sorted(Path(model_name_or_path).glob("*.safetensors")):
-        problem = safetensors_problem(weights)
+        problem = export.safetensors_problem(weights)
         if problem:
-            raise UserError(problem)
+            raise runtime.UserError(problem)
 
 
 def new_weight_names(loading_info):
@@ -140,9 +137,9 @@ def check_starting_weights(model, new_weights, source):
     random_encoder = [key for key in new_weights if key.startswith(encoder)
                       and not key[len(encoder):].startswith(ALLOWED_NEW_IN_ENCODER)]
     if random_encoder:
-        raise UserError(f"{source}: {len(random_encoder)} encoder weights are not in the checkpoint "
-                        f"and would start from random (e.g. {random_encoder[0]}); is it a {model.config.model_type} "
-                        "checkpoint? (--from_scratch trains from random on purpose)")
+        raise runtime.UserError(f"{source}: {len(random_encoder)} encoder weights are not in the checkpoint and would "
+                                f"start from random (e.g. {random_encoder[0]}); is it a {model.config.model_type} "
+                                f"checkpoint? (--from_scratch trains from random on purpose)")
 
 
 def head_by_name(model, source, labels, say=print):
@@ -154,9 +151,9 @@ def head_by_name(model, source, labels, say=print):
         return
     if set(trained) != set(labels):
         ours, theirs = sorted(set(labels) - set(trained)), sorted(set(trained) - set(labels))
-        raise UserError(f"{source}: trained for other labels ({', '.join(theirs[:4])}; the data has "
-                        f"{', '.join(ours[:4])}): by position each label would start as another's; train from its base "
-                        "model, or name the labels as the model does")
+        raise runtime.UserError(f"{source}: trained for other labels ({', '.join(theirs[:4])}; the data has "
+                                f"{', '.join(ours[:4])}): by position each label would start as another's; train from "
+                                f"its base model, or name the labels as the model does")
     head = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == len(labels)][-1]
     rows = [trained.index(label) for label in labels]
     with torch.no_grad():
@@ -164,7 +161,7 @@ def head_by_name(model, source, labels, say=print):
         if head.bias is not None:
             head.bias.copy_(head.bias[rows])
     say(f"{source}: its head lists the same {len(labels)} labels in another order: its rows are reordered to this "
-        "run's labels, matched by name")
+        f"run's labels, matched by name")
 
 
 MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_1000 with bert-base-chinese: 1.0%)
@@ -187,8 +184,8 @@ def check_unk_rate(rate, source, limit=MAX_UNK_RATE):
     """The training text's [UNK] rate (`unk_rate`, counted once when the data were tokenised); above `limit` a
     UserError, on every rank alike (each holds the same rate)."""
     if rate > limit:
-        raise UserError(f"{source}: the tokenizer maps {rate:.0%} of the training text to [UNK]; "
-                        "its vocab.txt does not fit this text")
+        raise runtime.UserError(f"{source}: the tokenizer maps {rate:.0%} of the training text to [UNK]; its vocab.txt "
+                                f"does not fit this text")
     return rate
 
 
@@ -208,12 +205,12 @@ def read_model_json(path, bom_allowed=False):
     config.json; our own files (`bom_allowed`) are read with or without one."""
     data = Path(path).read_bytes()
     if data.startswith(UTF8_BOM) and not bom_allowed:
-        raise UserError(f"{path}: starts with a UTF-8 byte-order mark (a re-save in Windows Notepad?), which "
-                        "transformers cannot read; save it as UTF-8 without a BOM")
+        raise runtime.UserError(f"{path}: starts with a UTF-8 byte-order mark (a re-save in Windows Notepad?), which "
+                                f"transformers cannot read; save it as UTF-8 without a BOM")
     try:
         return json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"{path}: not a readable JSON file (cut short by a copy or a full disk?): {err}") from None
+        raise runtime.UserError(f"{path}: not a readable JSON file (cut short by a copy or a full disk?): {err}") from None
 
 
 def check_problem_type(model_name_or_path, multi_label, regression=False):
@@ -225,7 +222,7 @@ def check_problem_type(model_name_or_path, multi_label, regression=False):
     if saved in ("multi_label_classification", "single_label_classification", "regression") and saved != wanted:
         advice = [f"drop {flags[wanted]}"] if wanted in flags else []
         advice += [f"pass {flags[saved]}"] if saved in flags else []
-        raise UserError(f"{config_file}: the model was trained for {saved}; {'; '.join(advice)}")
+        raise runtime.UserError(f"{config_file}: the model was trained for {saved}; {'; '.join(advice)}")
 
 # The reference BERT cnews repository saved `best.pt` as {"state_dict": model.state_dict(), ...} for a module
 # holding `self.bert = BertModel(...)` and a `self.linear` head, `module.`-prefixed when trained under
@@ -235,7 +232,7 @@ LEGACY_BERT_HEADS = ("linear.", "fc.", "classifier.")
 
 def load_legacy_bert(path, model):
     """Load the reference repo's best.pt into a Hugging Face *ForSequenceClassification model, or say why not."""
-    state_dict = load_torch_checkpoint(path)["state_dict"]
+    state_dict = export.load_torch_checkpoint(path)["state_dict"]
     renamed = {}
     for key, value in state_dict.items():
         head = next((h for h in LEGACY_BERT_HEADS if key.startswith(h)), None)
@@ -249,17 +246,17 @@ def load_legacy_bert(path, model):
     unknown = sorted(set(renamed) - set(expected))
     missing = sorted(set(expected) - set(renamed))
     if unknown or missing:
-        raise UserError(f"{path}: does not fit {type(model).__name__}: "
-                        + (f"unknown key(s) {', '.join(unknown[:3])}" if unknown else "")
-                        + ("; " if unknown and missing else "")
-                        + (f"missing key(s) {', '.join(missing[:3])}" if missing else ""))
+        raise runtime.UserError(f"{path}: does not fit {type(model).__name__}: "
+                                + (f"unknown key(s) {', '.join(unknown[:3])}" if unknown else "")
+                                + ("; " if unknown and missing else "")
+                                + (f"missing key(s) {', '.join(missing[:3])}" if missing else ""))
     for key, value in renamed.items():
         if value.shape != expected[key].shape and key.startswith("classifier."):
-            raise UserError(f"{path}: its head predicts {value.shape[0]} classes, this run has "
-                            f"{expected[key].shape[0]} labels (check --labels_file)")
+            raise runtime.UserError(f"{path}: its head predicts {value.shape[0]} classes, this run has "
+                                    f"{expected[key].shape[0]} labels (check --labels_file)")
         if value.shape != expected[key].shape:
-            raise UserError(f"{path}: {key} has shape {tuple(value.shape)}, this model {tuple(expected[key].shape)} "
-                            "(check --model_name_or_path / --config_overrides)")
+            raise runtime.UserError(f"{path}: {key} has shape {tuple(value.shape)}, this model "
+                                    f"{tuple(expected[key].shape)} (check --model_name_or_path / --config_overrides)")
     model.load_state_dict(renamed, strict=False)
     return model
 
@@ -268,7 +265,7 @@ def enable_gradient_checkpointing(model, source):
     """--gradient_checkpointing: transformers' own, non-reentrant (the variant that works under DDP). It replays the
     forward's random state when it recomputes a layer, so dropout draws the same masks: the training is the same."""
     if not model.supports_gradient_checkpointing:
-        raise UserError(f"{source}: {type(model).__name__} does not support gradient checkpointing")
+        raise runtime.UserError(f"{source}: {type(model).__name__} does not support gradient checkpointing")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x; the old one warns
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -372,8 +369,8 @@ def check_scheduler_args(args):
         get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
                       scheduler_specific_kwargs=args.lr_scheduler_kwargs)
     except (TypeError, ValueError) as err:
-        raise UserError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs "
-                        f"{json.dumps(args.lr_scheduler_kwargs)}: {err}") from None
+        raise runtime.UserError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs "
+                                f"{json.dumps(args.lr_scheduler_kwargs)}: {err}") from None
 
 
 def check_hub_ids_or_paths(args, flags=HUB_OR_PATH_FLAGS):
@@ -404,7 +401,7 @@ def _check_hub_id_or_path(flag, value):
         except HFValidationError:
             reason = "it is not of a hub id's form (NAME or ORG/NAME)"
     if reason:
-        raise UserError(f"{flag} {value}: no such file or directory (a local path, since {reason})")
+        raise runtime.UserError(f"{flag} {value}: no such file or directory (a local path, since {reason})")
 
 
 def position_limit(model):
@@ -430,8 +427,8 @@ def fit_max_seq_len(max_seq_len, empty_model, source, say):
             return limit
         return DEFAULT_MAX_SEQ_LEN
     if limit is not None and max_seq_len > limit:
-        raise UserError(f"--max_seq_len {max_seq_len}: {source} takes at most {limit} tokens (its learned position "
-                        f"embeddings); pass --max_seq_len {limit} or less")
+        raise runtime.UserError(f"--max_seq_len {max_seq_len}: {source} takes at most {limit} tokens (its learned "
+                                f"position embeddings); pass --max_seq_len {limit} or less")
     return max_seq_len
 
 
@@ -456,10 +453,10 @@ def use_model_settings(args, say, roles):
     if args.multi_label is None:
         args.multi_label = bool(recorded.get("multi_label", settings["multi_label"]))
         if args.multi_label and args.metric:
-            raise UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes one "
-                            "class id per sample; use the built-in exact-match accuracy and micro/macro F1")
+            raise runtime.UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes "
+                                    f"one class id per sample; use the built-in exact-match accuracy and micro/macro F1")
     others = {dest: default for dest, default in settings.items() if dest != "multi_label"}
-    return settings_from_model(args, others, recorded, args.model_name_or_path, say)
+    return export.settings_from_model(args, others, recorded, args.model_name_or_path, say)
 
 
 def long_text_usage(args):
@@ -527,11 +524,11 @@ def model_card(args, labels, data, run):
     files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
     if args.do_regression:  # one output
         labels = [f"{labels[0]} (regression: the predicted number, pipeline()'s score)"]
-    return ModelCard(
+    return outputs.ModelCard(
         title=f"{Path(args.output_dir).name}/best_model",
         metadata={"library_name": "transformers", "pipeline_tag": "text-classification",
                   "tags": ["text-classification", "train_bert_cls.py"], "model_name": Path(args.output_dir).name,
                   **({"base_model": args.model_name_or_path} if hub_id else {})},
-        labels=labels, settings=settings, usage=usage, command=command_line(),
+        labels=labels, settings=settings, usage=usage, command=outputs.command_line(),
         data_files={split: (files[split] or f"{args.dataset_name} ({split})", len(found))
                     for split, found in data.datasets.items()})
