@@ -149,7 +149,7 @@ def test_the_lists_the_scripts_use_are_those_derived():
 
 def test_values_are_recorded_as_the_checkpoint_gives_them_back():
     args = train_resnet.parse_args(["--dummy", "10"])
-    settings = train_resnet.resume_settings(args, train_resnet.flag_roles().resumable())
+    settings = resume_settings(args, train_resnet.flag_roles().resumable())
     assert settings["--crop_ratio"] == [0.75, 4 / 3]  # a tuple by default, a list once read from JSON
 
 
@@ -164,7 +164,7 @@ def forked(script, tmp_path, role_line=True):
             'help="a setting of my own")\n' + text[end_of_parser:])
     if role_line:
         assert text.count("FLAG_ROLES = {\n") == 1
-        text = text.replace("FLAG_ROLES = {\n", 'FLAG_ROLES = {\n    "--my_flag": MAY_CHANGE,\n')
+        text = text.replace("FLAG_ROLES = {\n", 'FLAG_ROLES = {\n    "--my_flag": checkpoint.MAY_CHANGE,\n')
     path = tmp_path / f"my_{Path(script.__file__).name}"
     path.write_text(text, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(path.stem, path)
