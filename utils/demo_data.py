@@ -1,11 +1,8 @@
-"""Built-in data for `make demo` and the tests, written in the real on-disk formats.
-
-- Text: cnews-style `label<TAB>text` files of short Chinese "headlines" built from per-class
-  vocabulary (learnable, with cross-class noise so it is not trivial), plus a model directory with
-  config.json and vocab.txt for `--from_scratch` (no hub, no weights).
-- Images: scikit-learn's bundled real 8x8 handwritten digits (1,797 images), upscaled and written as
-  an ImageFolder tree train/<class>/*.png and val/<class>/*.png.
-- Photos: ImageNet-sized JPEGs cut from scikit-learn's two bundled photos, for the decoding benchmarks and tests.
+"""Built-in data for `make demo`, the tests and the benchmarks, written in the real on-disk formats:
+- text: cnews-style `label<TAB>text` files of Chinese "headlines" from per-class vocabulary, with cross-class noise
+  (learnable, not trivial), and a model directory (config.json, vocab.txt) for `--from_scratch`: no hub, no weights;
+- images: scikit-learn's 1,797 real 8x8 handwritten digits, upscaled, as ImageFolder PNGs (train/ and val/<class>/);
+- photos: ImageNet-sized JPEGs cut from scikit-learn's two bundled photos, for the decoding benchmarks and tests.
 """
 import json
 import random

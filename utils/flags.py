@@ -1,21 +1,8 @@
-"""The command line both scripts read: the parser, how a refused flag or value is told, and the spellings users
-bring from the tools these scripts replace (transformers' Trainer and run_classification.py, accelerate's examples,
-the Chinese BERT tutorial's script, pytorch/examples imagenet/main.py, torchvision's references, timm's train.py).
-
-- A refused flag or value costs one line and exit status 2, never a usage dump: a flag of another tool that has no
-  counterpart here names what replaces it (`Parser.refuse`), a typo gets the closest flag, a value outside a flag's
-  choices the closest choice.
-- Every boolean flag takes the Trainer's spelling too: `--do_train`, `--do_train True`, `--do_train false`.
-- A flag with a value that another tool spells differently accepts that spelling (`peer_values`, e.g. torchvision's
-  `--lr-scheduler steplr`), and an optional value that does not parse is left to the next argument (main.py's
-  `--dummy DIR`).
-- Each spelling that is not the flag's own name (a peer's alias, a per-device batch turned into a global one) is
-  said once, in `args.command_notes`, which the scripts print at start-up; two spellings of one setting in one
-  command are refused.
-- Every flag has a role (utils/checkpoint.py FlagRoles: may a resume change it, must it keep it, does the exported
-  model record it), declared in the script's FLAG_ROLES or beside the shared helper that adds it; --help shows each
-  flag's role after its help, and a flag without one (or a role without a flag) stops every command, --help
-  included, with one line naming the flag and the table to correct.
+"""The command line both scripts read: the parser (`Parser`: a refused flag or value costs one line naming what
+replaces it or the closest flag), the spellings users bring from the tools these scripts replace (the Trainer,
+run_classification.py, accelerate's examples, the Chinese BERT tutorial, main.py, torchvision, timm) read with their
+meaning and said once, each flag's role checked and shown by --help, and the argparse types both scripts share.
+How each of these works: docs/code.md#flags-the-number-types---help-and-flagspy.
 
 Neighbours: utils/runtime.py (UserError, the number types, HelpFormatter), utils/checkpoint.py (the roles).
 """
@@ -32,12 +19,8 @@ FALSE_WORDS = ("false", "no", "0")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors, peer spellings, the notes that say how they were read, and each flag's role.
-
-    An action's `peer_values` ({peer's value: ours}, set with `peer_values`) are accepted beside its `choices`.
-    `roles`: the script's role table ({flag: Role}, FLAG_ROLES), named `roles_in` in messages; the options that
-    shared helpers add take theirs from the helpers' tables, which the script's table spreads.
-    """
+    """argparse with one-line errors, peer spellings and the notes that say how they were read, and each flag's role:
+    `roles` is the script's table ({flag: Role}, spreading the shared helpers' tables), named `roles_in` in messages."""
 
     def __init__(self, roles=None, roles_in="FLAG_ROLES", **kwargs):
         kwargs.setdefault("formatter_class", runtime.HelpFormatter)
@@ -98,8 +81,7 @@ class Parser(argparse.ArgumentParser):
         return self._option_string_actions.get(word.split("=", 1)[0]) if word.startswith("-") else None
 
     def _boolean_values(self, argv):
-        """argv without the Trainer-style values of boolean flags (`--do_train True`), and {dest: value} of those
-        given a value."""
+        """argv without the values given to boolean flags (`--do_train True`), and {dest: value} of those."""
         kept, booleans, i = [], {}, 0
         while i < len(argv):
             word = argv[i]
@@ -122,8 +104,7 @@ class Parser(argparse.ArgumentParser):
         return kept, booleans
 
     def _unparsed_optional_values(self, argv):
-        """argv where the word after a flag with an optional number is not that number but the next argument
-        (main.py's `--dummy DATA`: --dummy takes an optional image count here)."""
+        """argv where a word that is not the optional number of the flag before it is left to the next argument."""
         kept = list(argv)
         for i, word in enumerate(argv[:-1]):
             action = self._action_of(word)
@@ -147,8 +128,7 @@ class Parser(argparse.ArgumentParser):
         return f"unrecognized flag {flag}" + (f"; did you mean {close[0]}?" if close else " (see --help)")
 
     def _resolve_spellings(self, argv, parsed):
-        """Peer values turned into ours, and notes for the spellings that are not a flag's own name; two spellings
-        of one setting are refused."""
+        """Peer values turned into ours, and the notes of spellings not a flag's own; two of one setting refused."""
         notes, used = [], {}
         for word in argv:
             action = self._action_of(word)
@@ -207,8 +187,7 @@ def _is_number(word):
 
 
 class PerDevice(argparse.Action):
-    """The Trainer's per-device batch size, kept as this script's GLOBAL batch: times the launched processes, said
-    once ("--per_device_train_batch_size 32 x 4 processes = --train_batch_size 128")."""
+    """The Trainer's per-device batch size, kept as the GLOBAL batch: times the launched processes, said once."""
 
     def __init__(self, option_strings, dest, global_flag, **kwargs):
         self.global_flag = global_flag
@@ -223,8 +202,7 @@ class PerDevice(argparse.Action):
 
 
 class Ignored(argparse.Action):
-    """A peer's flag that changes nothing here, taken with its value and said once ("--log_dir ./logs: ignored,
-    the logs go to --output_dir")."""
+    """A peer's flag that changes nothing here, taken with its value and said once ("--log_dir ./logs: ignored")."""
 
     def __init__(self, option_strings, dest, reason, **kwargs):
         self.reason = reason
@@ -250,8 +228,8 @@ def whole_epochs(text):
 
 
 def steps_or_epoch(text):
-    """argparse type of --checkpointing_steps: optimizer steps, or accelerate's examples' `epoch` (None: at the end
-    of each epoch, the default)."""
+    """argparse type of --checkpointing_steps: optimizer steps, or accelerate's examples' `epoch` (None: at the end of
+    each epoch)."""
     if text == "epoch":
         return None
     try:

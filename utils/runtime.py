@@ -1,60 +1,13 @@
-"""How a run is launched and executed, the same in both scripts: the Accelerator, the launches refused because they
-would go wrong silently, the DataLoader settings, the command-line look, and user-facing errors.
+"""How a run is launched and executed, the same in both scripts: the Accelerator (`build_accelerator`) and the
+launches it refuses, how GPU kernels are chosen (`choose_kernels`), the runtime flags and the parser's number types,
+DataLoader settings, user-facing errors and how a run ends (`UserError`, `run_cli`), a problem on one rank stopping
+every rank (`stop_together`, `writing`), stops that reach every process (`HostChannel`, `RollCall`, the loader
+workers' and the launcher's signals), each elastic attempt's own keys, and one run per output directory
+(`hold_output_dir`). Why each is as it is: docs/code.md#runtimepy-and-flagspy; what a user sees of it:
+docs/faults_and_resume.md, docs/launching.md.
 
-What the hardware is (CPU, 1 GPU, N GPUs, N machines, precision) comes from the launcher and
-accelerate_configs/*.yaml; the flags here only cover what a config file cannot say, and the experiment trackers
-(--report_to, Trainer's names; resolve_trackers refuses a tracker whose package is missing before anything starts,
-where accelerate would drop it without a word).
-
-Kernels (`choose_kernels`, before anything touches CUDA): by default cuDNN's autotuner times the candidate
-convolution algorithms for each input shape and keeps the fastest (main.py's and torchvision's default), and GPU
-kernels that add with atomics (many backward passes) sum in whatever order their threads finish: a GPU run is not
-bitwise reproducible. --use_deterministic_algorithms (torchvision's spelling; the Trainer's --full_determinism) asks
-torch for deterministic kernels only, turns the autotuner off and gives cuBLAS a workspace setting that torch counts as
-deterministic; a kernel that torch has no deterministic version of stops the run at its first use, in one line
-naming it (`run_cli`).
-
-Flags: every count, interval and size is checked by the parser itself (`positive_int`, `nonnegative_int`,
-`positive_float`, `nonnegative_float` as argparse types), so `--logging_steps 0` is one line naming the flag, not a
-ZeroDivisionError an hour later.
-
-Errors: a problem with the user's input (or with the machine: a full disk) is a `UserError`, which `run_cli` turns into
-one line on stderr and exit status 2, no traceback; Ctrl-C is one line per process and exit status 130. Under a
-multi-process launch every rank usually meets the same bad input: the line is printed once, by each machine's first
-process, and every rank writes it into the error file torch's elastic agent gives it (TORCHELASTIC_ERROR_FILE), so
-that the launcher's failure summary, the last thing `accelerate launch` and `torchrun` print, ends with this line
-instead of "To enable traceback see ...". The launcher's own traceback above that summary is its business: it exits 1
-there, the processes exit 2. Every process of a multi-process launch leaves through `leave_process`: its atexit
-handlers, then os._exit, without the interpreter's finalization, where gloo's worker threads can abort a finished
-run.
-Stops (utils/loop.py PreemptionGuard acts on them): DataLoader workers leave SIGTERM and Ctrl-C to their parent
-(`ignore_stop_signals`, in every loader's settings); a process started by torch's elastic agent gets SIGTERM when the
-agent dies (`stop_with_launcher`; once: `forget_a_dead_launcher`), and so saves and leaves instead of training on
-as an orphan; a collective that another rank never answered ends each surviving rank with one line naming the ranks
-that missed a roll call in the launcher's store (`RollCall`), and a frozen one on the same host is ended, so the job
-ends within --ddp_timeout and a few seconds.
-A problem found on one rank must stop every rank, or the others wait in their next collective until --ddp_timeout:
-`stop_together` shares it (a collective), and `writing` does so for a block that writes files, where a full disk
-surfaces as torch.save's "unexpected pos" or safetensors' "os error 28" and becomes one line naming the directory and
-its free space.
-
-One run per output directory (`hold_output_dir`): the main process creates OUTPUT_DIR/.lock atomically (O_CREAT |
-O_EXCL) before anything is written, holding its host, PID, start time and command; a second run on the directory
-stops with one line naming the holder, having written nothing. Every node's local main process then does the same
-on its own disk: on a shared disk it finds the main process's lock (the same job token) and leaves it; on a node-local
-disk it takes that node's own lock. A lock whose holder is gone is taken over with one line: on this host, a PID that
-no longer runs (or now runs another program: its start time differs); anywhere, an earlier attempt of this same
-requeued Slurm job. Another host's lock cannot be checked from here: the run refuses and says which file to remove
-once that run is over. The locks are released at the end of the run (RunLog.end), and by `run_cli` whatever way the
-run ends (errors, Ctrl-C, SIGTERM's preemption path), together with the directories created only to hold them.
-
-DataLoaders: pin_memory on CUDA (batches land in page-locked memory, so the copy to the GPU overlaps compute; the
-Accelerator's `non_blocking=True` needs it), and persistent workers (started once per loader, not again every
-epoch and every evaluation). A dataset whose samples depend on the epoch must then carry the epoch to the workers
-itself (utils/image_data.py EpochValue): each worker holds its own copy of the dataset, made when the workers started.
-
-Neighbours: utils/loop.py (the training loop's bookkeeping), utils/checkpoint.py, utils/export.py,
-utils/outputs.py.
+Neighbours: utils/flags.py (the parser), utils/loop.py (PreemptionGuard acts on the stops), utils/checkpoint.py,
+utils/export.py, utils/outputs.py.
 """
 import argparse
 import atexit
@@ -106,10 +59,9 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Stopped(BaseException):
-    """SIGTERM outside the training steps (start-up, an evaluation-only or prediction run, the test evaluation and
-    the exports after training): the run stops at once. Every file a run writes is swapped into place complete, so
-    what it was writing is simply not there. The training steps themselves turn SIGTERM into a checkpoint instead
-    (utils/loop.py PreemptionGuard, which hands SIGTERM back here when the loop ends)."""
+    """SIGTERM outside the training steps: the run stops at once, what it was writing simply absent; inside them,
+    utils/loop.py PreemptionGuard saves a checkpoint instead
+    (docs/faults_and_resume.md#stops-how-each-one-is-delivered-and-what-it-saves)."""
 
 
 STOPPED_LINE = ("stopped on SIGTERM outside the training steps: the files this run had not finished are not written "
@@ -125,8 +77,7 @@ def note_stop_signal():
 
 
 def stop_signalled():
-    """Whether this process received the SIGTERM that stops its training steps: until the ranks agree and save, other
-    processes of the job (W&B's service) may be gone already."""
+    """Whether this process received the stopping SIGTERM (other processes of the job, W&B's service, may be gone)."""
     return _stop_signalled
 
 
@@ -140,8 +91,7 @@ _outside_training = stop_at_once  # SIGTERM's handler outside the training steps
 
 
 def stop_outside_training():
-    """Give SIGTERM the handler it has outside the training steps (utils/loop.py PreemptionGuard.close): stop at
-    once, or stay ignored where the process started with SIGTERM ignored (run_cli)."""
+    """Give SIGTERM back the handler run_cli chose for outside the training steps (utils/loop.py PreemptionGuard)."""
     signal.signal(signal.SIGTERM, _outside_training)
 
 
@@ -149,8 +99,7 @@ _where_on_ctrl_c = None  # what this run says on Ctrl-C: where it stands (utils/
 
 
 def on_ctrl_c(where):
-    """Register `where()`, the line this process prints when the run stops on Ctrl-C: its own, or a peer's whose
-    leaving broke this process's collective first (run_cli)."""
+    """Register `where()`, the line this process prints on Ctrl-C, its own or a peer's that broke a collective."""
     global _where_on_ctrl_c
     _where_on_ctrl_c = where
 
@@ -164,27 +113,14 @@ def _after_the_end(signum, frame):
 
 
 def say(line):
-    """`line` on stderr in one write, on its own line even under a progress bar: the processes of a launch share one
-    log, and a line written in two parts (text, then its newline) can get another process's line between them."""
+    """`line` on stderr in one write (the processes share one log), on its own line even under a progress bar."""
     tqdm.write(f"{line}\n", file=sys.stderr, end="")
 
 
 def run_cli(main, args):
-    """Call `main(args)`; turn a UserError (and, under --use_deterministic_algorithms, torch's error for an op without
-    a deterministic kernel) into one line on stderr, printed by the first rank to meet it (RollCall.first_to_fail),
-    and exit status 2, Ctrl-C into one line per process and exit status 130 (a shell's code for SIGINT), and SIGTERM
-    outside the training steps (Stopped) into one line per process and exit status 143 (128 + SIGTERM). The launcher
-    passes a Ctrl-C on to its processes one after another, so a process may first see its collective broken by a
-    peer that already left on it: the peer said so in the launcher's store (RollCall), and this process then stops
-    with its own Ctrl-C line too; a Ctrl-C that arrives once the run is over changes nothing. A process started with
-    SIGTERM ignored keeps it ignored outside its training steps, as programs started under nohup do:
-    slurm/node_launch.sh starts the ranks so and forwards a stop to each one once it handles SIGTERM, which is where
-    its training steps can save it. The output directory's lock is released however the run ends, with SIGTERM
-    ignored while it is (a late one must not cut the release short). A process of a multi-process launch then leaves
-    through leave_process; otherwise the caller's SIGTERM and SIGINT handlers are put back. A process leaving on an
-    error or a Ctrl-C ignores SIGTERM from then on: once one rank exits, the launcher sends SIGTERM to the others, which
-    may be leaving on the same error already (printing it, or asking the store whether they met it first), and their
-    way out must stay one line, not become a traceback."""
+    """Return `main(args)`, or end the run in one line and an exit status: a UserError 2, a lost peer 1, Ctrl-C 130,
+    SIGTERM outside the training steps 143; the output directory's lock released however it ends
+    (docs/code.md#how-a-run-ends-run_cli, docs/launching.md#4-errors-and-exit-statuses-under-a-launcher)."""
     global _outside_training
     code, result = 0, None
     on_ctrl_c(None)  # a run before this one in the same process (tests) said where it stood, not this one
@@ -194,7 +130,7 @@ def run_cli(main, args):
     try:
         result = main(args)
     except UserError as err:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving (the docstring): first, before anything can wait
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving on an error: first, before anything can wait
         line = f"error: {err}"
         if RollCall.first_to_fail():
             say(line)
@@ -279,16 +215,14 @@ LOST_PEER_MARKS = (TIMEOUT_MARK, "Connection closed by peer", "onnection reset b
 
 
 def is_lost_peer(err):
-    """Whether `err` is a collective that another rank never answered (gloo: a timeout after --ddp_timeout, or the
-    peer's connection closed) in a multi-process launch."""
+    """Whether `err` is a collective another rank of a multi-process launch never answered (gloo's timeout or a
+    closed connection)."""
     return launched_world_size() > 1 and any(mark in str(err) for mark in LOST_PEER_MARKS)
 
 
 def lost_peer_line(err, ddp_timeout):
-    """`rank R: rank S ...`: the one line a surviving rank prints when a collective failed for want of another rank,
-    naming the ranks that missed the roll call (RollCall.absent) and what their process on this host is doing: gone,
-    frozen (stopped: ended here, so that the launcher ends the job now rather than after its grace), stuck in the
-    kernel, or running (busy, or waiting in a collective of its own: left to the launcher)."""
+    """`rank R: rank S ...`: a survivor's line naming the ranks that missed the roll call and what their process on
+    this host does (a frozen one is ended here: RollCall.end)."""
     absent = RollCall.absent()
     fates = {rank: RollCall.fate(rank) for rank in absent or []}
     waited = (f"no reply within --ddp_timeout {ddp_timeout:g} s" if TIMEOUT_MARK in str(err) and ddp_timeout
@@ -320,8 +254,7 @@ class StoreGone(Exception):
 
 @contextmanager
 def _stderr_quiet():
-    """Nothing written to this process's stderr (file descriptor 2) inside: torch's store client prints a warning with
-    its C++ stack frames before it raises, when the store's server is gone."""
+    """Nothing written to file descriptor 2 inside (torch's store client prints C++ stack frames before it raises)."""
     sys.stderr.flush()
     saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 2)
@@ -344,8 +277,7 @@ def elastic_launch():
 
 
 def attempt_init_method():
-    """The init_method that puts this attempt's process groups under keys of their own (attempt_rendezvous), its
-    handler registered with torch once per process."""
+    """The init_method that puts this attempt's process groups under keys of their own (attempt_rendezvous)."""
     global _attempt_handler
     if _attempt_handler is None:
         torch.distributed.register_rendezvous_handler(ATTEMPT_SCHEME, attempt_rendezvous)
@@ -354,9 +286,8 @@ def attempt_init_method():
 
 
 def attempt_rendezvous(url, timeout=datetime.timedelta(minutes=30), **kwargs):
-    """torch's env:// rendezvous (the launcher's store at MASTER_ADDR:MASTER_PORT, the rank and world size it
-    exported), with every key of the process groups under `attempt/N/`, N agreed on by the ranks of this attempt
-    (agree_on_attempt). A rendezvous handler: a generator of (store, rank, world size)."""
+    """torch's env:// rendezvous with every key of the process groups under `attempt/N/` (agree_on_attempt); yields
+    (store, rank, world size) (docs/code.md#elastic-attempts-keys-of-their-own)."""
     global _attempt
     query = url.split("?", 1)[1] if "?" in url else ""  # the rank and world size init_process_group was given
     store, rank, world_size = next(torch.distributed.rendezvous(f"env://?{query}" if query else "env://",
@@ -369,17 +300,8 @@ ATTEMPT_POLL_SECONDS = 0.05
 
 
 def agree_on_attempt(store, rank, world_size, timeout):
-    """A number that every rank of this launch attempt agrees on and no earlier attempt in `store` used.
-
-    torch's elastic agent hands a restarted group the store of the failed attempt (the static rendezvous's, and
-    c10d's shared one, its default), where gloo's and NCCL's keys for the same group names still hold the dead
-    workers' addresses: a restarted rank that reads one fails to connect (`Gloo connectFullMesh failed ...
-    Connection refused`) or waits for a peer that is gone. TORCHELASTIC_RESTART_COUNT cannot name the attempt: a
-    machine whose workers were healthy restarts them without counting a restart, so machines disagree on it. Here
-    rank 0 takes the next number from the store; every other rank says hello under its rank with a token of its own
-    and waits for the number under that token; rank 0 answers each token it finds under the ranks, again as they
-    change, until every rank has confirmed under the new number. A dead worker's hello is answered too, unread.
-    Every worker of the failed attempt has ended before the agents' rendezvous lets this one start."""
+    """A number every rank of this launch attempt agrees on and no earlier attempt in `store` used; a collective
+    through the store (why and how: docs/code.md#elastic-attempts-keys-of-their-own)."""
     keys = torch.distributed.PrefixStore("attempts", store)
     if rank != 0:
         token = secrets.token_hex(8)
@@ -403,8 +325,7 @@ def agree_on_attempt(store, rank, world_size, timeout):
 
 
 def elastic_restart_note(environ=os.environ):
-    """The line a launch that restarts failed workers prints at start-up, once the ranks agreed on their attempt's
-    keys (agree_on_attempt); else None."""
+    """The start-up line of a launch with elastic restarts, once the ranks agreed on their attempt; else None."""
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if not restarts or _attempt is None:
         return None
@@ -414,23 +335,17 @@ def elastic_restart_note(environ=os.environ):
 
 
 class RollCall:
-    """Who is still there, asked through the launcher's store (torch elastic's TCPStore at MASTER_ADDR:MASTER_PORT,
-    which a frozen rank does not hold up): each rank enters its host, PID and start time when the run starts
-    (`enter`); after a failed collective, each surviving rank answers, and the ranks that do not within a few
-    seconds are the ones that stopped answering (`absent`). A rank that stops on Ctrl-C says so before it leaves
-    (`leave_on_ctrl_c`), so that a peer whose collective it broke knows why (`left_on_ctrl_c`), whatever the order
-    in which the launcher's Ctrl-C reached them. The first rank to stop on an error of the user's takes a number
-    from the store, and prints the error (`first_to_fail`). Every request goes through `_ask`: once the store fails
-    (its machine's launcher ended), the run asks it nothing more."""
+    """Who is still there, asked through the launcher's store, which a frozen rank does not hold up: who entered
+    (`enter`), who answers after a failed collective (`absent`), who left on Ctrl-C, who failed first
+    (docs/code.md#stops-that-reach-every-process)."""
     ANSWER_SECONDS = 5.0  # how long survivors wait for each other's answers: their collectives time out together
     _store = None
     _gone = False  # the store failed once: it is not asked again
 
     @classmethod
     def store(cls):
-        """This launch attempt's keys in the launcher's store, or None where there is none to reach: under the number
-        the ranks agreed on (agree_on_attempt), or, before they have, this machine's restart count (which another
-        machine's ranks may not share once a restart has happened)."""
+        """This launch attempt's keys in the launcher's store (agree_on_attempt's number, else this machine's
+        restart count), or None where there is none to reach."""
         if cls._store is None and not cls._gone and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
             attempt = (f"attempt_{_attempt}" if _attempt is not None
                        else f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
@@ -447,8 +362,7 @@ class RollCall:
 
     @classmethod
     def _ask(cls, method, *args, shared=False):
-        """store.method(*args), with stderr quiet; StoreGone where there is no store (`shared`: nor a launch of
-        several processes) or it fails."""
+        """store.method(*args); StoreGone where there is no store (`shared`: nor several processes) or it fails."""
         store = cls.store() if not shared or launched_world_size() > 1 else None
         if store is None:
             raise StoreGone
@@ -486,9 +400,8 @@ class RollCall:
 
     @classmethod
     def first_to_fail(cls):
-        """Whether this rank is the first of its launch to stop on an error of the user's (a UserError): that rank
-        prints it, once, before it leaves, so the line is there even when the launcher ends the other ranks before
-        they reach the same error. Without a launcher's store to ask: the first process of each machine."""
+        """Whether this rank is the first of its launch to stop on a UserError, which it then prints (without a
+        store: the first process of each machine)."""
         try:
             return cls._ask("add", "user_error", 1, shared=True) == 1
         except StoreGone:
@@ -510,8 +423,7 @@ class RollCall:
 
     @classmethod
     def _missing(cls, ranks):
-        """The ranks of `ranks` that did not answer, halving the list each time: a few requests per missing rank, not
-        one per rank."""
+        """The ranks of `ranks` that did not answer, halving the list: a few requests per missing rank."""
         if cls._ask("check", [f"here/{rank}" for rank in ranks]):
             return []
         if len(ranks) == 1:
@@ -528,8 +440,7 @@ class RollCall:
 
     @classmethod
     def fate(cls, rank):
-        """What the process of a rank that did not answer is doing: "elsewhere" (another host, or unknown), "exited",
-        "frozen" (stopped: SIGSTOP, a debugger), "stuck" (in the kernel: a disk that does not answer) or "running"."""
+        """What a silent rank's process does: "elsewhere" (not this host), "exited", "frozen", "stuck" or "running"."""
         entry = cls._entry(rank)
         if entry is None or entry.get("host") != socket.gethostname():
             return "elsewhere"
@@ -540,8 +451,7 @@ class RollCall:
 
     @classmethod
     def end(cls, rank):
-        """SIGKILL `rank`'s process on this host (the one it entered); whether it did. The launcher would SIGKILL it
-        after its grace: a stopped (SIGSTOP) process does not act on SIGTERM."""
+        """SIGKILL `rank`'s process on this host (a stopped one ignores SIGTERM); whether it did."""
         entry = cls._entry(rank)
         if entry is None or _process_start(entry["pid"]) != entry.get("pid_start"):
             return False
@@ -553,11 +463,8 @@ class RollCall:
 
 
 def leave_process(code):
-    """Exit with `code` after the atexit handlers (trackers, logging, DataLoader workers) but without the
-    interpreter's finalization. Under gloo, a process-group worker thread drops its last finished collective a moment
-    after the collective returned; when that happens during finalization, the thread's bid for the GIL aborts the
-    process (SIGABRT, "terminate called without an active exception") after the run has finished and saved
-    everything, and the launcher reports a failed job: a few runs in a hundred on a busy machine."""
+    """Exit with `code` after the atexit handlers, without the interpreter's finalization, where gloo's threads can
+    abort a finished run (docs/launching.md#4-errors-and-exit-statuses-under-a-launcher)."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -565,9 +472,8 @@ def leave_process(code):
 
 
 def stop_together(accelerator, problem):
-    """Raise UserError(problem) on every rank if any rank has a problem (the lowest rank's), else return.
-    A collective (nothing on a single process): an all-reduce of a flag, and only when some rank has a problem a
-    gather of the lines; every rank calls it at the same point."""
+    """Raise UserError with the lowest rank's problem on every rank if any rank has one. A collective (an all-reduce
+    of a flag; the lines gathered only then): every rank calls it at the same point."""
     if accelerator.num_processes == 1:
         problems = [problem]
     else:
@@ -581,10 +487,8 @@ def stop_together(accelerator, problem):
 
 
 def write_failure(err, directory):
-    """The one line for `err` if it is a failure to write into `directory` (a full disk, a quota, a read-only or
-    vanished mount), else None; it names the file where the error does. torch.save reports a full disk as
-    "unexpected pos" or "file write failed" (a RuntimeError from its zip writer), safetensors as "os error 28",
-    Python as OSError."""
+    """The one line for `err` if it is a failure to write into `directory` (a full disk, a quota, a read-only mount:
+    OSError, torch.save's zip writer, safetensors), naming the file where `err` does and the free space; else None."""
     if isinstance(err, OSError):
         reason = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
     elif isinstance(err, SafetensorError) or (isinstance(err, RuntimeError) and any(
@@ -609,10 +513,9 @@ def human_bytes(count):
 
 @contextmanager
 def writing(accelerator, directory, unfinished=None, writer=None):
-    """For a block that writes files into `directory` (on some ranks; every rank enters it): a failure to write there
-    (write_failure: one line naming the directory and its free space), or a UserError, on any rank stops every rank,
-    after the main process (or `writer`) removed `unfinished` (the partial output, so that it frees its space).
-    A collective at the block's end, which also makes it a barrier: every rank leaves it once the writes are done."""
+    """A block that writes into `directory`: a failure to write, or a UserError, on any rank stops every rank, after
+    the main process (or `writer`) removed `unfinished`. A collective at the block's end (a barrier): every rank
+    enters it."""
     problem = None
     try:
         yield
@@ -647,9 +550,8 @@ def record_for_launcher(line):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the module docstring's layout (its commands) and shows every flag's default; a flag whose default
-    is None (decided later: by the device, the data or the trained model) says in its own help what it will be. A
-    flag with a role (`role_help`, set by utils/checkpoint.py FlagRoles) ends with it in brackets."""
+    """--help with the module docstring as written, every default (a None default's help says what it will be), and
+    each flag's role (`role_help`, from utils/checkpoint.py FlagRoles) in brackets."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
@@ -694,8 +596,7 @@ def nonnegative_float(text):
 
 
 def hf_bool(value):
-    """A boolean flag's value as transformers' HfArgumentParser takes it (`--flag`, `--flag True`, `--flag no`), for
-    the flags of transformers' example scripts; use with nargs="?", const=True."""
+    """argparse type of a boolean as HfArgumentParser takes it (`--flag True`, `--flag no`): nargs="?", const=True."""
     if value.lower() in ("true", "yes", "1"):
         return True
     if value.lower() in ("false", "no", "0"):
@@ -759,8 +660,7 @@ TRACKER_PACKAGES = {"tensorboard": ("tensorboard", is_tensorboard_available), "w
 
 
 def resolve_trackers(args):
-    """The trackers accelerate logs to (`log_with`), from --report_to and --with_tracking; a named tracker whose package
-    is missing is an error here, before anything starts (accelerate itself would drop it without a word)."""
+    """The trackers accelerate logs to, from --report_to and --with_tracking; one whose package is missing: refused."""
     names = list(args.report_to or []) + (["tensorboard"] if args.with_tracking else [])
     if "none" in names:
         if len(set(names)) > 1:
@@ -810,19 +710,15 @@ def check_launch(args):
         )
 
 
-# Open files a rank needs besides those it holds when it starts (measured: docs/launching.md#3-at-scale): a gloo group is
-# a full mesh, one socket per peer plus a few of its own; a DataLoader worker costs its parent pipes and the shared-memory
-# handles of the batches in flight; NCCL connects to ring and tree neighbours, not to every rank (a budget, not
-# measured on this project's machines); the margin is for the files a run reads and writes at a time.
-FILES_PER_GLOO_GROUP = 4  # + one per process
-FILES_PER_LOADER_WORKER = 8
-FILES_FOR_NCCL = 128
-FILES_MARGIN = 64
+# Open files a rank needs besides those it holds when it starts (docs/launching.md#3-at-scale)
+FILES_PER_GLOO_GROUP = 4  # + one per process: a full mesh
+FILES_PER_LOADER_WORKER = 8  # pipes and shared-memory handles of the batches in flight
+FILES_FOR_NCCL = 128  # ring and tree neighbours only: a budget, not measured
+FILES_MARGIN = 64  # the files a run reads and writes at a time
 
 
 def open_files_needed(world_size, gpu, loader_workers, open_now):
-    """How many files a rank of a `world_size`-process launch may hold open at once: the training group (gloo on the
-    CPU, NCCL on GPUs), the host channel's gloo group on several processes, its loaders' workers."""
+    """How many files a rank may hold open at once: its process groups, its loaders' workers, a margin."""
     if world_size == 1:
         groups = 0
     else:
@@ -832,8 +728,7 @@ def open_files_needed(world_size, gpu, loader_workers, open_now):
 
 
 def check_open_file_limit(needed, say=print):
-    """Raise the soft limit on open files (ulimit -n) to what `needed` asks for, up to the hard limit, saying so in
-    one line; stop in one line, before anything is written, when even the hard limit is lower."""
+    """Raise the soft limit on open files (ulimit -n) for `needed`, in one line; a UserError past the hard limit."""
     if resource is None:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -852,15 +747,8 @@ def check_open_file_limit(needed, say=print):
 
 
 def hide_gpus_under_cpu(args):
-    """`--cpu` means CPU on any machine: hide every GPU from this process before anything initialises CUDA.
-
-    Accelerator(cpu=True) alone is not enough on a machine with a GPU: torch.distributed.barrier picks its device
-    from the machine's accelerator (cuda) and accelerate passes device_ids=[local_rank], so gloo rank 1 of a
-    2-process CPU run dies in the first barrier with "invalid device ordinal" on a 1-GPU box; and nn.DataParallel
-    spreads over whatever GPUs it sees. CUDA reads CUDA_VISIBLE_DEVICES once, when it is first asked how many
-    devices there are, so this must run before anything asks. A config file's `use_cpu: true` (which reaches the
-    process as ACCELERATE_USE_CPU) means the same.
-    """
+    """`--cpu` (or ACCELERATE_USE_CPU) means CPU on any machine: hide every GPU before anything asks CUDA
+    (docs/gpu.md#--cpu-means-cpu-on-any-machine)."""
     if not (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU")):
         return
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -875,14 +763,8 @@ def hide_gpus_under_cpu(args):
 
 
 class HostChannel:
-    """Where the ranks agree, during training, on what any one of them may decide alone: a stop signal that reached
-    some ranks (utils/loop.py PreemptionGuard), an out-of-memory error in one rank's forward pass (OutOfMemoryRetry).
-    A gloo process group over every process, beside the training group, all-reducing a flag in host memory: the
-    agreement never touches the device (the same all-reduce on the training group, accelerate's check_trigger, would
-    wait behind the step's kernels). `start` does not wait, so a decision read a step later costs the step nothing;
-    `any` waits. Opened once per run by build_accelerator, on every rank (creating a group is a collective), with the
-    run's --ddp_timeout; ended with the training group. On one process: no group, no collective. What it costs as the
-    number of processes grows: docs/launching.md#3-at-scale."""
+    """A gloo group beside the training group on which the ranks agree, in host memory, on a stop or an out-of-memory
+    error: `start` does not wait, `any` does; none on one process (docs/code.md#stops-that-reach-every-process)."""
 
     _run = None  # the channel build_accelerator opened
 
@@ -891,9 +773,8 @@ class HostChannel:
 
     @classmethod
     def open(cls, accelerator, timeout):
-        """The run's channel: a collective on several processes, which every rank calls once, at the same point. A
-        gloo group that cannot connect (machines whose names resolve to a loopback address, or several network
-        interfaces, with NCCL told which one and gloo not) is one line naming the setting."""
+        """The run's channel; a collective, once per run. A group that cannot connect is one line naming
+        GLOO_SOCKET_IFNAME."""
         if accelerator.num_processes == 1:
             cls._run = cls()
             return cls._run
@@ -916,13 +797,11 @@ class HostChannel:
         return cls._run
 
     def any(self, flag):
-        """True on every rank if any rank passed True, waiting for every rank (the out-of-memory agreement, which must
-        come before the backward pass). On several processes a collective: every rank calls it at the same points."""
+        """True on every rank if any rank passed True, waiting for every rank; a collective."""
         return bool(self.start([flag]).result()[0])
 
     def start(self, values):
-        """Start taking the largest of each of `values` (numbers) over the ranks, without waiting: `.result()` of what
-        it returns. On several processes a collective: every rank calls it at the same points."""
+        """Start taking the largest of each of `values` over the ranks, without waiting (`.result()`); a collective."""
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)  # its own: several may be in flight
         if self.group is None:
             return Agreement(None, tensor)
@@ -936,18 +815,13 @@ class Agreement(NamedTuple):
     tensor: torch.Tensor  # (values,) float64 in host memory
 
     def result(self):
-        """The largest of each value over the ranks: waits for the all-reduce (at once if it is done), then reads host
-        memory; the device is not involved."""
+        """The largest of each value over the ranks, once the all-reduce is done (host memory only)."""
         if self.work is not None:
             self.work.wait()
         return self.tensor.tolist()
 
 
-# The cuBLAS workspace settings torch counts as deterministic: a workspace of fixed size for each stream, so that cuBLAS
-# computes a product the same way every time, with other streams active too (without one it may pick another
-# implementation). The first is 8 buffers of 4 MiB, about 24 MiB more GPU memory than cuBLAS's default; the second's
-# 16 KiB buffers may slow the matrix products. A setting of the user's that is one of these is kept; the first is the
-# default.
+# the CUBLAS_WORKSPACE_CONFIG values torch counts as deterministic, the first the default (docs/gpu.md#reproducibility)
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 NONDETERMINISTIC_GPU = ("GPU kernels as fast as they come (cuDNN's autotuner, sums in the order threads finish): this "
                         "run and its resumes are not bitwise reproducible; --use_deterministic_algorithms makes them "
@@ -955,10 +829,8 @@ NONDETERMINISTIC_GPU = ("GPU kernels as fast as they come (cuDNN's autotuner, su
 
 
 def choose_kernels(args):
-    """How this process picks its GPU kernels (the module header), set before anything touches CUDA: cuBLAS takes its
-    workspace setting from the environment when it starts. Returns the line that names the deterministic settings, or
-    on a GPU without --use_deterministic_algorithms the one that says the run is not bitwise reproducible. A CUBLAS_WORKSPACE_CONFIG that torch would refuse at the first
-    matrix product is refused here instead, before anything is written."""
+    """Set how this process picks its GPU kernels, before anything touches CUDA (docs/gpu.md#reproducibility); the
+    start-up line that says so, or None. A CUBLAS_WORKSPACE_CONFIG torch would refuse is a UserError here."""
     deterministic = args.use_deterministic_algorithms
     torch.backends.cudnn.benchmark = not deterministic
     if not deterministic:
@@ -999,13 +871,9 @@ def _tensors(output):
 
 
 def settle_gradient_buckets(ddp, model):
-    """DDP all-reduces the gradients in buckets, and the sum of a bucket over 3 or more processes depends on its
-    layout; DDP uses one bucket in the first training step after it is built and rebuilds them after it, so a resumed
-    launch's first step would sum differently from the uninterrupted run's same step. Here the first training forward
-    of `model` (the prepared model, `ddp` inside it) is preceded by one forward and backward pass on the same inputs
-    whose only effect is that rebuild: its gradients are dropped, and the random generators and buffers put back.
-    Every step of every launch then sums in the same buckets
-    (docs/faults_and_resume.md#bitwise-at-any-process-count)."""
+    """Precede the first training forward of `model` (`ddp` inside it) with a forward and backward pass whose only
+    effect is DDP's bucket rebuild, so every step of every launch sums in the same buckets
+    (docs/faults_and_resume.md#bitwise-at-any-process-count, docs/code.md#the-accelerator-build_accelerator)."""
 
     def rebuild_first(module, args, kwargs):
         if not (torch.is_grad_enabled() and ddp.module.training):
@@ -1029,9 +897,8 @@ def settle_gradient_buckets(ddp, model):
 
 
 class Accelerator(accelerate.Accelerator):
-    """accelerate's Accelerator, whose DDP model (`prepare`) sums its gradients in the same buckets in every step of
-    every launch (settle_gradient_buckets) and copies rank 0's buffers before each forward pass only with
-    `sync_buffers`."""
+    """accelerate's, whose DDP model sums in the same buckets every step (settle_gradient_buckets) and copies rank 0's
+    buffers before each forward pass only with `sync_buffers`."""
 
     def __init__(self, *args, sync_buffers=True, **kwargs):
         super().__init__(*args, **kwargs)
@@ -1047,11 +914,9 @@ class Accelerator(accelerate.Accelerator):
 
 
 def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast_buffers=True, loader_workers=0):
-    """The one Accelerator both scripts use: GLOBAL batch sizes, reproducible sampling, bounded collectives; and the
-    run's HostChannel. `broadcast_buffers`: DDP's copy of rank 0's buffers to every rank before each forward pass (a
-    collective on the training group every step), which a model whose buffers training changes (BatchNorm's
-    statistics) needs, and one whose buffers are constants does not. `loader_workers`: the DataLoader worker
-    processes a rank may run at once (check_open_file_limit counts their files before any process group opens)."""
+    """The one Accelerator both scripts use, and the run's HostChannel (docs/code.md#the-accelerator-build_accelerator).
+    `broadcast_buffers`: for a model whose buffers training changes (BatchNorm); `loader_workers`: the DataLoader
+    workers a rank may run at once (their open files are counted)."""
     hide_gpus_under_cpu(args)
     determinism = choose_kernels(args)
     check_launch(args)
@@ -1069,7 +934,7 @@ def build_accelerator(args, output_dir, gradient_accumulation_steps=1, broadcast
     dataloader_config = DataLoaderConfiguration(
         split_batches=True,  # the loader's batch size is the GLOBAL batch, divided among processes
         use_seedable_sampler=True,  # shuffling order depends only on seed+epoch: exact mid-epoch resume
-        non_blocking=True,  # host-to-GPU copies overlap compute; needs pinned memory (utils/runtime.py)
+        non_blocking=True,  # host-to-GPU copies overlap compute; needs pinned memory (loader_settings)
     )
     accelerator = Accelerator(
         cpu=args.cpu,
@@ -1126,8 +991,7 @@ def maybe_data_parallel(model, args):
 
 
 def loader_generator(seed):
-    """A training DataLoader's own generator: creating an iterator then draws its worker base seed from here,
-    not from the global RNG that dropout uses, so a resumed run's dropout masks match the uninterrupted run's."""
+    """A training DataLoader's own generator, so that creating an iterator leaves dropout's RNG alone (exact resume)."""
     return torch.Generator().manual_seed(seed)
 
 
@@ -1160,18 +1024,14 @@ def print_run_summary(accelerator, title, rows):
 
 
 def loader_settings(num_workers):
-    """DataLoader keyword arguments for `num_workers` worker processes on the device this run trains on; the workers
-    leave stopping to their parent (ignore_stop_signals)."""
+    """DataLoader keyword arguments for `num_workers` workers on this run's device (docs/code.md#dataloaders)."""
     return {"num_workers": num_workers, "pin_memory": PartialState().device.type == "cuda",
             "persistent_workers": num_workers > 0, "worker_init_fn": ignore_stop_signals if num_workers else None}
 
 
 def ignore_stop_signals(worker_id):
-    """A DataLoader worker's start: SIGTERM and Ctrl-C are its parent's to act on. A scheduler signals every process
-    of the job (Slurm's time limit, scancel), and torch's worker dies of a SIGTERM that its parent did not send; the
-    parent then fails with "DataLoader worker (pid N) is killed by signal" instead of saving. Here the worker leaves
-    on its parent's SIGTERM alone (multiprocessing's exit ends daemon workers so), as torch's own handler does, and
-    ignores everyone else's; it also ends when its parent dies (torch's watchdog)."""
+    """A DataLoader worker's start: it ignores Ctrl-C and every SIGTERM but its parent's, leaving the stop to the
+    parent (docs/code.md#dataloaders)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pending until _leave_on_parents_sigterm takes it
     threading.Thread(target=_leave_on_parents_sigterm, args=(os.getppid(),), daemon=True).start()
@@ -1188,11 +1048,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def stop_with_launcher():
-    """A process started by torch's elastic agent (torchrun, accelerate launch) gets SIGTERM when the agent dies (a
-    SIGKILL, the OOM killer), and so stops as on a scheduler's SIGTERM (utils/loop.py PreemptionGuard): it saves
-    where the ranks can still agree, then leaves, and lets go of the output directory. Without this, the ranks (in
-    sessions of their own) train on as orphans, holding the directory's lock. Linux only (prctl); a process started
-    otherwise (python script.py, nohup) is left as it is."""
+    """Under torch's elastic agent on Linux, get SIGTERM when the agent dies, to save and leave rather than train on as
+    an orphan (docs/code.md#stops-that-reach-every-process)."""
     global _launcher
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
@@ -1209,10 +1066,8 @@ _launcher = None  # the agent whose death sends this process SIGTERM (stop_with_
 
 
 def forget_a_dead_launcher():
-    """Called on every SIGTERM this process acts on: once the launcher is gone, the request for a signal at its death
-    is withdrawn. The kernel keeps that request across the orphan's handing over to an init process, and sends the
-    signal again whenever the thread it was handed to ends: in a container whose PID 1 is multi-threaded, an orphan
-    saving its checkpoint would be stopped again, at random, while it finishes."""
+    """On every SIGTERM acted on: once the launcher is gone, withdraw the request for a signal at its death (the
+    kernel would repeat it)."""
     global _launcher
     if _launcher is not None and os.getppid() != _launcher:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)
@@ -1220,8 +1075,7 @@ def forget_a_dead_launcher():
 
 
 def check_sharding_applies(accelerator):
-    """An accelerate config asking for FSDP or DeepSpeed that accelerate did not apply (it ignores both with
-    cpu=True) would train as plain DDP without a word: refuse it."""
+    """Refuse a config asking for FSDP or DeepSpeed that accelerate did not apply (cpu=True): it would be plain DDP."""
     for variable, wanted in (("ACCELERATE_USE_FSDP", DistributedType.FSDP),
                              ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
         if os.environ.get(variable, "false").lower() == "true" and accelerator.distributed_type != wanted:
@@ -1236,8 +1090,7 @@ MASK = "***"
 
 
 def public_command(argv):
-    """The command line with the values of the SECRET_ARGS flags masked (`--token X` and `--token=X`): what
-    run_config.json and the output directory's lock record."""
+    """The command line with the SECRET_ARGS values masked, as run_config.json and the lock record it."""
     return " ".join(public_argv(argv))
 
 
@@ -1258,8 +1111,8 @@ _held_locks = []  # [(lock path, token, directories created to hold it)] of this
 
 
 def hold_output_dir(accelerator, output_dir):
-    """One run per output directory (the module header): the main process's lock first, then each node's local main
-    process's on a disk of its own; a refusal stops every rank at once with the same line. A collective."""
+    """Take OUTPUT_DIR/.lock for this run, or stop every rank with one line; a collective
+    (docs/code.md#one-run-per-output-directory-the-lock)."""
     decision = [None]  # ("ok", this job's token) or ("error", the refusal)
     if accelerator.is_main_process:
         decision = [_claim_or_refusal(Path(output_dir), secrets.token_hex(8))]
@@ -1289,10 +1142,8 @@ def _claim_or_refusal(output_dir, token):
 
 
 def release_output_dirs():
-    """Remove the locks this process holds, and the directories created only to hold them when nothing else was
-    written there. Called at the end of a run (RunLog.end) and by run_cli however the run ends; safe to repeat, and a
-    release cut short (a SIGTERM stopping the run inside it) is finished by the next: a lock leaves the list only once
-    it is gone."""
+    """Remove this process's locks and the directories created only to hold them; safe to repeat (a release cut
+    short is finished by the next)."""
     while _held_locks:
         path, token, created = _held_locks[-1]
         if _read_lock(path, wait=0).get("token") == token:
@@ -1302,8 +1153,7 @@ def release_output_dirs():
 
 
 def _remove_empty(directories):
-    """Remove `directories` (outermost first in the list), innermost first, as long as they are empty: a run refused
-    before writing anything leaves no directory behind."""
+    """Remove `directories` (outermost first in the list), innermost first, as long as they are empty."""
     for directory in reversed(directories):
         try:
             directory.rmdir()
@@ -1312,8 +1162,8 @@ def _remove_empty(directories):
 
 
 def _claim(output_dir, token):
-    """Create output_dir/.lock for this job (`token`), taking over a stale one; leave one that holds `token` (this
-    job's, seen on a shared disk); raise UserError naming a live holder."""
+    """Create output_dir/.lock for this job (`token`), taking over a stale one, leaving this job's; a UserError names
+    a live holder."""
     path = output_dir / LOCK_NAME
     created = [d for d in (output_dir, *output_dir.parents) if not d.exists()][::-1]
     try:
@@ -1366,8 +1216,7 @@ def _read_lock(path, wait=2.0):
 
 
 def _process_start(pid):
-    """The process's start time in clock ticks after boot (Linux), which tells a PID reused by another program: "ended"
-    for a zombie (a container without an init process may never reap it), None where /proc does not say."""
+    """The process's start time in clock ticks after boot (tells a reused PID), "ended" for a zombie, else None."""
     try:
         state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return "ended" if state == "Z" else int(fields[18])
@@ -1376,8 +1225,7 @@ def _process_start(pid):
 
 
 def _process_state(pid):
-    """The process's state letter (Linux /proc: R running, S sleeping, D in the kernel, T stopped, Z ended), None
-    where /proc does not say."""
+    """The process's /proc state letter (R running, S sleeping, D in the kernel, T stopped, Z ended), or None."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -1391,8 +1239,7 @@ def _slurm_attempt():
 
 
 def _is_stale(holder):
-    """Whether a lock's holder is certainly gone: an earlier attempt of this requeued Slurm job (Slurm requeues a job
-    once all of it has ended), or, on this host, a PID that runs no more (or runs another program)."""
+    """Whether a lock's holder is certainly gone: an earlier attempt of this Slurm job, or a dead PID on this host."""
     ours = _slurm_attempt()
     if ours and holder.get("slurm_job_id") == ours["slurm_job_id"]:
         return holder.get("slurm_restart_count", 0) < ours["slurm_restart_count"]
