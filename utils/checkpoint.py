@@ -1,39 +1,12 @@
-"""Resumable checkpoints that a kill can never leave half-written: writing, rotating, finding and restoring them.
-
-Layout: output_dir/checkpoints/step_<N>/ holds what `accelerator.save_state` writes (model, optimizer, scheduler,
-RNG states of every rank, sampler), `<name>.safetensors` for each of the run's other modules (`Checkpoints`'
-`modules`: the ResNet script's EMA), plus training_state.json (`training_state`: where in training the run was, what
-it had selected, what must match for a resume, and the settings a resume may change).
-A checkpoint is first written to `.tmp-step_<N>`, and renamed to `step_<N>` only once every rank has finished and
-fsynced its files and training_state.json is on disk, so `latest` always resolves to a complete one, after a power loss
-too. A save that cannot finish (a full
-disk) stops every rank with one line naming the directory and its free space, removes its `.tmp-step_<N>`, and
-leaves the previous checkpoint the latest.
-
-Nothing in a checkpoint runs code when loaded: accelerate reads its files with torch.load(weights_only=True) or
-safetensors, except what `register_for_checkpointing` saves (custom_checkpoint_<i>.pkl, unpickled with
-weights_only=False), which is why the modules are saved here as safetensors instead, and why a checkpoint holding a
-custom_checkpoint_<i>.pkl is refused. Every file a rank will read is checked when the run agrees on the checkpoint
-to resume from, before anything is loaded or written (`check_checkpoint_files`), so that a damaged file is named,
-not met halfway through load_state.
-An --output_dir on each node's own disk (not shared) gets a complete copy on every node (accelerate's
-save_on_each_node): `Checkpoints` finds out which it is when a run starts (`output_dir_is_shared`).
-Every function that calls save_state/load_state, or takes a decision all ranks must share, runs on every process.
-
-The training data belong to what a resume must match: `must_match[DATA_KEY]` is `data_fingerprint`'s record of the
-training file as read (example count and a SHA-256 of the examples in order), and a resume whose data differ stops with
-one line naming the file, because the checkpoint's position in the epoch (batches done, sampler order) would skip or
-repeat examples of the new data; `allow_data_change` (the scripts' --allow_data_change) resumes anyway, saying so.
-
-Each flag's role is declared once (`Role`: a resume may change it, must keep it, or it concerns one launch or a
-fresh start; whether the exported model records it), in each script's FLAG_ROLES and beside each shared add_*_args
-helper (`*_ROLES`, named by `roles_beside`). `FlagRoles` checks a table against its parser (every option has exactly
-one role: a mistake is one line naming the table to correct) and derives what the machinery needs: the settings a
-resume may change (`resumable`), what it must match (`must_match`), what the export records (`exported`), what
-results record (`evaluation`) and what --help shows after each flag (`Role.help`).
-
-Neighbours: utils/loop.py (when a checkpoint is due), utils/export.py (the exported weights beside the
-checkpoints), utils/outputs.py (the output directory's other files).
+"""Resumable checkpoints that a kill can never leave half-written (`Checkpoints`: save, rotate, restore, latest),
+the agreement on the one to resume from with its files checked before anything is loaded (`agree_on_resume`), what a
+resume must match (the training data's fingerprint too) or may change, and the process counts that can continue a
+run (`check_global_batches`). Each flag's role is declared once (`Role`, `roles_beside`); `FlagRoles` checks a table
+against its parser and derives what the checkpoints, the exports, the results and --help need. Every function that
+calls save_state/load_state or takes a decision all ranks share runs on every process. The layout and the reasoning:
+docs/faults_and_resume.md#what-a-checkpoint-holds-and-how-it-is-written, docs/code.md#checkpointpy.
+Neighbours: utils/loop.py (when a checkpoint is due), utils/export.py (the exported weights beside the checkpoints),
+utils/outputs.py (the output directory's other files).
 """
 import argparse
 import functools
@@ -112,12 +85,8 @@ def resolve_resume(resume, checkpoint_dir):
 
 
 def agree_on_resume(accelerator, resume, checkpoint_dir, modules=()):
-    """The checkpoint every rank resumes from: the main process decides, and a node whose disk lacks it stops
-    every rank at once (a rank that resumed alone would wait in the first collective until --ddp_timeout).
-    Its files are checked before anything is loaded or written (check_checkpoint_files; `modules`: the names of the
-    `<name>.safetensors` the run restores).
-
-    `latest` is decided as a step_N name, looked up in each node's own checkpoint_dir (its --output_dir)."""
+    """The checkpoint every rank resumes from (None: a fresh start), decided by the main process and found on every
+    node's disk, its files checked (`modules`: the `<name>.safetensors` the run restores). A collective."""
     if not resume:
         return None
     decision = [None]
@@ -133,7 +102,7 @@ def agree_on_resume(accelerator, resume, checkpoint_dir, modules=()):
         raise runtime.UserError(name)
     if name is None:
         return None
-    path = Path(checkpoint_dir) / name if resume == "latest" else Path(resume)
+    path = Path(checkpoint_dir) / name if resume == "latest" else Path(resume)  # each node's own, if not shared
     here = (socket.gethostname(), accelerator.process_index, str(path), (path / STATE_FILE).is_file())
     missing = [(host, rank, where) for host, rank, where, ok in gather_object([here]) if not ok]
     if missing:
@@ -160,9 +129,8 @@ def _names(paths):
 
 
 def start_new_branch(accelerator, path, output_dir, writer, exports=()):
-    """Resuming from an older checkpoint abandons the later ones: move them aside, named so, before this run's own
-    step_N could pass for theirs. The best-model exports go aside too when the abandoned branch replaced them.
-    Returns whether it did (the resumed run then selects its best model afresh)."""
+    """Resuming from an older checkpoint: the later ones, and `exports` if they replaced them, moved aside. Returns
+    whether the exports went (the best model is then selected afresh)."""
     path = Path(path)
     if path.parent.resolve() != (Path(output_dir) / "checkpoints").resolve():  # another run's: leave it alone
         return False
@@ -189,11 +157,8 @@ def start_new_branch(accelerator, path, output_dir, writer, exports=()):
 
 
 def set_aside_exports_beyond(accelerator, step, output_dir, writer, exports, best_export_step):
-    """A best-model export written after checkpoint `step` (a run killed between its best-model export and its next
-    checkpoint) belongs to no checkpoint this run can resume from: move `exports` aside as start_new_branch does,
-    so that the results, the model card and the weights name one step. `best_export_step()`: the step the best-model
-    export holds, None without one (read by the main process). Returns whether it did (the resumed run then selects
-    its best model afresh)."""
+    """`exports` moved aside as start_new_branch does when the best-model export holds a step after `step`
+    (`best_export_step()`, read by the main process). Returns whether they went."""
     found = [best_export_step() if accelerator.is_main_process else None]
     broadcast_object_list(found)
     accelerator.wait_for_everyone()  # every rank has read what it needs before the writer moves anything
@@ -235,8 +200,7 @@ def data_fingerprint(source, records):
 
 
 class DataFingerprint:
-    """data_fingerprint taken record by record, as the records stream past (a file being read), or a block of
-    records at a time (an image folder's)."""
+    """data_fingerprint taken record by record as they stream past (a file read), or a block at a time (a folder's)."""
 
     def __init__(self):
         self.digest, self.count = hashlib.sha256(), 0
@@ -254,8 +218,7 @@ class DataFingerprint:
 
 
 def check_same_data(saved, current, path, allow_change, say):
-    """A resume on other training data than the checkpoint's: one line naming the file, refused unless
-    `allow_change`, then said with `say`. Nothing to compare when either side has no fingerprint."""
+    """Refuses a resume on other training data than the checkpoint's, unless `allow_change` (then said with `say`)."""
     if not saved or not current or (saved["examples"], saved["sha256"]) == (current["examples"], current["sha256"]):
         return
     change = (f"{saved['examples']} -> {current['examples']} examples" if saved["examples"] != current["examples"]
@@ -269,11 +232,8 @@ def check_same_data(saved, current, path, allow_change, say):
 
 
 def check_compatible(saved, expected, path):
-    """A checkpoint from another model, label set or batch layout must not be loaded silently.
-
-    Keys starting with `--` are flags: the message names the flag and both values. What the model is (its
-    architecture, labels, shape: the other keys) is compared first. The training data (DATA_KEY) are compared apart,
-    by check_same_data."""
+    """Refuses a checkpoint whose must_match entries differ from `expected`: what the model is first, then the flags
+    (keys starting with `--`, named with both values). The training data are check_same_data's."""
     for key, value in sorted(expected.items(), key=lambda item: item[0].startswith("--")):
         if key in saved and key != DATA_KEY and saved[key] != value:
             if key.startswith("--"):
@@ -293,10 +253,8 @@ def check_precision(accelerator, path):
 
 
 def check_global_batches(accelerator, batches, resume_path=None, saved_as=None):
-    """The per-process share of the first of `batches` ({flag: GLOBAL batch}, the training batch first), each split
-    evenly over the processes. A launch whose process count does not divide them stops in one line, before anything
-    is written: a fresh run with the sizes that would divide; a resume (`resume_path`, whose training batch it keeps,
-    recorded under `saved_as`) with the process counts that can continue it."""
+    """The per-process share of the first of `batches` ({flag: GLOBAL batch}, the training batch first), or one line
+    if they do not all divide (a resume from `resume_path` keeps its batch, recorded under `saved_as`)."""
     processes, (flag, size) = accelerator.num_processes, next(iter(batches.items()))
     if resume_path is not None:
         kept = read_training_state(resume_path).get(saved_as or flag)
@@ -337,29 +295,22 @@ def resumable_process_counts(global_batch):
 
 class Checkpoints:
     """The run's resumable checkpoints in output_dir/checkpoints: `save` one at a step, `restore` a run from one,
-    `latest`. `must_match`: what a resumed run must share with the checkpoint (model, labels, batch layout, the
-    training data's fingerprint under DATA_KEY); keys starting with `--` are flags, named in the error.
-    `settings`: the flags a resumed run may change (named, then applied). `exports`: files in output_dir that an
-    abandoned branch's best model replaced (start_new_branch). `modules`: {name: nn.Module} saved beside accelerate's
-    files as `<name>.safetensors` and restored from there (the same on every rank, written once), instead of
-    accelerate's pickled register_for_checkpointing. `allow_data_change`: resume on changed training data.
-    `best_export_step()`: the step the best-model export in output_dir holds, None without one
-    (set_aside_exports_beyond). `per_process`: what a resume on another number of processes computes differently
-    (BatchNorm statistics, dropout streams), named in the line that says so.
-
-    Constructing it is a collective: every rank finds out whether output_dir is one disk shared by the nodes or each
-    node's own (then every node keeps its own complete copy: accelerate's save_on_each_node is set here)."""
+    `latest`. Constructing it is a collective: it finds out whether output_dir is shared by the nodes."""
 
     def __init__(self, accelerator, output_dir, total_limit, must_match, settings, exports=(), modules=None,
                  allow_data_change=False, best_export_step=lambda: None, per_process=(), say=None):
         self.accelerator, self.output_dir, self.total_limit = accelerator, Path(output_dir), total_limit
         self.say = say or accelerator.print  # the "saved checkpoint" line (the script's console, beside its bar)
         self.dir = self.output_dir / "checkpoints"
+        # must_match: what a resume must share (keys starting with `--` are flags); settings: the flags it may change;
+        # exports: the best-model files an abandoned branch may have replaced (start_new_branch)
         self.must_match, self.settings, self.exports = must_match, settings, exports
+        # best_export_step(): the step the best-model export holds, or None; per_process: per_process_differences
         self.best_export_step, self.per_process = best_export_step, per_process
         # the run's launches so far (each checkpoint records them): processes, precision, the step each resumed at
         self.launches = [launch_record(accelerator, None)]
-        self.modules, self.allow_data_change = modules or {}, allow_data_change
+        self.modules = modules or {}  # {name: nn.Module} saved as <name>.safetensors, written once (the EMA)
+        self.allow_data_change = allow_data_change
         shared = output_dir_is_shared(accelerator, self.dir)
         accelerator.project_configuration.save_on_each_node = not shared
         if not shared:
@@ -369,8 +320,7 @@ class Checkpoints:
 
     @property
     def writer(self):
-        """Whether this process renames and rotates checkpoints: the main process on a shared --output_dir, each
-        node's local main process when every node has its own disk."""
+        """Whether this process renames and rotates checkpoints: the main process, or each node's on local disks."""
         if self.accelerator.project_configuration.save_on_each_node:
             return self.accelerator.is_local_main_process
         return self.accelerator.is_main_process
@@ -380,12 +330,8 @@ class Checkpoints:
         return latest_checkpoint(self.dir)
 
     def save(self, step, state, epoch, batches_in_epoch):
-        """Write checkpoint `step_<step>` atomically on all ranks, with `training_state` beside the weights; keep only
-        the newest `total_limit`, and say "saved checkpoint PATH". An existing step_<step> (a SIGTERM right after
-        resuming from it) is replaced, not kept: the log's "saved" must be true of the file. A failure to write (a full
-        disk) on any rank stops every rank with one line; the unfinished `.tmp-step_<step>` is removed and the previous
-        checkpoint stays the latest.
-        """
+        """Write checkpoint `step_<step>` atomically (every rank), keep the newest `total_limit`, say "saved checkpoint
+        PATH"; a failure to write on any rank stops every rank with one line."""
         final, tmp = self.dir / f"step_{step}", self.dir / f".tmp-step_{step}"
         try:
             # three blocks, each ending in a collective: every rank starts writing once tmp exists, and the writer
@@ -419,9 +365,7 @@ class Checkpoints:
         return final
 
     def finish(self):
-        """After a run that trained to its end: the abandoned checkpoints (start_new_branch's
-        `step_M.abandoned_on_resume_from_step_N`) are rotated as the live ones are, the newest `total_limit` kept
-        (by step M; 0 keeps all), and one line says which went and which stay. Runs on every rank."""
+        """After a run that trained to its end (every rank): the abandoned checkpoints rotated as the live ones are."""
         abandoned = abandoned_checkpoints(self.dir)
         removed = abandoned[:-self.total_limit] if self.total_limit else []
         if self.writer:
@@ -434,14 +378,8 @@ class Checkpoints:
                                    f"the run has finished: removed {_names(removed)}; kept {_names(kept)}")
 
     def restore(self, path, fresh_state, batches_per_epoch, optimizer=None, scheduler=None):
-        """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects.
-
-        A checkpoint written at an epoch's end continues at the start of the next epoch. The command line's
-        optimizer hyperparameters (learning rate, weight decay, momentum) win over the checkpoint's, and `settings`
-        that differ from the checkpoint's are named in one line. A checkpoint older than the newest starts a new
-        branch (start_new_branch), and a best-model export from after the checkpoint goes aside
-        (set_aside_exports_beyond).
-        """
+        """The state a run starts from: `fresh_state`, or the checkpoint at `path` restored into the prepared objects,
+        the command line's optimizer hyperparameters and `settings` applied (every rank)."""
         state = {**fresh_state, VALIDATION_DUE: False}
         if path is not None:
             command_line = _hyperparameters(optimizer)
@@ -462,10 +400,8 @@ class Checkpoints:
 
 
 def training_state(must_match, state, settings, completed_steps, epoch, batches_in_epoch):
-    """What a checkpoint records beside the weights (training_state.json): what must match, where the run is, what it
-    selected and how long ago (the `best_*` and `early_stopping_*` entries of the loop's `state`: utils/loop.py
-    Selection), the tracker runs it logs to (so that a resumed run continues them) and the settings a resume may
-    change."""
+    """training_state.json's entries but the launches: what must match, where the run is, the loop's `state` entries a
+    resume needs (the selection, the trackers, the validation due) and the settings a resume may change."""
     return {**must_match, "completed_steps": completed_steps, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
             **{key: value for key, value in state.items() if key.startswith(SELECTION_PREFIXES)},
             **({TRACKER_RUNS: state[TRACKER_RUNS]} if state.get(TRACKER_RUNS) else {}),
@@ -474,14 +410,12 @@ def training_state(must_match, state, settings, completed_steps, epoch, batches_
 
 
 def resume_settings(args, flags):
-    """{flag: value} of the flags a resumed run may change (`flags`: {flag: args attribute}, FlagRoles.resumable);
-    every checkpoint records them, and a resumed run names the ones that differ and applies them from there on."""
+    """{flag: value} of the flags a resume may change (`flags`: FlagRoles.resumable): what a checkpoint records."""
     return {flag: json_value(getattr(args, dest)) for flag, dest in flags.items()}
 
 
 def json_value(value):
-    """A flag's value as training_state.json gives it back (a path as text, a tuple as a list), so that a resumed
-    run compares like with like."""
+    """A flag's value as JSON gives it back (a path as text, a tuple as a list): a resume compares like with like."""
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, tuple):
@@ -530,8 +464,7 @@ class Role:
         return replace(self, exported=True, evaluation=evaluation, default=default, only_with=only_with)
 
     def applies(self, values):
-        """Whether an exported flag is recorded beside the settings `values` ({args attribute: value}: a run's, or
-        what a trained model recorded): `only_with` holds there."""
+        """Whether `only_with` holds in `values` ({args attribute: value}: a run's, or what a model recorded)."""
         if self.only_with is None:
             return True
         dest, _, value = self.only_with.partition("=")
@@ -555,8 +488,7 @@ def keep_as(key):
 
 
 def kept_by(entry):
-    """KEEP through what the flag makes: the must_match `entry` the script computes (FlagRoles.must_match checks
-    that it is there)."""
+    """KEEP through what the flag makes: the must_match `entry` the script computes (checked to be there)."""
     return Role(KEEP, kept_by=entry)
 
 
@@ -566,8 +498,7 @@ def this_launch(*flags):
 
 
 class RoleError(Exception):
-    """A mistake in a role table (a flag without a role, a role for no flag): the scripts' parser turns it into one
-    line naming the flag and the table to correct, before anything starts (utils/flags.py Parser)."""
+    """A mistake in a role table, which the scripts' parser says in one line before anything starts (utils/flags.py)."""
 
 
 @dataclass(frozen=True)
@@ -587,9 +518,8 @@ class RoleTable:
 
 
 def roles_beside(name):
-    """Decorator of a shared add_*_args(parser_or_group, ...) helper whose flags' roles are the table `name` declared
-    beside it, in its module: the flags it adds are marked with that table, so that one without a role, or a role
-    for no flag, is named with the table to correct; FlagRoles.of checks the table against the helper alone."""
+    """Decorator of a shared add_*_args(parser_or_group, ...) helper whose flags' roles are the table `name` beside it
+    in its module: a mistake in them is named with that table."""
     def decorate(add_args):
         table = RoleTable(name, add_args.__module__)
 
@@ -606,10 +536,8 @@ def roles_beside(name):
 
 
 class FlagRoles:
-    """A role table ({flag: Role}) checked against the parser it describes: every option has exactly one entry,
-    keyed by one of its option strings (a positional by its name), and every entry names an option; each option
-    then carries its role's --help text (`role_help`). The lists the checkpoints, the exports and the results need
-    are derived from it, in the table's order. `where`: the table's name in messages ("FLAG_ROLES in x.py")."""
+    """A role table ({flag: Role}) checked against the parser it describes (a RoleError otherwise), and the lists the
+    machinery needs derived from it (docs/code.md#each-flags-role-role-and-flagroles). `where`: the table's name."""
 
     def __init__(self, parser, table, where="FLAG_ROLES"):
         self.table = dict(table)
@@ -640,8 +568,7 @@ class FlagRoles:
 
     @classmethod
     def of(cls, add_args, table=None):
-        """The roles of the flags one add_*_args helper defines (its roles_beside table unless `table` is given),
-        checked against a parser holding only those."""
+        """The roles of one add_*_args helper's flags (its roles_beside table, or `table`), checked against it alone."""
         parser = argparse.ArgumentParser(add_help=False)
         add_args(parser)
         own = getattr(add_args, "role_table", None)
@@ -655,9 +582,8 @@ class FlagRoles:
         return {flag: self.dests[flag] for flag in self.flags(CHANGE)}
 
     def must_match(self, args, computed):
-        """What a resumed run must share with its checkpoint: the `computed` entries (labels, model, data, ...) and
-        the value of every KEEP flag recorded as itself, under its flag (or `key`). A KEEP flag whose `kept_by`
-        entry is missing is a RoleError."""
+        """What a resume must share with its checkpoint: the `computed` entries (labels, model, data, ...) and the
+        value of every other KEEP flag, under its flag (or `key`)."""
         recorded = {role.key or flag: json_value(getattr(args, self.dests[flag]))
                     for flag, role in self.table.items() if role.kind == KEEP and role.kept_by is None}
         entries = {**computed, **recorded}
@@ -668,14 +594,12 @@ class FlagRoles:
         return entries
 
     def exported(self):
-        """{args attribute: default} of the flags the exported model records, whose defaults a trained model
-        supplies to an evaluation of it."""
+        """{args attribute: default} of the flags the exported model records (an evaluation takes them from it)."""
         return {self.dests[flag]: role.default for flag, role in self.table.items() if role.exported}
 
     def recorded_in(self, record):
-        """{args attribute: value} of the flags the exported model records, as `record` holds them: an export's
-        fields (under the args attribute), or a checkpoint's training_state.json (a KEEP flag under its flag or
-        `key`, a MAY_CHANGE flag in its `settings`); the flags it does not hold left out."""
+        """{args attribute: value} of the flags the exported model records, as `record` (an export's fields, or a
+        checkpoint's training_state.json) holds them."""
         settings = record.get("settings") or {}
         found = {}
         for flag, role in self.table.items():
@@ -691,9 +615,7 @@ class FlagRoles:
                 if role.exported and role.applies(vars(args))}
 
     def model_settings(self, recorded):
-        """What a trained model recorded ({args attribute: value}) that applies to it: a flag `only_with` another is
-        left out where the model's own settings do not have that (--head_tokens beside a cut other than head_tail,
-        which exports recorded before they left it out)."""
+        """What a trained model `recorded` ({args attribute: value}) that applies to it (Role.only_with)."""
         roles = {self.dests[flag]: role for flag, role in self.table.items() if role.exported}
         return {dest: value for dest, value in recorded.items() if dest not in roles or roles[dest].applies(recorded)}
 
@@ -749,9 +671,7 @@ def output_dir_is_shared(accelerator, checkpoint_dir):
 
 
 def load_checkpoint(accelerator, path, expected, modules=None, allow_data_change=False):
-    """Restore everything a checkpoint holds (accelerate's files, then `modules` from `<name>.safetensors`), after
-    checking it belongs to this run; return its training state. `path` comes from agree_on_resume, which checked
-    its files."""
+    """The training state of checkpoint `path` (agree_on_resume's), all of it restored once it is checked to fit."""
     state = read_training_state(path)
     check_compatible(state, expected, path)  # before load_state, whose size-mismatch error is a traceback
     check_same_data(state.get(DATA_KEY), expected.get(DATA_KEY), path, allow_data_change, accelerator.print)
@@ -764,13 +684,8 @@ def load_checkpoint(accelerator, path, expected, modules=None, allow_data_change
 
 
 def check_checkpoint_files(accelerator, path, modules=()):
-    """Before anything is loaded from checkpoint `path`, on every rank (a collective): no file that accelerate would
-    unpickle with weights_only=False (custom_checkpoint_<i>.pkl), `<name>.safetensors` for each of `modules`, and
-    every file this rank reads (the weights, optimizer, scheduler, sampler and scaler states, its own RNG state,
-    FSDP's sharded state dicts) whole and loadable with weights_only=True. The first problem of any rank stops every
-    rank with one line naming the file. (accelerate would stop at a damaged file halfway through load_state with a
-    traceback, and skips an unreadable RNG state without a word, which would make the resumed run silently
-    inexact.)"""
+    """Every file of checkpoint `path` this rank will read is whole and runs no code when loaded, or every rank stops
+    with one line naming it (a collective: docs/faults_and_resume.md#nothing-in-a-checkpoint-runs-code)."""
     path = Path(path)
     problem = None
     try:
@@ -811,8 +726,7 @@ def _hyperparameters(optimizer):
 
 
 def _apply_hyperparameters(optimizer, scheduler, groups):
-    """load_state brings back the old run's param_groups and the scheduler's base_lrs: put the command line's
-    values back, and recompute the current learning rate from the (command-line) schedule at the restored step."""
+    """The command line's optimizer `groups` over those load_state restored, the learning rate recomputed from them."""
     if groups is None:
         return
     for group, values in zip(optimizer.param_groups, groups):
@@ -845,9 +759,8 @@ def per_process_differences(model):
 
 
 def say_processes(say, num_processes, per_process):
-    """One line at the start of a training on several processes: what it gives compared with 1 process, whose
-    global batches and sample order it shares (`per_process`: per_process_differences of the model). Nothing on 1
-    process: it is what the others are compared with."""
+    """One line at the start of a training on several processes: what it gives compared with 1 process
+    (`per_process`: per_process_differences of the model)."""
     if num_processes == 1:
         return
     on = f"on {num_processes} processes"
@@ -934,11 +847,8 @@ def replace_dir_atomically(tmp, final):
 
 
 def fsync_files(directory):
-    """Every file under `directory` on disk, then the directory's entries: after a power loss a renamed checkpoint
-    holds its data, never a complete name over empty files (the rename itself may be undone: the previous checkpoint
-    is then the latest). Every rank runs it while the others may still be writing: a file gone between the listing
-    and its sync is another rank's temporary file (safetensors writes through one), renamed by that rank, whose own
-    call syncs the file under its final name."""
+    """Every file under `directory` on disk, then the directory's entries, before a rename publishes them; files that
+    vanish meanwhile are skipped (another rank's temporary files, which that rank syncs under their final names)."""
     for path in sorted(Path(directory).rglob("*")):
         try:
             if path.is_file():
@@ -964,7 +874,6 @@ def _write_json_durably(path, data):
 
 
 def load_weights(accelerator, path):
-    """A resumable checkpoint's model weights into the prepared model for evaluation, in whatever layout
-    save_state wrote them (DDP, FSDP, DeepSpeed): through load_state (`path` comes from agree_on_resume, which
-    checked its files; the modules saved beside, the EMA, are not read: the model is what is evaluated)."""
+    """A checkpoint's model weights (agree_on_resume's `path`) into the prepared model for evaluation, in whatever
+    layout save_state wrote them (DDP, FSDP, DeepSpeed); the modules beside, the EMA, are not read."""
     accelerator.load_state(str(path))

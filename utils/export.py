@@ -1,25 +1,10 @@
-"""Model weights in and out of a run, the same under DDP, FSDP and DeepSpeed: the exports (the model's own
-parameter names, whatever wrapped it during training), the best weights kept in memory for the end of training,
-weights read back from an export, and PyTorch checkpoint files read without running any code.
-
-Files read back are checked first, each failure one line naming the file: a pickle that would run code
-(torch.load(weights_only=True) refuses it, and the message names the refused object), a file cut short (a copy
-between nodes interrupted, a full disk: "damaged or incomplete"), a file that is no PyTorch file at all.
-`check_torch_file` and `safetensors_problem` do that without reading the tensors (mmap, header only).
-
-DDP/DataParallel add `module.`, torch.compile adds `_orig_mod.` (before every key when the whole model is
-compiled, inside each block under regional compilation). A file with those names loads into a fresh model as random
-weights with no error (transformers reports every weight MISSING and initialises it), so both scripts export through
-`full_state_dict`, which also refuses to return anything a fresh model would not load.
-Every function that gathers or broadcasts weights runs on every process (collectives under FSDP/DeepSpeed).
-
-An export carries what it was trained with that an evaluation needs (BERT's max_seq_len and label mode, ResNet's
-image sizes and resampling), and `settings_from_model` makes those the defaults of a later evaluation: a flag the
-user gives is used, and when it differs from the model's it is named in one line and the results go under a name
-that says so (`eval_max_seq_len_64_*`), so that they never pass for the training's.
-
-Neighbours: utils/checkpoint.py (resumable checkpoints), utils/image_references.py (main.py's .pth layout),
-utils/text_model.py (the Hugging Face export's loading).
+"""Model weights in and out of a run, the same under DDP, FSDP and DeepSpeed: the exports under the model's own
+parameter names (`full_state_dict`), the best weights kept in memory for the end of training (`BestWeights`), an
+export read back on every rank, PyTorch checkpoint files read without running code and checked whole first
+(`check_torch_file`, `safetensors_problem`, `check_dcp_checkpoint`), and the settings an export carries into a later
+evaluation (`settings_from_model`). Every function that gathers or broadcasts weights runs on every process.
+Why: docs/code.md#exportpy. Neighbours: utils/checkpoint.py (resumable checkpoints), utils/image_references.py
+(main.py's .pth layout), utils/text_model.py (the Hugging Face export's loading).
 """
 import argparse
 import io
@@ -41,11 +26,8 @@ COMPILE_PREFIX = "_orig_mod."
 
 
 def full_state_dict(accelerator, model, reference):
-    """The full state dict of the prepared `model` under the names of `reference` (a freshly built model).
-
-    Every rank must call it: under FSDP/DeepSpeed it gathers the shards (and only the main process gets the
-    weights back; the others get an empty dict).
-    """
+    """The full state dict of the prepared `model` under the names of `reference` (a freshly built model). A
+    collective: under FSDP/DeepSpeed the main process gets the weights, the others an empty dict."""
     # get_state_dict gathers shards and strips DDP/FSDP/DeepSpeed, but unwraps with keep_torch_compile=True
     # (accelerate 1.15); the compiled wrapper's name is not part of the model, so it goes here.
     state_dict = accelerator.get_state_dict(model)
@@ -83,11 +65,7 @@ def _tensors(model):
 
 
 class BestWeights:
-    """The best weights so far, copied to CPU memory on every rank (each rank its own shard when sharded).
-
-    Reloading them at the end needs no file: nothing is read from a disk another node wrote, whatever the
-    export's key names or the FSDP/DeepSpeed checkpoint layout. Costs one copy of the (local) weights in RAM.
-    """
+    """The best weights so far, copied to CPU memory on every rank (its own shard when sharded): no file to reload."""
 
     def __init__(self):
         self.tensors = None
@@ -106,8 +84,7 @@ class BestWeights:
 
 
 def load_full_weights(accelerator, model, path):
-    """Weights exported by the main process (a safetensors file on ITS disk) into the prepared model on every
-    rank: read on the main process only and broadcast, which works for DDP, FSDP and plain models alike."""
+    """A safetensors file on the main process's disk into the prepared model on every rank: read there, broadcast."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -117,6 +94,7 @@ def load_full_weights(accelerator, model, path):
         return
     state_dict = load_file(path) if accelerator.is_main_process else {}
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
 
 SELECTION_FILE = "best_step.json"
 
@@ -136,8 +114,8 @@ def selected_step(best_dir):
 
 
 def load_selected_weights(accelerator, model, best_dir, step):
-    """The best weights of a run that resumed after selecting them: from the main process's export, after
-    checking (there) that it is whole and holds that step, every rank stopping at once if not."""
+    """The best weights (of `step`) of a run that resumed after selecting them: load_full_weights of the export in
+    `best_dir` once the main process checked it whole and of that step (every rank stops at once if not)."""
     problem = [None]
     weights = Path(best_dir) / "model.safetensors"
     if accelerator.is_main_process:
@@ -158,24 +136,20 @@ def load_selected_weights(accelerator, model, best_dir, step):
 
 
 def prepare_for_inference(accelerator, model, loaders):
-    """`prepare(model)` alone is refused under DeepSpeed (it sizes its engine from a dataloader): prepare the
-    model together with every loader it will run on. Returns (model, {split: prepared loader})."""
+    """(model, {split: loader}) prepared together, as DeepSpeed needs (it sizes its engine from a dataloader)."""
     splits = [split for split in loaders if split != "train"]
     model, *prepared = accelerator.prepare(model, *(loaders[split] for split in splits))
     return model, dict(zip(splits, prepared))
 
 
 def load_torch_checkpoint(path):
-    """A main.py-style checkpoint (or a bare state_dict) as a dict with a prefix-free `state_dict`.
-
-    `weights_only=True`: a checkpoint is data, and unpickling arbitrary objects runs arbitrary code.
-    """
+    """A main.py-style checkpoint (or torchvision's, or a bare state_dict) as a dict with a prefix-free `state_dict`."""
     path = Path(path)
     try:
         # torchvision's checkpoint.pth records its command line as an argparse.Namespace: plain values, allowed
         # alone beside the tensors and containers weights_only allows
         with torch.serialization.safe_globals([argparse.Namespace]):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # unpickling objects runs code
     except FileNotFoundError:
         raise runtime.UserError(f"{path}: no such checkpoint file") from None
     except Exception as err:
@@ -204,9 +178,7 @@ TORCHVISION_IMAGE_ARGS = {"train_crop_size": "train_crop_size", "val_resize_size
 
 def from_torchvision_layout(checkpoint):
     """torchvision's references/classification checkpoint.pth ({model, optimizer, lr_scheduler, epoch, args,
-    model_ema, scaler}) in main.py's layout: its epoch is the last one done counted from 0 (main.py's: epochs done),
-    its --model the arch, its image sizes the settings recorded; its scheduler and scaler are not carried over
-    (the schedule here is a function of the epoch)."""
+    model_ema, scaler}) in main.py's layout (docs/code.md#exportpy)."""
     args = vars(checkpoint["args"]) if isinstance(checkpoint.get("args"), argparse.Namespace) else {}
     converted = {"state_dict": checkpoint["model"], "arch": args.get("model"),
                  **{ours: args[theirs] for theirs, ours in TORCHVISION_IMAGE_ARGS.items() if args.get(theirs)}}
@@ -220,8 +192,7 @@ def from_torchvision_layout(checkpoint):
 
 
 def averaged_weights(ema_state):
-    """The averaged model's weights, prefix-free, from the state dict of torchvision's ExponentialMovingAverage (an
-    AveragedModel: `module.*` and its `n_averaged` count), or from a plain state dict."""
+    """The averaged model's weights, prefix-free, from torchvision's ExponentialMovingAverage or a plain state dict."""
     return strip_module_prefix({key: value for key, value in ema_state.items() if key != "n_averaged"})
 
 
@@ -253,10 +224,9 @@ def _starts_as_zip(path):
 
 
 def check_torch_file(path):
-    """Raise a one-line UserError unless `path` loads with torch.load(weights_only=True) (with accelerate's numpy
-    types, which its RNG states hold): tensors are mapped, not read, so this costs little beside the real load."""
+    """Raise a one-line UserError unless `path` loads with torch.load(weights_only=True)."""
     path = Path(path)
-    try:
+    try:  # accelerate's load allows the numpy types its RNG states hold; mapped, not read: it costs little
         accelerate_load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
     except Exception as err:
         raise runtime.UserError(torch_load_problem(path, err)) from None
@@ -280,10 +250,8 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 
 
 def check_dcp_checkpoint(directory):
-    """Raise a one-line UserError unless a torch.distributed.checkpoint directory (FSDP's sharded state dicts,
-    accelerate's pytorch_model_fsdp_0/ and optimizer_0/) is data only. torch reads its .metadata with pickle.load and
-    its non-tensor items with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes): here the metadata is
-    read allowing only the checkpoint format's own classes, and each non-tensor item with weights_only=True."""
+    """Raise a one-line UserError unless a torch.distributed.checkpoint directory (FSDP's sharded state dicts) is
+    data only (docs/faults_and_resume.md#fsdp-and-deepspeed)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata_path = Path(directory) / ".metadata"
@@ -336,11 +304,9 @@ def load_weights(model, state_dict, source):
 
 
 def settings_from_model(args, defaults, recorded, source, say, flags=None):
-    """Flags whose default a trained model supplies (None in the parser until here): for each `dest` of `defaults`,
-    the command line's value, else the one the model `recorded` ({dest: value} it was trained with; empty for a
-    model that records none), else `defaults[dest]`. `say` gets one line for the values taken from the model and one
-    for the given values that differ from it; those make the returned tag ("_max_seq_len_64", "" when none), which
-    goes into the results' names. `flags`: {dest: the flag as the user gave it}, `--dest` where not given."""
+    """Sets each `dest` of `defaults` (None in the parser) to the command line's value, else the one the model
+    `recorded`, else the default; says which, and returns the tag of the given values that differ from the model's
+    ("_max_seq_len_64", ""), for the results' names. `flags`: {dest: the flag as given}, else `--dest`."""
     differ, taken = [], []
     for dest, default in defaults.items():
         given, trained = getattr(args, dest), recorded.get(dest)

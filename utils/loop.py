@@ -1,44 +1,14 @@
 """The training loop's bookkeeping, shared by both scripts: what one optimizer step does besides forward, backward
-and `optimizer.step()`.
-
-One optimizer step, as both scripts' `train()` take it:
-1. `epoch_batches` gives the epoch's batches (after a resume, those after the checkpoint's position), and
-   `Throughput.epoch` iterates them, timing the wait for each batch.
-2. Inside `accelerator.accumulate(model)`: for each micro-batch of this process's share (`Attempt.micro_batches`:
-   the whole share, unless --auto_find_batch_size split it), forward, the per-sample losses (each times its class's
-   weight with --class_weights: `ClassWeights`), and `LossScale` turns them into the loss to backward, so that the
-   step's gradient is the mean over exactly the real samples it saw (an epoch's last, short batch and accumulation
-   window included), on any number of processes. Then clipping when the gradients are synchronised,
-   `optimizer.step()`, `scheduler.step()`, `zero_grad`.
-3. `LossMeter.update` adds the batch's loss to per-rank sums on the device (no `.item()`, which is a device sync).
-4. Once the gradients were synchronised (the last micro-batch of the window), the step counts: `Throughput.step`
-   and `Cadence.after_step` say what is due: a log line (`LossMeter.mean` and `Throughput.read`, after
-   `HealthCheck.check` stopped a run whose loss became NaN/inf), a validation, a checkpoint.
-5. `PreemptionGuard.should_stop`: a SIGTERM on any rank (Slurm, a cloud preemption) becomes a checkpoint at this step
-   on every rank, then a clean stop; Ctrl-C stops at once, with one line per process naming the last checkpoint.
-Outside the steps that log, validate or save, a step never waits for the device: no `.item()` or other read of a
-device tensor, and no collective of ours on the training group. The decisions every rank must share (the stop above,
-the out-of-memory agreement below) travel on utils/runtime.py HostChannel, a gloo group beside the training group
-whose all-reduce of a flag stays in host memory; what remains on the training group is DDP's own: its gradient
-all-reduce and, for a model whose buffers training changes (ResNet's BatchNorm), its broadcast of rank 0's buffers
-in each step's forward pass (utils/runtime.py build_accelerator). tests/test_sync_free_step.py counts what a step does.
-After each validation, `Selection` (transformers Trainer's metric_for_best_model, greater_is_better and
-EarlyStoppingCallback, with their flags: add_selection_args) says whether the model is the best so far and whether
-the run stops early; its counters live in the loop's `state`, which every checkpoint keeps. The metric it may name
-is any number the script's `evaluate` returns: `validation_names` learns them before training from one evaluation of
-one validation batch (`OneBatch`), which `resolve_selection` checks the flag against.
-Every method that reduces over ranks is a collective: every rank calls it at the same points.
-
-Out of device memory (--auto_find_batch_size, `OutOfMemoryRetry`): the run is not over. Every process drops what the
-failed attempt built, puts the model, random generators and loss scaler back as they were when training started, and
-trains again from the newest checkpoint the failed attempt saved (else from where the launch started), with each
-process's share of a batch cut into micro-batches of half the size: twice the accumulation. The loader's batches, the
-accumulation windows, the loss of each sample, the schedule and the checkpoints' positions are those of the command
-line, so the run trains the same samples in the same steps as with a smaller -b and more accumulation.
-
-Neighbours: utils/checkpoint.py (what a step's checkpoint writes), utils/outputs.py (the log line),
-utils/runtime.py (the Accelerator).
-"""
+and `optimizer.step()`. One step, as both scripts' `train()` take it:
+1. `epoch_batches` (after a resume, the batches past the checkpoint's position), iterated by `Throughput.epoch`;
+2. in `accelerator.accumulate(model)`, per micro-batch (`Attempt.micro_batches`): forward, the per-sample losses
+   (`ClassWeights`), `LossScale.loss` to backward; then clipping, `optimizer.step()`, `scheduler.step()`, `zero_grad`;
+3. `LossMeter.update` (sums on the device, no `.item()`), and once the gradients synchronised `Throughput.step` and
+   `Cadence.after_step`: a log line (after `HealthCheck.check`), a validation (then `Selection`), a checkpoint;
+4. `PreemptionGuard.should_stop`: a SIGTERM on any rank becomes a checkpoint at this step on every rank.
+`OutOfMemoryRetry` (--auto_find_batch_size) trains again, in smaller micro-batches, after running out of memory.
+Methods that reduce over ranks are collectives. Why: docs/code.md#looppy. Neighbours: utils/checkpoint.py (what a
+checkpoint writes), utils/outputs.py (the log line), utils/runtime.py (the Accelerator, the host channel)."""
 import contextlib
 import json
 import math
@@ -70,14 +40,7 @@ class Due(NamedTuple):
 
 @dataclass(frozen=True)
 class Cadence:
-    """When a run logs, validates and saves a resumable checkpoint, counted in optimizer steps; a pure value.
-
-    - a log line every `log_every` steps and at each epoch's end, so that no log window spans two epochs;
-    - validation every `eval_every` steps, or, without it, at each epoch's end; always after the run's last step;
-    - a resumable checkpoint every `checkpoint_every` steps, or, without it, at each epoch's end but the run's last
-      (a finished run needs none: its results and exports are written).
-    An epoch ends at its last batch, or at the run's last step (--max_train_steps may stop inside an epoch).
-    """
+    """When a run logs, validates and saves, counted in optimizer steps; a pure value (docs/code.md#cadence)."""
     total_steps: int  # optimizer steps of the whole run
     steps_per_epoch: int  # optimizer steps per epoch (the last one's accumulation window may be short)
     batches_per_epoch: int  # loader batches per epoch
@@ -94,8 +57,7 @@ class Cadence:
         return completed_steps >= self.total_steps
 
     def after_step(self, completed_steps, batches_in_epoch):
-        """What is due once optimizer step `completed_steps` (1-based, counted from the run's start) has been taken
-        on the epoch's batch `batches_in_epoch` (1-based)."""
+        """What is due after step `completed_steps` (1-based, from the run's start), on batch `batches_in_epoch`."""
         finished = self.finished(completed_steps)
         epoch_end = batches_in_epoch == self.batches_per_epoch or finished
         return Due(log=completed_steps % self.log_every == 0 or epoch_end,
@@ -107,17 +69,7 @@ class Cadence:
 
 class LossScale:
     """A training loss that is the mean over exactly the real samples of each optimizer step, on any number of
-    processes.
-
-    Two things accelerate does would otherwise make N processes train differently from 1:
-    - an epoch's last, short GLOBAL batch is completed with samples from the epoch's start (`even_batches`), so
-      that every process gets a share: on 2 processes 200 samples at a batch of 16 train 208;
-    - `backward` divides every micro-batch's loss by the full accumulation count, also in an epoch's last, shorter
-      window: a window of 1 batch out of 4 would take a quarter-strength step.
-    Here each real sample weighs 1 / (real samples in its optimizer step) and a padded one 0, so the step's
-    gradient is the mean over the samples it really saw, as on 1 process. (`even_batches=False` instead would leave
-    a process without a last batch: the others would wait for its gradients in the all-reduce.)
-    """
+    processes: docs/code.md#lossscale-and-classweights."""
 
     def __init__(self, accelerator, dataset_size, global_batch_size, accumulation_steps, drop_last=False):
         self.accelerator = accelerator
@@ -138,22 +90,18 @@ class LossScale:
         return sum(self.real_in_batch(i) for i in range(start, end))
 
     def local_real(self, index, local_batch_size, offset=0):
-        """How many of `local_batch_size` samples from position `offset` of this process's share of batch `index` are
-        real: its share is the global positions [rank * b, rank * b + b) and the padding comes after the real
-        samples."""
+        """How many of `local_batch_size` samples at `offset` of this process's share of batch `index` are real."""
+        # the share is the global positions [rank * b, rank * b + b); accelerate's padding follows the real samples
         share = self.global_batch // self.accelerator.num_processes
         first = self.accelerator.process_index * share + offset
         return max(0, min(local_batch_size, self.real_in_batch(index) - first))
 
     def loss(self, per_sample_losses, index, offset=0):
-        """(loss to backward, mean over this process's real samples, their count) for batch `index`, or for its
-        micro-batch starting at position `offset` of this process's share.
-
-        DDP averages the gradient over the P processes and accelerate divides by the accumulation count N, so
-        the sum of the real losses is scaled by P * N / (real samples in the step)."""
+        """(loss to backward, mean over its real samples, their count) of batch `index`, or of its part at `offset`."""
         real = self.local_real(index, per_sample_losses.shape[0], offset)
         mask = torch.arange(per_sample_losses.shape[0], device=per_sample_losses.device) < real
         total = (per_sample_losses * mask).sum()
+        # DDP averages the gradient over the P processes and accelerate divides by the accumulation count N
         scale = self.accelerator.num_processes * self.accumulation / self.window_real(index)
         return total * scale, total.detach() / max(real, 1), real
 
@@ -173,9 +121,7 @@ CLASS_WEIGHTS_HELP = ("single-label cross-entropy weighted per class: 'balanced'
 
 @dataclass(frozen=True)
 class ClassWeights:
-    """--class_weights: one weight per class, multiplying the cross-entropy of the samples of that class. The loss
-    of a step stays the mean over its samples (LossScale), so a step's loss is sum(w_i * l_i) / N: no collective, the
-    same on any number of processes."""
+    """--class_weights: one weight per class, multiplying the cross-entropy of that class's samples."""
     by_label: dict  # {label: weight}, in class-id order
     source: str  # "balanced" or the JSON file
 
@@ -188,10 +134,8 @@ class ClassWeights:
 
 
 def load_class_weights(spec, labels, train_targets):
-    """None without --class_weights. `balanced`: scikit-learn's compute_class_weight("balanced") over the classes
-    the training targets (class ids) hold; a class no training sample has gets 0, which changes nothing (no
-    sample's loss is multiplied by it) but label smoothing's share. Otherwise a JSON file mapping every label to a
-    weight >= 0."""
+    """ClassWeights of --class_weights `spec` (None without it): `balanced` from `train_targets`, class ids
+    (docs/code.md#lossscale-and-classweights), else a JSON file {label: weight}."""
     if spec is None:
         return None
     if spec == "balanced" and train_targets is None:
@@ -238,8 +182,7 @@ def read_class_weights_file(path, labels):
 
 
 class LossMeter:
-    """Training loss as a mean over samples, kept as per-rank sums on the device so the hot loop never calls
-    `.item()` (a device sync), read (and synchronised over ranks) only when logging."""
+    """Training loss as a mean over samples, kept as per-rank sums on the device: read (a device sync) only to log."""
 
     def __init__(self, device):
         self.device = device
@@ -275,16 +218,14 @@ def parameters_finite(accelerator, model):
 
 
 class HealthCheck:
-    """Stops the run with one line, on every rank, once the loss became NaN/inf, before anything is saved from it;
-    before a save (`parameters=True`) the parameters are checked too, since the logged loss lags them by a step.
-    `last_good()`: the checkpoint the message points to. `also`: further checks of the same kind (the ResNet script's
-    unreadable images). Collectives: every rank calls `check` at the same points."""
+    """`check` (a collective) stops every rank with one line once the loss became NaN/inf, before anything is saved."""
 
     def __init__(self, accelerator, meter, model, last_good, lr_flag, also=()):
         self.accelerator, self.meter, self.model = accelerator, meter, model
+        # last_good(): the checkpoint the line names; also: more checks of the kind (ResNet's unreadable images)
         self.last_good, self.lr_flag, self.also = last_good, lr_flag, also
 
-    def check(self, completed_steps, parameters=False):
+    def check(self, completed_steps, parameters=False):  # parameters before a save: the logged loss lags a step
         if (self.meter.diverged(self.accelerator)
             or (parameters and not parameters_finite(self.accelerator, self.model))):
             raise runtime.UserError(f"loss became NaN/inf by step {completed_steps}; stopped before saving anything "
@@ -298,7 +239,7 @@ _END = object()  # an exhausted iterator (a batch may be anything, None included
 
 
 def seconds_since_process_start():
-    """Wall seconds since this process was started (the interpreter itself, imports and all)."""
+    """Wall seconds since this process started (the interpreter itself, imports and all)."""
     return time.time() - psutil.Process().create_time()
 
 
@@ -308,18 +249,7 @@ class Pause:
 
 
 class Throughput:
-    """Steps and samples between two log lines, and the time they took without the pauses: where a run's wall time
-    goes (start-up until the first step, training steps, and the pauses between them).
-
-    The samples/s of a log line is the speed of training alone: time spent evaluating or checkpointing, and the wait
-    for an epoch's first batch (DataLoader workers starting and filling their queues), is kept out of it and reported
-    on its own (`eval_seconds`, `epoch_start_seconds`, ...). Counted in, an evaluation made the window around it look
-    several times slower than the steps in it were.
-
-    `clock` is injectable so the bookkeeping can be tested without sleeping. With `data_wait`, read() also gives
-    `data_ms_per_step`: the wait for the batches after an epoch's first (main.py's "Data" time), a part of the
-    training time.
-    """
+    """Steps, samples and training time between two log lines, the pauses apart (docs/code.md#throughput)."""
 
     def __init__(self, clock=time.perf_counter, process_clock=seconds_since_process_start, data_wait=False):
         self.clock, self.process_clock, self.data_wait = clock, process_clock, data_wait
@@ -349,8 +279,7 @@ class Throughput:
             self.paused[name] = self.paused.get(name, 0.0) + pause.seconds
 
     def epoch(self, batches):
-        """Iterate `batches`; the wait for the first one (worker start-up, first fetch) is an `epoch_start` pause,
-        the wait for each later one is data time."""
+        """Iterate `batches`: the wait for the first is an `epoch_start` pause, for each later one data time."""
         with self.pause("epoch_start"):
             iterator = iter(batches)
             batch = next(iterator, _END)
@@ -375,8 +304,7 @@ class Throughput:
 
 
 class EvaluationAbandoned(Exception):
-    """Every rank agreed to stop during an evaluation (PreemptionGuard.batches): the loop saves its position, with the
-    validation still due (the resumed run validates first)."""
+    """Every rank agreed to stop during an evaluation (PreemptionGuard.batches): save, keeping the validation due."""
 
 
 class AccumulationWindow(NamedTuple):
@@ -392,21 +320,9 @@ MAX_CHECKS_PER_AGREEMENT = 100  # however fast the steps: a slow phase after fas
 
 
 class PreemptionGuard:
-    """SIGTERM (what Slurm and cloud preemption send, and what a rank gets when its launcher dies:
-    utils/runtime.py stop_with_launcher) becomes "checkpoint at a step boundary, then exit"; Ctrl-C (SIGINT) stops at
-    once, with one line per process saying where: `Interrupted` (utils/runtime.py run_cli).
-
-    The SIGTERM may reach only some ranks; the checks (`should_stop` after each optimizer step, `stops_inside_window`
-    after each batch of an accumulation window, `batches` before each evaluation batch) turn it into a decision all
-    ranks share, so every rank saves the same checkpoint at the same step. The ranks agree about every
-    AGREEMENT_SECONDS, whatever the step time and the number of processes: one agreement at a time is in flight on the
-    host channel (utils/runtime.py HostChannel.start), started at a check and read `every` checks later, where every
-    rank reads the same `every` from the agreement before (the slowest rank's seconds per check). A step never waits
-    for it unless its all-reduce took longer than that; a signal is acted on within about two agreements
-    (docs/launching.md#3-at-scale; at the next check on one process). Ctrl-C saves nothing: the line names the
-    last complete checkpoint (`last_checkpoint()`) and how to continue (`resume`). `close` ends the training steps:
-    SIGTERM then stops the rest of the run at once (utils/runtime.py Stopped).
-    """
+    """A SIGTERM on any rank becomes a checkpoint at the same step on every rank, then a clean stop; Ctrl-C stops at
+    once, its line naming `last_checkpoint()` and the `resume` flag. Its checks are collectives; how the ranks agree:
+    docs/faults_and_resume.md#stops-how-each-one-is-delivered-and-what-it-saves."""
 
     def __init__(self, accelerator, last_checkpoint=lambda: None, resume="--resume latest"):
         self.accelerator, self.last_checkpoint, self.resume = accelerator, last_checkpoint, resume
@@ -423,9 +339,7 @@ class PreemptionGuard:
         runtime.on_ctrl_c(self.where)  # a peer's Ctrl-C that reaches this process as a broken collective says where
 
     def close(self, preempted):
-        """The training steps are over (every rank, at the same point): the agreement in flight is finished, and SIGTERM
-        stops the rest of the run at once again (utils/runtime.py stop_outside_training, as run_cli chose). A SIGTERM
-        that was not acted on (`preempted` False) is delivered again now, so that it stops what follows."""
+        """End of the training steps (every rank): SIGTERM stops at once again; one not acted on is delivered again."""
         if self.pending is not None:
             self.pending.result()
             self.pending = None
@@ -451,8 +365,7 @@ class PreemptionGuard:
         return (f"interrupted (Ctrl-C){after}; the last checkpoint, {last}, is complete: continue with {self.resume}")
 
     def should_stop(self, completed_steps=None):
-        """True on every rank, at the same check, once a rank had received the signal by the check before (one
-        process: by this one). A collective: call it on all ranks at the same points."""
+        """True on every rank, at the same check, once a rank received the signal (a collective)."""
         self.step = completed_steps
         if self.agreed:
             return True
@@ -477,20 +390,14 @@ class PreemptionGuard:
         return False
 
     def start_window(self, batches_in_epoch, model):
-        """Where an accumulation window begins (--gradient_accumulation_steps): its first batch's index in the epoch,
-        the random generators and the model's buffers (BatchNorm's running statistics): what a stop inside the
-        window goes back to. None when every batch is an optimizer step."""
+        """What a stop inside the accumulation window starting here goes back to; None when every batch is a step."""
         if self.accelerator.gradient_accumulation_steps == 1:
             return None
         return AccumulationWindow(batches_in_epoch, self.accelerator.step, runtime.random_states(),
                                   [b.detach().clone() for b in model.buffers()])
 
     def stops_inside_window(self, completed_steps, window, model):
-        """After a batch that took no optimizer step: whether the ranks agreed to stop (a collective, as should_stop).
-        If so, the window's batches are undone for the checkpoint, which then holds the position of the window's
-        first batch: the random generators, accelerate's count of batches into the window and the model's buffers go
-        back to the window's start, and the resumed run trains the whole window again, exactly as the uninterrupted
-        run did. A long window does not hold a stop past the launcher's grace."""
+        """After a batch that took no optimizer step: as should_stop, and on a stop the window's batches are undone."""
         if window is None or not self.should_stop(completed_steps):
             return False
         runtime.set_random_states(window.rng)
@@ -504,9 +411,8 @@ class PreemptionGuard:
         return True
 
     def batches(self, loader):
-        """An evaluation's batches of `loader`, abandoned (EvaluationAbandoned) once every rank agreed to stop. A
-        check per batch: every rank iterates the same number of evaluation batches (the prepared loader pads the last
-        one)."""
+        """An evaluation's batches of `loader`, abandoned (EvaluationAbandoned) once every rank agreed to stop."""
+        # a check per batch: every rank iterates as many evaluation batches (the prepared loader pads the last one)
         for batch in loader:
             if self.should_stop(self.step):
                 reason = self.received or "SIGTERM"
@@ -515,11 +421,7 @@ class PreemptionGuard:
 
 
 def epoch_batches(accelerator, loader, epoch, state):
-    """The batches of `epoch` still to train, and the index of the first: all of them, or, in the epoch a run resumed
-    in, those after the checkpoint's position (`state`'s epoch and batches_in_epoch).
-
-    accelerate's exact-resume recipe: set_epoch explicitly every epoch (the seedable sampler's order depends on
-    seed + epoch only), and skip_first_batches for the resumed epoch alone."""
+    """(batches of `epoch` still to train, index of the first): after a resume, those past the checkpoint's position."""
     loader.set_epoch(epoch)
     skip = state["batches_in_epoch"] if epoch == state["epoch"] else 0
     return (accelerator.skip_first_batches(loader, skip) if skip else loader), skip
@@ -535,10 +437,8 @@ SELECTION_ROLES = {"--metric_for_best_model": checkpoint.kept_by("metric_for_bes
 
 @checkpoint.roles_beside("SELECTION_ROLES")
 def add_selection_args(parser, default_help, aliases=()):
-    """transformers Trainer's flags for choosing the best model and stopping early (`aliases`: other spellings of
-    --metric_for_best_model, such as timm's --eval-metric; `default_help`: the script's default metric, in words).
-    Their names are those of the numbers the script's `evaluate` returns, learnt before training (validation_names):
-    no list of them here."""
+    """transformers Trainer's flags for the best model and early stopping (`aliases`: other spellings of
+    --metric_for_best_model, such as timm's --eval-metric; `default_help`: the default metric, in words)."""
     group = parser.add_argument_group("best model and early stopping (transformers Trainer's names)")
     group.add_argument("--metric_for_best_model", *aliases, dest="metric_for_best_model", default=None,
                        metavar="NAME", help="the validation metric that selects the best model: the name of a number "
@@ -556,8 +456,7 @@ def add_selection_args(parser, default_help, aliases=()):
 
 
 def check_selection_args(parser, args, training):
-    """The checks the command line alone allows (parser.error): a run that does not train would ignore these flags.
-    The metric's name waits for the run's validation metrics (resolve_selection)."""
+    """The checks of add_selection_args' flags the command line alone allows (parser.error)."""
     given = [flag for flag, value in (("--metric_for_best_model", args.metric_for_best_model),
                                       ("--greater_is_better", args.greater_is_better),
                                       ("--early_stopping_patience", args.early_stopping_patience),
@@ -577,11 +476,7 @@ LOWER_IS_BETTER = ("mse", "rmse", "mae")  # errors; and, as in Trainer, every na
 
 
 def resolve_selection(args, names, renames=None, default=None):
-    """--metric_for_best_model (or `default`) as the plain name of one of the run's validation metrics `names` (the
-    numbers its evaluate() returns: validation_names; Trainer's `eval_` prefix and the `renames` spellings accepted),
-    and --greater_is_better's default from it, written into args. `names` None: the run validates nothing (no
-    validation set, or it does not train), so the default stands, unchecked, and a metric or early stopping asked for
-    is refused."""
+    """Writes into args --metric_for_best_model as one of `names` (None: no validation), and its direction."""
     given = args.metric_for_best_model
     if names is None:
         if args.early_stopping_patience is not None:
@@ -604,11 +499,7 @@ def resolve_selection(args, names, renames=None, default=None):
 
 
 class OneBatch:
-    """A validation loader's stand-in for a dry evaluation (validation_names): one batch of a process's share of one
-    of `loader`'s batches, of samples spread evenly over its dataset (every class of a file sorted by label), fetched
-    and collated as `loader` fetches and collates them and put on `device` as a prepared loader puts its batches.
-    No DataLoader is iterated (no worker starts, no sampler draws) or prepared (accelerate's save_state numbers the
-    prepared ones: another would change the checkpoints' layout)."""
+    """validation_names' stand-in for the validation `loader`: one batch of `size` samples spread over its dataset."""
 
     def __init__(self, loader, size, device):
         self.dataset = loader.dataset  # where the evaluation names an unreadable sample's file
@@ -627,13 +518,8 @@ class OneBatch:
 
 
 def validation_names(accelerator, model, loader, evaluate):
-    """The names of the numbers the script's evaluation returns, in its order: `evaluate(batches)` run once, before
-    training, on one batch (OneBatch) of the validation `loader` (unprepared), on every rank (its gathers are
-    collectives). What --metric_for_best_model may then name comes from evaluate() itself, and a broken evaluate()
-    fails in seconds rather than after the first epoch (Lightning's sanity check, num_sanity_val_steps).
-
-    The run goes on as it would have without it: the model is put back on its device and each module in its mode, and
-    every random generator a training step draws from back where it was (exact resumes compare bitwise)."""
+    """The names of the numbers `evaluate(batches)` returns, from one batch of the unprepared validation `loader`; the
+    model and the random generators are left as they were. A collective."""
     generators = runtime.random_states()
     modes = [(module, module.training) for module in model.modules()]
     home = next((tensor.device for tensor in model.parameters()), None)
@@ -652,14 +538,7 @@ def validation_names(accelerator, model, loader, evaluate):
 
 @dataclass(frozen=True)
 class Selection:
-    """Which validation metric selects the best model (Trainer's metric_for_best_model and greater_is_better), and
-    when a run stops early (Trainer's EarlyStoppingCallback: after `patience` validations in a row that do not beat
-    the best so far by more than `threshold`).
-
-    Its entries in the loop's `state` (the best value, where it was measured, the patience counter) are saved with
-    every checkpoint (utils/checkpoint.py training_state), so a resumed run selects and stops where the
-    uninterrupted run would. Every rank decides from the same gathered validation metrics, so every rank takes the
-    same branch (the best model's export is a collective) and leaves the loop at the same step."""
+    """Which metric selects the best model, and when a run stops early: docs/code.md#selection-and-validation_names."""
     metric: str  # a key of the validation metrics
     greater_is_better: bool
     position: str  # what the state's best_<position> counts: "step" or "epoch"
@@ -685,7 +564,7 @@ class Selection:
         return {self.best_key: None, self.position_key: None, self.COUNTER: 0}
 
     def must_match(self):
-        """A resumed run compares its validations with the checkpoint's best: by the same metric, the same way."""
+        """What a resume must keep: the checkpoint's best was measured by this metric, this way."""
         return {"metric_for_best_model": self.metric, "greater_is_better": self.greater_is_better}
 
     def best(self, state):
@@ -719,8 +598,7 @@ class Selection:
         return self.patience is not None and state.get(self.COUNTER, 0) >= self.patience
 
     def stop_reason(self, state):
-        """Why the run stopped early. The counter counts evaluations that did not beat the best before them by more
-        than the threshold: a smaller gain still makes a new best, so the best can be the last evaluation."""
+        """Why the run stopped early, in one line."""
         by = f" by more than {self.threshold}" if self.threshold else ""
         smaller = " (a smaller gain still makes a new best)" if self.threshold else ""
         best = self.best(state)
@@ -731,19 +609,17 @@ class Selection:
         return f"{self.metric} did not improve on its best{by} in {last}{smaller}; {where}"
 
     def results(self, state, stopped_at_step=None, ema=False):
-        """all_results.json's entries (Trainer's trainer_state.json names where it has them): the metric, the best
-        value and where (best_step or best_epoch), with `ema` the EMA's best, whether, where and why the run stopped
-        early."""
+        """all_results.json's entries of the selection (Trainer's trainer_state.json names where it has them)."""
         stopped = stopped_at_step is not None
         return {"metric_for_best_model": self.metric, "greater_is_better": self.greater_is_better,
                 "best_metric": self.best(state), self.position_key: state.get(self.position_key),
                 **({f"best_ema_{self.metric}": state.get(f"best_ema_{self.metric}")} if ema else {}),
                 "stopped_early": stopped, "stopped_early_at_step": stopped_at_step,
                 "stopped_early_reason": self.stop_reason(state) if stopped else None}
+
+
 def is_out_of_memory(error):
-    """An out-of-memory error of the device (torch.OutOfMemoryError, or a message accelerate's
-    should_reduce_batch_size recognises: CUDA, XPU, MPS, HPU, the CPU allocator), or another process's
-    (OutOfMemoryOnAnotherRank)."""
+    """An out-of-memory error of the device (as accelerate recognises them) or of another process."""
     return isinstance(error, (torch.OutOfMemoryError, OutOfMemoryOnAnotherRank)) or should_reduce_batch_size(error)
 
 
@@ -752,18 +628,14 @@ class OutOfMemoryOnAnotherRank(RuntimeError):
 
 
 class Attempt:
-    """One attempt at training (OutOfMemoryRetry.run): each process runs its share of every batch as micro-batches
-    of at most `micro_batch_size` samples, and it starts from `resume`: the launch's own checkpoint to resume from, or
-    one an earlier attempt saved (None: from the start)."""
+    """One attempt at training: micro-batches of at most `micro_batch_size`, from checkpoint `resume` (None: start)."""
 
     def __init__(self, accelerator, micro_batch_size, resume=None):
         self.accelerator, self.micro_batch_size, self.resume = accelerator, micro_batch_size, resume
 
     def micro_batches(self, model, batch):
-        """(offset, part) for this process's `batch` (tensors, or a tuple or dict of them): the whole batch at offset 0,
-        or its consecutive micro-batches, each yielded while its forward and backward run; all but the last run under
-        `accelerator.no_sync(model)`, so that DDP all-reduces the gradients once per batch, as with the whole batch.
-        `offset` is the position of the part's first sample in the batch."""
+        """(offset of its first sample, part) for each micro-batch of `batch` (tensors, or a tuple or dict of them),
+        yielded while its forward and backward run; all but the last under `no_sync`: one all-reduce per batch."""
         size = find_batch_size(batch)
         for start in range(0, size, self.micro_batch_size):
             last = start + self.micro_batch_size >= size
@@ -773,27 +645,9 @@ class Attempt:
 
 
 class OutOfMemoryRetry:
-    """--auto_find_batch_size (the Trainer's name): a training step that runs out of device memory does not end the
-    run. `run(train)` calls train(Attempt) and, after an out-of-memory error, again with half the per-device
-    micro-batch (rounded up), until it fits or one sample does not; each retry prints one line.
-
-    Before a retry every process releases what the failed attempt prepared (accelerator.free_memory, which also resets
-    its accumulation counter, and the gradients), and puts back what it changed: the model's weights, the random
-    generators and the fp16 loss scale as they were when training started (a CPU copy of the weights, kept from the
-    start), or, when the attempt saved a checkpoint, restores that one (the newest). accelerate's
-    find_executable_batch_size retries the same way; here the batch that gets smaller is the micro-batch inside each
-    process's share, not the loader's.
-
-    Several processes: the error may hit one of them only, and all must retry together. A forward hook on the model
-    (always_call: it also runs when the forward raised) ends every training forward pass with an all-reduce of "did I
-    run out?" on the host channel (utils/runtime.py HostChannel: one per micro-batch, on several processes only, without
-    a device sync: the allocator's error reaches the host when the forward pass asks for the memory); when one ran out,
-    the others raise OutOfMemoryOnAnotherRank there and every process retries. An error in the backward pass or the
-    optimizer step cannot be agreed on (the others wait inside DDP's gradient all-reduce): that process stops with one
-    line and the launcher ends the others. Under FSDP and DeepSpeed the forward pass itself runs collectives (and
-    DeepSpeed counts micro-batches itself), so the flag is refused there. An out-of-memory error while evaluating stops
-    with one line too: the evaluation batches are not split.
-    """
+    """--auto_find_batch_size (the Trainer's name): `run(train)` calls train(Attempt) and, after an out-of-memory error
+    in a training step, again on every process with half the micro-batch
+    (docs/faults_and_resume.md#out-of-device-memory---auto_find_batch_size)."""
 
     def __init__(self, accelerator, model, per_device_batch, accumulation_steps, checkpoint_dir, enabled):
         if enabled and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
@@ -814,8 +668,7 @@ class OutOfMemoryRetry:
                 "out_of_memory_retries": self.retries} if self.enabled else {}
 
     def run(self, train, resume=None):
-        """train(attempt) -> its result; with --auto_find_batch_size, again after each out-of-memory error. The first
-        attempt starts from `resume` (the checkpoint the launch resumes from, if the script passes it this way)."""
+        """train(attempt) -> its result, retried after each out-of-memory error; the first from checkpoint `resume`."""
         attempt = Attempt(self.accelerator, self.per_device_batch, resume)
         if not self.enabled:
             return train(attempt)
@@ -838,8 +691,7 @@ class OutOfMemoryRetry:
             hook.remove()
 
     def _agree_after_forward(self, module, args, output):
-        """The model's forward hook: on several processes, every training forward pass ends with all of them agreeing
-        whether one ran out of memory in it."""
+        """The forward hook: every training forward pass ends with the processes agreeing whether one ran out."""
         failed = sys.exc_info()[1] if output is None else None  # always_call: runs while the forward's error is raised
         out_of_memory = failed is not None and is_out_of_memory(failed)
         if not (module.training and torch.is_grad_enabled()):  # evaluation: every process skips it alike
@@ -886,11 +738,9 @@ class OutOfMemoryRetry:
             self.accelerator.scaler.load_state_dict(start["scaler"])
 
     def _release(self):
-        """Drop every reference the failed attempt left: the accelerator's prepared objects (and its accumulation
-        count), the objects it registered for checkpoints (accelerate has no public way to unregister them: the next
-        attempt registers its own), the gradients; then the device's cached blocks."""
-        self.accelerator.free_memory()
-        self.accelerator._custom_objects.clear()
+        """Drop every reference the failed attempt left, then the device's cached blocks."""
+        self.accelerator.free_memory()  # its prepared objects, and its accumulation count
+        self.accelerator._custom_objects.clear()  # no public way to unregister: the next attempt registers its own
         for parameter in self.model.parameters():
             parameter.grad = None
         clear_device_cache(garbage_collection=True)

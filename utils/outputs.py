@@ -1,23 +1,10 @@
 """What a run writes about itself, and the policy of its output directory: metrics.jsonl, all_results.json (and
-all_results_settings.json), run_config.json, the training curves, the experiment trackers (TensorBoard, MLflow, W&B,
-Comet through accelerate: tracker_settings says where each one writes), the model card of the selected model
-(ModelCard), each step's samples per process with --log_sample_indices (SampleLog, read_sample_indices); the console
-lines and the progress bar.
-
-Every RunLog method may be called on every process; only the main process writes (but for each process's own
-sample file), so the training scripts need no `if is_main_process` around logging. Every method that writes must be called on every process (the same points):
-a failure to write (a full disk) stops every rank with one line naming the directory and its free space
-(utils/runtime.py `writing`), and the JSON files are replaced atomically, never left half-written. A crash or a full
-disk can leave metrics.jsonl's last line cut short: a resumed run drops it with a note.
-
-Results files are flat, as the Trainer's all_results.json and eval_results.json are: numbers, strings, booleans and
-nulls, which `pandas.read_json(path, typ="series")` reads as a table. What a result holds that is no such value (what
-each group of numbers was measured with, `eval_settings`/`test_settings`; the run's `launches`) goes beside it into
-NAME_settings.json (all_results_settings.json, eval_results_settings.json: `write_results`), and `read_results` joins
-the two back.
-
-Neighbours: utils/checkpoint.py (the checkpoints in output_dir/checkpoints), utils/export.py (the exported
-models).
+all_results_settings.json), run_config.json, the training curves, the experiment trackers (tracker_settings), the
+model card of the selected model (ModelCard), each step's samples per process (--log_sample_indices: SampleLog,
+read_sample_indices), the console lines and the progress bar. Every RunLog method runs on every process, and only the
+main process writes (each process its own sample file): the scripts need no `if is_main_process` around logging. A
+failure to write stops every rank with one line; the JSON files are swapped in whole. Why: docs/code.md#outputspy.
+Neighbours: utils/checkpoint.py (the checkpoints in output_dir/checkpoints), utils/export.py (the exported models).
 """
 import collections
 import importlib.metadata
@@ -39,6 +26,8 @@ from . import checkpoint, runtime
 
 
 class RunLog:
+    """The run's log, results files, trackers and model card; every method is called on every process."""
+
     def __init__(self, accelerator, output_dir):
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -51,9 +40,8 @@ class RunLog:
         self.held = False  # the trackers get nothing more in this launch: a stop signal came (stop_signalled)
 
     def open(self, resume_step=None, state=None):
-        """Start metrics.jsonl and the sample indices' files (SampleLog) afresh, or, when resuming, keep them up to
-        the checkpoint's step; start the trackers (start_trackers) with the loop's `state`, once per launch. Every
-        process keeps its own sample file, and the main process those of ranks this launch does not have."""
+        """metrics.jsonl and the sample files afresh, or kept up to the checkpoint's `resume_step`; the trackers
+        started once per launch, with the loop's `state`."""
         self.state = state
         if self.accelerator.log_with and not self.trackers_started:
             self.start_trackers(resume_step, state)
@@ -62,6 +50,7 @@ class RunLog:
         with runtime.writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
+                # and the sample files of ranks this launch does not have
                 for path in [self.metrics_path, *sample_files(self.output_dir, self.accelerator.num_processes)]:
                     keep_up_to(path, resume_step)
                 self.partial_from = resume_step if resume_step and last_train_step(self.metrics_path) != resume_step \
@@ -72,10 +61,8 @@ class RunLog:
                          f"{self.partial_from} only (metrics.jsonl marks it partial_window)")
 
     def start(self, args, project_name, clear, card=None):
-        """A training run's output directory before its first step (every rank): with `clear` (--overwrite_output_dir,
-        not resuming) the previous run's results and checkpoints removed, so that `latest` cannot find them; the
-        directory; run_config.json (resolved arguments, versions, git revision); the trackers. `card`: the ModelCard
-        that write_model_card fills in."""
+        """A training run's output directory before its first step (every rank): the previous run removed with `clear`,
+        run_config.json written, the trackers' start prepared. `card`: the ModelCard write_model_card fills in."""
         self.card = card
         if clear:
             self.accelerator.on_main_process(clear_previous_run)(self.output_dir)
@@ -86,10 +73,8 @@ class RunLog:
             self.tracker_start = (project_name, flat)
 
     def start_trackers(self, resume_step, state):
-        """The trackers' runs: new ones, or, resuming (`resume_step`) from a checkpoint whose `state` records them
-        (TRACKER_RUNS), the same ones continued from the step after the checkpoint (tracker_settings). The run ids go
-        into `state`, so that every later checkpoint records them. The configuration is logged once, by the run that
-        starts them (MLflow's parameters cannot change)."""
+        """New tracker runs, or those the checkpoint's `state` records, continued after `resume_step`; their ids go
+        into `state`. The configuration is logged by the launch that starts them (MLflow's cannot change)."""
         project_name, config = self.tracker_start
         recorded = (state or {}).get(checkpoint.TRACKER_RUNS) or {}
         runs = recorded if resume_step is not None else {}
@@ -116,9 +101,8 @@ class RunLog:
                 self.state[checkpoint.TRACKERS_LOGGED_TO] = step
 
     def hold_trackers(self):
-        """Whether the trackers get nothing more in this launch: from this process's stop signal on, W&B's service may
-        be gone (a scheduler signals every process of the job), and the numbers wait for the resumed run
-        (send_missed)."""
+        """Whether the trackers get nothing more in this launch: a stop signal came, and the numbers wait for the
+        resumed run (docs/faults_and_resume.md#stops-how-each-one-is-delivered-and-what-it-saves)."""
         if runtime.stop_signalled() and not self.held:
             self.held = True
             last = (self.state or {}).get(checkpoint.TRACKERS_LOGGED_TO)
@@ -127,8 +111,7 @@ class RunLog:
         return self.held
 
     def send_missed(self, resume_step, state):
-        """Send the trackers what a stopped launch held back (hold_trackers): metrics.jsonl's events after the last
-        step they were sent, up to the checkpoint's."""
+        """Send the trackers the metrics.jsonl events a stopped launch held back (hold_trackers), to `resume_step`."""
         last = (state or {}).get(checkpoint.TRACKERS_LOGGED_TO)
         if last is None or last >= resume_step:
             return
@@ -156,18 +139,15 @@ class RunLog:
                 write_results(self.output_dir / name, results)
 
     def merge_results(self, results, prefixes=("eval_", "test_")):
-        """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process):
-        `merge_results`, which names in one line the numbers it keeps because they were measured with other
-        settings."""
+        """merge_results into all_results.json (main process), its lines on the console."""
         with runtime.writing(self.accelerator, self.output_dir):
             if self.accelerator.is_main_process:
                 for line in merge_results(self.output_dir / "all_results.json", results, prefixes):
                     self.console(line)
 
     def write_jsonl(self, name, rows):
-        """`rows` as JSON lines, written by the main process one at a time as they come and swapped into place at the
-        end. `rows` is consumed on every rank, so it may run collectives (predictions computed batch by batch); a
-        failure to write stops the writing, not the iteration, so that every rank reaches the same collectives."""
+        """`rows` as JSON lines (main process), swapped into place at the end; `rows` is consumed on every rank, so it
+        may run collectives: a failure to write stops the writing, not the iteration."""
         path = self.output_dir / name
         tmp = path.with_name(f".{path.name}.tmp")
         with runtime.writing(self.accelerator, self.output_dir, unfinished=tmp):
@@ -192,35 +172,21 @@ class RunLog:
         return [e for e in events if e.get("event") == event]
 
     def write_model_card(self, path, results):
-        """start()'s model card with `results` (all_results.json's entries so far) at `path` (main process); none
-        before start()."""
+        """start()'s model card with `results` (all_results.json's entries so far) at `path` (main process)."""
         if self.card is not None and self.accelerator.is_main_process:
             self.card.write(path, results)
 
     def end(self):
-        """Last call of a run, on every rank: a barrier (exits without one crashed ~1 in 10 gloo runs), the output
-        directory's lock released (every rank has written what it writes), then the trackers' end_training, which
-        destroys the process group."""
-        self.accelerator.wait_for_everyone()
-        runtime.release_output_dirs()
+        """Last call of a run, on every rank: the output directory's lock released, the trackers ended."""
+        self.accelerator.wait_for_everyone()  # exits without a barrier crashed about 1 in 10 gloo runs
+        runtime.release_output_dirs()  # every rank has written what it writes
         if self.accelerator.log_with:
-            self.accelerator.end_training()
+            self.accelerator.end_training()  # which destroys the process group
 
 
 def tracker_settings(accelerator, output_dir, project_name, runs=None, resume_step=None):
-    """(init_kwargs, where each tracker writes): every tracker's files stay in output_dir unless the tracker's own
-    environment variable says otherwise. TensorBoard: output_dir/runs/<project>; MLflow: the SQLite store
-    output_dir/mlflow.db (MLflow's own default store, moved there from the working directory) unless
-    MLFLOW_TRACKING_URI is set, experiment <project> (or MLFLOW_EXPERIMENT_NAME); W&B: output_dir/wandb unless
-    WANDB_DIR is set (offline with WANDB_MODE=offline). A new run is named after output_dir. Only the main process
-    writes (accelerate's trackers run there).
-
-    One run across restarts: resuming from the checkpoint at `resume_step`, whose `runs` ({tracker: run id}) name the
-    runs it logged to, continues them: TensorBoard's writer purges what the run logged after that step
-    (SummaryWriter's purge_step), MLflow reopens its run (run_id), W&B resumes its id (resume="allow"; a new run is
-    given its id here). Their steps then continue without repeats, since a resumed run logs from the step after the
-    checkpoint. MLflow's history cannot be cut: steps it logged after the checkpoint (a kill rather than SIGTERM,
-    which checkpoints at the step it stops) stay and are logged again with the same values (the resume is exact)."""
+    """(init_kwargs, where each tracker writes): in output_dir unless the tracker's own environment variable says
+    otherwise; continuing the `runs` ({tracker: run id}) of the checkpoint at `resume_step` (docs/code.md#outputspy)."""
     output_dir = Path(output_dir).resolve()
     runs = runs or {}
     init_kwargs, places = {}, []
@@ -267,14 +233,8 @@ NOT_METRICS = ("samples", "skipped_images")  # counts: in the card's table, not 
 
 
 class ModelCard:
-    """A model card for the selected model in the Hugging Face hub's README.md layout: YAML front matter (through
-    huggingface_hub's ModelCardData, as Trainer writes it) and Markdown: what selected the model, its labels, its
-    validation (and test) metrics, the training command and key settings, the data files, and how to load it.
-
-    train_bert_cls.py writes best_model/README.md with every best-model export and again at the end with the test
-    results; train_resnet.py writes model_card.md beside model_best.pth with every model_best.pth. `write` renders
-    from all_results.json-style entries: `eval_*`/`test_*` metrics of the selected model and the selection's
-    (`metric_for_best_model`, `best_metric`, `best_step`/`best_epoch`, `stopped_early*`)."""
+    """A model card for the selected model in the Hugging Face hub's README.md layout, rendered from all_results.json's
+    entries (`write`; docs/code.md#outputspy)."""
 
     def __init__(self, title, metadata, labels, settings, data_files, usage, command):
         self.title = title
@@ -314,8 +274,7 @@ class ModelCard:
         return line
 
     def launch_lines(self, launches):
-        """A run resumed on other hardware: each launch's processes and precision (all_results.json's `launches`),
-        so that the settings table's, the last launch's, are not read as the whole run's. Nothing for one launch."""
+        """Each launch's processes and precision, when the run had several (all_results.json's `launches`)."""
         if len(launches) < 2:
             return []
         return ["Trained over several launches, each resumed from the checkpoint of the step named:", "",
@@ -346,8 +305,7 @@ class ModelCard:
         return f"---\n{self.front_matter(results)}\n---\n" + "\n".join(lines)
 
     def write(self, path, results):
-        """Swapped in atomically, like the weights it describes; nothing where there is no exported model (a run
-        whose every validation was NaN selected none)."""
+        """Swapped in whole, like the weights it describes; nothing where there is no exported model."""
         path = Path(path)
         if not path.parent.is_dir():
             return
@@ -396,9 +354,8 @@ def _version(name):
 
 
 def number_entries(values):
-    """The entries of `values` that are numbers (a bool is not one), in its order: of what an `evaluate` of the
-    scripts returns, what --metric_for_best_model may name and the console's evaluation lines print (a report or a
-    confusion matrix beside them is written as a file)."""
+    """The entries of `values` that are numbers (a bool is not one), in its order: of what `evaluate` returns, what
+    --metric_for_best_model may name and the console prints."""
     return {key: value for key, value in values.items()
             if isinstance(value, numbers.Real) and not isinstance(value, bool)}
 
@@ -434,11 +391,8 @@ def progress(accelerator, iterable=None, **kwargs):
 
 
 def plot_training_curves(train_events, eval_events, png_path, steps_per_epoch, panels, title="training curves"):
-    """One plot per panel against epochs: training at each log line, validation after each epoch.
-
-    panels: (metrics.jsonl key, axis label) each, e.g. ("loss", "loss"); train_events: dicts with step, and those keys
-    that training measures too (the others have a validation curve alone); eval_events: dicts with epoch and those keys.
-    """
+    """One plot per panel ((metrics.jsonl key, axis label), e.g. ("loss", "loss")) against epochs: training at each log
+    line (`train_events`, with step), validation after each epoch (`eval_events`, with epoch)."""
     import matplotlib  # imported where used: it adds about half a second to every process start
 
     matplotlib.use("Agg")  # files only, no display
@@ -467,10 +421,9 @@ RUN_MARKERS = ("all_results.json", "all_results_settings.json", "metrics.jsonl",
 
 
 def check_output_dir(output_dir, overwrite, resume):
-    """Before a training run writes anything: refuse to write a new run over another one's results unless asked to
-    (`resume`: --resume_from_checkpoint/--resume, a checkpoint or `latest`, else None), and refuse `latest` in a
-    directory that holds a finished run but no checkpoint, which would train it again from scratch, over its results
-    (a run killed before its first checkpoint left no all_results.json: `latest` starts it afresh)."""
+    """Before a training run writes anything: refuse a new run over another's results unless `overwrite` or `resume`
+    (a checkpoint or `latest`), and `latest` over a finished run with no checkpoint
+    (docs/faults_and_resume.md#finished-runs)."""
     output_dir = Path(output_dir)
     taken = [name for name in RUN_MARKERS if (output_dir / name).exists()]
     if taken and not overwrite and not resume:
@@ -509,9 +462,8 @@ def settings_path(path):
 
 
 def write_results(path, results):
-    """`results` as a flat results file (numbers, strings, booleans, nulls) at `path`, and its other entries (dicts,
-    lists) in settings_path(path), each swapped in atomically, the settings first: the results file is what says
-    that a run finished."""
+    """`results` as a flat results file at `path` and its other entries (dicts, lists) in settings_path(path), each
+    swapped in whole, the settings first: the results file is what says that a run finished."""
     path = Path(path)
     flat = {key: value for key, value in results.items() if not isinstance(value, (dict, list, tuple))}
     nested = {key: value for key, value in results.items() if key not in flat}
@@ -523,8 +475,7 @@ def write_results(path, results):
 
 
 def read_results(path):
-    """A results file joined with its NAME_settings.json (write_results), as one dict; a file written before the
-    split, with its entries nested inside, reads the same."""
+    """A results file joined with its NAME_settings.json (write_results), as one dict (an older nested one too)."""
     path = Path(path)
     results = {}
     for part in (path, settings_path(path)):
@@ -538,11 +489,8 @@ def read_results(path):
 
 
 def merge_results(path, results, prefixes=("eval_", "test_")):
-    """An evaluation-only run adds its `eval_*`/`test_*` results to a run's all_results.json (main process): the
-    training results there are kept, and the run information stays that of the training run. Each prefix's
-    `{prefix}settings` entry (in all_results_settings.json) says what its numbers were measured with (max_seq_len,
-    image sizes, ...): numbers that all_results.json holds for other settings than this run's are never replaced
-    (this run's are in its own results file). Returns one line per prefix kept that way."""
+    """An evaluation-only run's `eval_*`/`test_*` `results` added to the run's all_results.json at `path`, but over
+    numbers measured with other settings (`{prefix}settings`); returns one line per prefix kept that way."""
     path = Path(path)
     kept = []
     if not path.is_file():
@@ -573,9 +521,8 @@ def last_train_step(path):
 
 
 def keep_up_to(path, step):
-    """A JSON-lines log (metrics.jsonl, a sample file) kept up to `step` on resume, so that it neither repeats nor
-    skips steps, or removed (`step` None: a fresh start). A last line cut short (a crash or a full disk in the middle
-    of a write) is dropped with a note; any other line that is not JSON is an error naming it."""
+    """A JSON-lines log (metrics.jsonl, a sample file) kept up to `step` on resume, or removed (`step` None); a last
+    line cut short is dropped with a note, another line that is not JSON is an error naming it."""
     path = Path(path)
     if step is None or not path.exists():
         path.unlink(missing_ok=True)
@@ -647,12 +594,8 @@ class _DrawnOrder:
 
 
 class SampleLog:
-    """--log_sample_indices: each optimizer step's samples on this process, one JSON line per step appended to
-    OUTPUT_DIR/sample_indices/process_<rank>.jsonl: {"step", "epoch", "process", "batches"}, `batches` holding, per
-    loader batch of the step, the dataset indices of this process's share in the order its loader yields them
-    (docs/faults_and_resume.md#the-samples-of-each-step-on-each-process---log_sample_indices). The loader's sampler
-    is wrapped to keep the order it draws; what it yields is unchanged. No collective: a failed write stops this
-    process with one line."""
+    """--log_sample_indices: each optimizer step's samples on this process, a JSON line per step in its own file
+    (docs/faults_and_resume.md#the-samples-of-each-step-on-each-process---log_sample_indices). No collective."""
 
     def __init__(self, accelerator, output_dir, loader, accumulation_steps, enabled=True):
         self.enabled, self.accumulation = enabled, accumulation_steps
@@ -689,9 +632,8 @@ class SampleLog:
 
 
 def read_sample_indices(output_dir):
-    """{step: [global batch, ...]} of a run's sample files (--log_sample_indices): each global batch its processes'
-    shares joined in process order, as a 1-process run's file holds it. The same command on 1 and N processes, and a
-    resumed run against the uninterrupted one, give the same dict."""
+    """{step: [global batch, ...]} of a run's sample files (--log_sample_indices), each global batch its processes'
+    shares joined in process order: the same on 1 and N processes, and after a resume."""
     steps = {}
     for path in sample_files(output_dir):
         for line in path.read_text(encoding="utf-8").splitlines():
