@@ -55,7 +55,10 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 #                            whose parameter names an export must have and whose position table bounds --max_seq_len),
 #                            or loaded from a checkpoint or a trained best_model/ (training, --do_eval/--do_test/
 #                            --do_predict on a trained model); best_model/ is saved with save_pretrained, so what
-#                            load_model loads, pipeline() loads too
+#                            load_model loads, pipeline() loads too. A class of your own (a model_type transformers
+#                            does not ship) is registered here, at import (AutoConfig.register,
+#                            AutoModelForSequenceClassification.register), and the model card's snippet imports this
+#                            script, under its own file name, to load it: docs/bert.md#adapting-it
 #   load_tokenizer           the tokenisation (utils/text_data.py tokenize_examples calls it on batches of texts)
 #   sample_losses            the training loss per sample, (b,): the loop averages it over the real samples of each
 #                            optimizer step, so a term added here stays right under DDP, gradient accumulation, short
@@ -1024,7 +1027,8 @@ def main(args):
     trained = None
     if args.do_train:
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint,
-                  card=text_model.model_card(args, labels, data, results))
+                  card=text_model.model_card(args, labels, data, results,
+                                             accelerator.unwrap_model(model).config.model_type, Path(__file__).name))
         accelerator.on_main_process(text_data.write_labels_file)(labels, args.output_dir / "labels.txt")
         task = Task(labels, must_match, selection, metric_modules,
                     class_weights and class_weights.tensor(accelerator.device))

@@ -490,22 +490,41 @@ def long_text_usage(args):
     return []
 
 
-def model_card(args, labels, data, run):
+def own_type_import(model_type, script, trust_remote_code=False):
+    """The model card's lines before `pipeline()` for a model type transformers does not ship: an import of the
+    script that trained it, whose ADAPTATION SECTION registers the type at import; none otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES or trust_remote_code:  # remote code: config.json's auto_map names it
+        return []
+    module = Path(script).stem
+    line = f"import {module}" if module.isidentifier() else f"importlib.import_module({json.dumps(module)})"
+    return [*([] if module.isidentifier() else ["import importlib"]),
+            f"{line}  # registers the model type {json.dumps(model_type)} (below)"]
+
+
+def model_card(args, labels, data, run, model_type="bert", script="train_bert_cls.py"):
     """best_model/README.md's fixed part (utils/outputs.py ModelCard): the labels, the key settings (`run`:
     run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
-    truncated as in training."""
+    truncated as in training, after an import of `script` where it registers `model_type`."""
     best_dir = Path(args.output_dir) / "best_model"
     first_text, first_pair = data.first_text  # of the validation set, else the training set
     literal = json.dumps({"text": first_text, "text_pair": first_pair}, ensure_ascii=False)
     text = json.dumps(first_text, ensure_ascii=False) if first_pair is None else literal
     options = f"truncation=True, max_length={args.max_seq_len}" + (", top_k=None" if args.multi_label else "")
+    registers = own_type_import(model_type, script, args.trust_remote_code)
+    script = Path(script).name
     usage = "\n".join([
-        "```python", "from transformers import pipeline", "",
+        "```python", *registers, "from transformers import pipeline", "",
         f"classifier = pipeline(\"text-classification\", model={json.dumps(str(best_dir))})",
         f"# truncated at {args.max_seq_len} tokens, as in training"
         + ("; top_k=None: every label's probability (multi-label)" if args.multi_label else ""),
         f"print(classifier({text}, {options}))", "```", "",
-        f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
+        *([f"`{model_type}` is {script}'s own model type, which transformers knows once the script has registered it "
+           f"(its ADAPTATION SECTION, at import): run this where `{script}` and its `utils/` can be imported (its "
+           f"directory), or register the model's classes as that section does before `pipeline()`.", ""]
+          if registers else []),
+        f"Or with this script: `python {script} --model_name_or_path {best_dir} --do_predict --predict_file "
         + (f"texts.jsonl --text_column {args.text_column} --text_pair_column {args.text_pair_column}"
            if first_pair is not None else "texts.txt")
         + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT` "
