@@ -390,9 +390,8 @@ def check_model_files(args):
 
 
 def tokenizer_and_length(args, say=print):
-    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with the
-    labels its config has: the positions do not depend on them), then --head_tokens' default: they decide the
-    tokenised data."""
+    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device), then
+    --head_tokens' default: they decide the tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
     with text_model.loading(source, "tokenizer"):
@@ -928,11 +927,9 @@ ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # in the order 
 
 
 def export_selected_onnx(accelerator, args, model, tokenizer, loaders):
-    """--export_onnx: the selected model as OUT/onnx/model.onnx (dynamic batch and sequence axes), checked on the
-    first --onnx_check_samples texts of the validation set (else test, training, or the texts to predict, which have
-    no labels to measure accuracy on) in their padded batches (utils/onnx_export.py); beside it what loads it with
-    nothing else, as optimum's ORTModelForSequenceClassification folders hold it: config.json (id2label), the tokenizer
-    and TRAINED_WITH. Its onnx_* results. Every rank calls it; the main process exports."""
+    """--export_onnx: the selected model as OUT/onnx/model.onnx, checked on the first --onnx_check_samples texts,
+    with what loads it beside it (docs/code.md#onnx_exportpy); its onnx_* results. A collective; the main process
+    exports."""
     split = next(name for name in ("validation", "test", "train", "predict") if name in loaders)
     results = {}
     with runtime.writing(accelerator, args.output_dir / "onnx"):
