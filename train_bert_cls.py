@@ -55,7 +55,10 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 #                            whose parameter names an export must have and whose position table bounds --max_seq_len),
 #                            or loaded from a checkpoint or a trained best_model/ (training, --do_eval/--do_test/
 #                            --do_predict on a trained model); best_model/ is saved with save_pretrained, so what
-#                            load_model loads, pipeline() loads too
+#                            load_model loads, pipeline() loads too. A class of your own (a model_type transformers
+#                            does not ship) is registered here, at import (AutoConfig.register,
+#                            AutoModelForSequenceClassification.register), and the model card's snippet imports this
+#                            script, under its own file name, to load it: docs/bert.md#adapting-it
 #   load_tokenizer           the tokenisation (utils/text_data.py tokenize_examples calls it on batches of texts)
 #   sample_losses            the training loss per sample, (b,): the loop averages it over the real samples of each
 #                            optimizer step, so a term added here stays right under DDP, gradient accumulation, short
@@ -387,9 +390,8 @@ def check_model_files(args):
 
 
 def tokenizer_and_length(args, say=print):
-    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device, with the
-    labels its config has: the positions do not depend on them), then --head_tokens' default: they decide the
-    tokenised data."""
+    """The tokenizer, and --max_seq_len fitted to the model's positions (its empty twin on the meta device), then
+    --head_tokens' default: they decide the tokenised data."""
     source = args.tokenizer_name or args.model_name_or_path
     check_model_files(args)
     with text_model.loading(source, "tokenizer"):
@@ -925,11 +927,9 @@ ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # in the order 
 
 
 def export_selected_onnx(accelerator, args, model, tokenizer, loaders):
-    """--export_onnx: the selected model as OUT/onnx/model.onnx (dynamic batch and sequence axes), checked on the
-    first --onnx_check_samples texts of the validation set (else test, training, or the texts to predict, which have
-    no labels to measure accuracy on) in their padded batches (utils/onnx_export.py); beside it what loads it with
-    nothing else, as optimum's ORTModelForSequenceClassification folders hold it: config.json (id2label), the tokenizer
-    and TRAINED_WITH. Its onnx_* results. Every rank calls it; the main process exports."""
+    """--export_onnx: the selected model as OUT/onnx/model.onnx, checked on the first --onnx_check_samples texts,
+    with what loads it beside it (docs/code.md#onnx_exportpy); its onnx_* results. A collective; the main process
+    exports."""
     split = next(name for name in ("validation", "test", "train", "predict") if name in loaders)
     results = {}
     with runtime.writing(accelerator, args.output_dir / "onnx"):
@@ -1024,7 +1024,8 @@ def main(args):
     trained = None
     if args.do_train:
         log.start(args, "bert_cls", clear=args.overwrite_output_dir and not args.resume_from_checkpoint,
-                  card=text_model.model_card(args, labels, data, results))
+                  card=text_model.model_card(args, labels, data, results,
+                                             accelerator.unwrap_model(model).config.model_type, Path(__file__).name))
         accelerator.on_main_process(text_data.write_labels_file)(labels, args.output_dir / "labels.txt")
         task = Task(labels, must_match, selection, metric_modules,
                     class_weights and class_weights.tensor(accelerator.device))

@@ -3,7 +3,12 @@ ADAPTATION SECTION) is selectable (--metric_for_best_model, timm's --eval-metric
 lines, logged (metrics.jsonl, TensorBoard), recorded (all_results.json, the model card, model_best.pth) and selects
 the best model, with no other list to edit; a mistyped name stops the run before training, in one line listing them.
 
-Each script is copied into a temporary directory and changed there as a user changes it, then run for real."""
+Each script is copied into a temporary directory and changed there as a user changes it, then run for real. The
+changes go where a user's own edits leave them findable (evaluate()'s closing `return`, its loop over the batches),
+and the checks look for the added number, not for its place: a copy that already has another user's number there
+passes too (the `after_another_number` variants: ResNet's trained copy, and both scripts' copies stopped before
+training)."""
+import ast
 import random
 import sys
 
@@ -26,12 +31,35 @@ pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWa
 PYTHONPATH = pythonpath(ROOT / "tests" / "fake_gpu", ROOT)  # launch's simulated GPU, and utils/ beside the copy
 
 
-def edited_copy(script, directory, name, edits):
-    """`script` copied to directory/name.py with each (old, new) of `edits` made once, as a user edits it."""
+def add_to_evaluate(text, script, returned=(), before_loop=(), in_loop=()):
+    """`text` (a script) with lines added to its `def evaluate(`, as a user adds a number: `returned` just before it
+    returns, the dict it returns bound to `returned`; `before_loop` and `in_loop` before and at the end of its loop
+    over the batches (its first `for`). Found by the syntax tree, so that edits elsewhere in evaluate() leave them."""
+    tree = ast.parse(text)
+    [evaluate] = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "evaluate"] or [None]
+    assert evaluate is not None, f"{script} has no top-level def evaluate("
+    last = evaluate.body[-1]
+    assert isinstance(last, ast.Return) and last.value is not None, f"{script}: evaluate() no longer ends in a return"
+    lines = text.splitlines(keepends=True)
+    indent = " " * last.col_offset
+    value = ast.get_source_segment(text, last.value)
+    bound = [] if value == "returned" else [f"{indent}returned = ({value})\n"]  # a second addition: bound already
+    lines[last.lineno - 1:last.end_lineno] = [*bound, *(f"{indent}{line}\n" for line in returned),
+                                              f"{indent}return returned\n"]
+    if before_loop or in_loop:
+        loop = next((node for node in evaluate.body if isinstance(node, ast.For)), None)
+        assert loop is not None and not loop.orelse, f"{script}: evaluate() has no loop over the batches"
+        inner = " " * loop.body[0].col_offset
+        lines[loop.end_lineno:loop.end_lineno] = [f"{inner}{line}\n" for line in in_loop]
+        lines[loop.lineno - 1:loop.lineno - 1] = [f"{' ' * loop.col_offset}{line}\n" for line in before_loop]
+    return "".join(lines)
+
+
+def edited_copy(script, directory, name, additions):
+    """`script` copied to directory/name.py with each of `additions` (add_to_evaluate's keywords) made in turn."""
     text = (ROOT / script).read_text(encoding="utf-8")
-    for old, new in edits:
-        assert text.count(old) == 1, f"{script} no longer has, once: {old!r}"
-        text = text.replace(old, new)
+    for addition in additions:
+        text = add_to_evaluate(text, script, **addition)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.py"
     path.write_text(text, encoding="utf-8")
@@ -52,28 +80,33 @@ def run_copy(script, args, monkeypatch):
         sys.modules.pop(script.stem, None)
 
 
+REFUSED = ("error: --metric_for_best_model {}: not a validation metric of this run; choose from the numbers its "
+           "evaluate() returns: ")
+
+
 def assert_refused_before_training(proc, out, flag, names):
-    """A name evaluate() does not return: exit 2, no traceback, one line listing what it returns, nothing written."""
+    """A name evaluate() does not return: exit 2, no traceback, one line listing what it returns (`names`, in any
+    order), nothing written."""
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: --metric_for_best_model {flag}: not a validation metric of this run; choose from the numbers its "
-        f"evaluate() returns: {', '.join(names)}")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(REFUSED.format(flag)), line
+    assert sorted(line[len(REFUSED.format(flag)):].split(", ")) == sorted(names), line
     assert "Running training" not in proc.stdout and not out.exists()
 
 
 # ---- train_bert_cls.py with a weighted F1 ----
 
-BERT_EDIT = ("    metrics = evaluation_metrics(logits, targets, labels, args.multi_label, args.threshold, "
-             "args.do_regression)\n")
-WEIGHTED_F1 = ("    from sklearn.metrics import f1_score\n"
-               "    metrics[\"weighted_f1\"] = f1_score(targets.numpy(), logits.argmax(-1).numpy(), "
-               "average=\"weighted\", zero_division=0)\n")
+WEIGHTED_F1 = {"returned": ["from sklearn.metrics import f1_score",
+                            "returned[\"weighted_f1\"] = f1_score(targets.numpy(), logits.argmax(-1).numpy(), "
+                            "average=\"weighted\", zero_division=0)"]}
+# another user's number, added first at the same place
+MEDIAN_CONFIDENCE = {"returned": ["returned[\"median_confidence\"] = logits.softmax(-1).amax(-1).median().item()"]}
+BERT_VARIANTS = {"alone": [], "after_another_number": [MEDIAN_CONFIDENCE]}
 
 
 @pytest.fixture(scope="module")
 def bert_copy(tmp_path_factory):
-    return edited_copy("train_bert_cls.py", tmp_path_factory.mktemp("bert_copy"), "my_bert_cls",
-                       [(BERT_EDIT, BERT_EDIT + WEIGHTED_F1)])
+    return edited_copy("train_bert_cls.py", tmp_path_factory.mktemp("bert_copy"), "my_bert_cls", [WEIGHTED_F1])
 
 
 def bert_args(data, out, *extra):
@@ -120,7 +153,7 @@ def test_a_number_added_to_bert_evaluate_is_selected_printed_logged_and_recorded
         assert selected["weighted_f1"] == results[f"{prefix}_weighted_f1"]
     # printed: every number evaluate() returns, in its order, in each console line of an evaluation
     names = evaluated_names(results)
-    assert names[-1] == "weighted_f1" and {"loss", "accuracy", "samples"} < set(names)
+    assert {"weighted_f1", "loss", "accuracy", "samples"} <= set(names)
     shown = [line for line in proc.stdout.splitlines() if line.startswith(("eval step ", "eval: ", "test: "))]
     assert len(shown) == len(evals) + 2
     for line in shown:
@@ -141,34 +174,39 @@ def test_a_number_added_to_bert_evaluate_is_selected_printed_logged_and_recorded
     assert reported[("test", "weighted_f1")] == results["test_weighted_f1"]
 
 
-def test_a_name_bert_evaluate_does_not_return_stops_before_training(bert_copy, bert_run, text_data, tmp_path,
+@pytest.mark.parametrize("variant", BERT_VARIANTS)
+def test_a_name_bert_evaluate_does_not_return_stops_before_training(variant, bert_run, text_data, tmp_path,
                                                                    monkeypatch):
+    script = edited_copy("train_bert_cls.py", tmp_path / "copy", "my_bert_cls", [*BERT_VARIANTS[variant], WEIGHTED_F1])
     out = tmp_path / "out"
-    proc = run_copy(bert_copy, ["--cpu", *bert_args(text_data, out, "--metric_for_best_model", "weighted_f2")],
+    proc = run_copy(script, ["--cpu", *bert_args(text_data, out, "--metric_for_best_model", "weighted_f2")],
                     monkeypatch)
     names = evaluated_names(read_json(bert_run[0] / "all_results.json"))
-    assert_refused_before_training(proc, out, "weighted_f2", names)
+    assert_refused_before_training(proc, out, "weighted_f2", names + (["median_confidence"] if BERT_VARIANTS[variant]
+                                                                      else []))
 
 
 # ---- train_resnet.py with balanced accuracy ----
 
-RESNET_EDITS = [
-    ("    skipped = 0\n", "    skipped = 0\n    predicted, labelled = [], []\n"),
-    ("        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()\n",
-     "        correct = topk_hits(logits[readable], targets[readable], ks=(1, 5)).tolist()\n"
-     "        predicted += logits[readable].argmax(-1).tolist()\n"
-     "        labelled += targets[readable].tolist()\n"),
-    ('"skipped_images": skipped}',
-     '"skipped_images": skipped,\n            "balanced_acc": 100.0 * balanced_accuracy_score(labelled, predicted)}'),
-    ("import torchvision\n", "import torchvision\nfrom sklearn.metrics import balanced_accuracy_score\n"),
-]
+BALANCED_ACCURACY = {"before_loop": ["predicted, labelled = [], []"],
+                     "in_loop": ["kept = targets >= 0  # readable images",
+                                 "predicted += logits[kept].argmax(-1).tolist()",
+                                 "labelled += targets[kept].tolist()"],
+                     "returned": ["from sklearn.metrics import balanced_accuracy_score",
+                                  "returned[\"balanced_acc\"] = 100.0 * balanced_accuracy_score(labelled, predicted)"]}
+# another user's number, added first at the same place
+ERROR_RATE = {"returned": ["returned[\"error_rate\"] = 100.0 - returned[\"acc1\"]"]}
+RESNET_VARIANTS = {"alone": [], "after_another_number": [ERROR_RATE]}
 RESNET_FAST = ["-a", "resnet18", "--image_size", "16", "--val_resize", "16", "-b", "64", "--lr", "0.02",
                "--momentum", "0", "-j", "0"]
 
 
 @pytest.fixture(scope="module")
 def resnet_copy(tmp_path_factory):
-    return edited_copy("train_resnet.py", tmp_path_factory.mktemp("resnet_copy"), "my_resnet", RESNET_EDITS)
+    """The copy given another user's number first, where its own then goes (the launched BERT copy has its own
+    alone)."""
+    return edited_copy("train_resnet.py", tmp_path_factory.mktemp("resnet_copy"), "my_resnet",
+                       [*RESNET_VARIANTS["after_another_number"], BALANCED_ACCURACY])
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +234,7 @@ def test_a_number_added_to_resnet_evaluate_selects_model_best_and_is_printed_log
     assert results["eval_balanced_acc"] == evals[-1]["balanced_acc"]
     # printed after each epoch, with every number evaluate() returns, by name
     names = evaluated_names(results)
-    assert names[-1] == "balanced_acc" and {"acc1", "loss", "samples"} < set(names)
+    assert {"balanced_acc", "acc1", "loss", "samples"} <= set(names)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(" * Epoch ")]
     assert len(lines) == 3
     for line, event in zip(lines, evals):
@@ -223,19 +261,24 @@ def test_a_number_added_to_resnet_evaluate_selects_model_best_and_is_printed_log
     assert 100 * balanced_accuracy_score(targets, predicted) == pytest.approx(best["balanced_acc"], abs=1e-4)
 
 
-def test_a_name_resnet_evaluate_does_not_return_stops_before_training(resnet_copy, resnet_run, few_digits, tmp_path,
+@pytest.mark.parametrize("variant", RESNET_VARIANTS)
+def test_a_name_resnet_evaluate_does_not_return_stops_before_training(variant, resnet_run, few_digits, tmp_path,
                                                                      monkeypatch):
+    script = edited_copy("train_resnet.py", tmp_path / "copy", "my_resnet", [*RESNET_VARIANTS[variant],
+                                                                             BALANCED_ACCURACY])
     out = tmp_path / "out"
-    proc = run_copy(resnet_copy, ["--cpu", few_digits, *RESNET_FAST, "--epochs", "1", "--eval-metric", "balanced",
-                                  "--output_dir", out], monkeypatch)
-    names = evaluated_names(read_json(resnet_run[0] / "all_results.json"))
-    assert_refused_before_training(proc, out, "balanced", names)
+    proc = run_copy(script, ["--cpu", few_digits, *RESNET_FAST, "--epochs", "1", "--eval-metric", "balanced",
+                             "--output_dir", out], monkeypatch)
+    names = evaluated_names(read_json(resnet_run[0] / "all_results.json"))  # its copy has error_rate too
+    assert_refused_before_training(proc, out, "balanced", [name for name in names
+                                                           if RESNET_VARIANTS[variant] or name != "error_rate"])
 
 
-def test_a_broken_evaluate_fails_before_training(few_digits, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", RESNET_VARIANTS)
+def test_a_broken_evaluate_fails_before_training(variant, few_digits, tmp_path, monkeypatch):
     """evaluate() runs on one validation batch before the first step: its bug shows in seconds, not after an epoch."""
     script = edited_copy("train_resnet.py", tmp_path / "copy", "broken_resnet",
-                         [('"skipped_images": skipped}', '"skipped_images": skipped, "typo": top5 / skiped}')])
+                         [*RESNET_VARIANTS[variant], {"returned": ["returned[\"typo\"] = top5 / skiped"]}])
     out = tmp_path / "out"
     with pytest.raises(NameError, match="'skiped' is not defined"):  # a bug in the code: its traceback
         run_copy(script, ["--cpu", few_digits, *RESNET_FAST, "--epochs", "1", "--output_dir", out], monkeypatch)

@@ -1,22 +1,7 @@
-"""The selected model as ONNX for serving on CPUs (--export_onnx, both scripts), checked against PyTorch in a second
-process that has only the .onnx files.
-
-- Export: torch.onnx's TorchScript exporter (`dynamo=False`: the torch.export-based one needs onnxscript as well) of an
-  fp32 copy of the model on the CPU, opset 17, with a dynamic batch axis, and for text a dynamic sequence axis: inputs
-  `pixel_values` (B, 3, H, W), or the tokenizer's `input_ids`, `attention_mask`, `token_type_ids` (B, T); output
-  `logits` (B, C). Written to OUT/onnx/model.onnx, swapped in whole.
-- --onnx_int8: onnxruntime's dynamic quantisation of that file (`quantize_dynamic`, int8 weights, activations
-  quantised per batch at run time) as OUT/onnx/model_int8.onnx.
-- Check: the first --onnx_check_samples evaluation samples, in the script's own batches (the text batches padded to
-  their own longest text, so the check feeds several batch sizes and sequence lengths), are saved with PyTorch's
-  logits and the labels (numpy .npz, no pickle). `python -m utils.onnx_export DIR` (a second process: no PyTorch model
-  in it) runs each .onnx file with onnxruntime's CPU provider and writes DIR/onnx_check.json: the largest absolute
-  difference of its logits from PyTorch's, the share of samples with the same top-1 class, the accuracy of each against
-  the labels (single-label classification), and the CPU latency (median milliseconds for the first batch and for one
-  sample, at OMP_NUM_THREADS threads, 0 = onnxruntime's default). The saved inputs are removed after the check.
-- onnx and onnxruntime are optional dependencies (requirements-dev.txt): without them --export_onnx is a one-line error
-  while parsing.
-
+"""The selected model as ONNX for serving on CPUs (--export_onnx, both scripts): the export, its int8 quantisation
+(--onnx_int8), and the check against PyTorch in a second process that has only the .onnx files (this module's
+__main__, onnxruntime and numpy only), which writes onnx_check.json.
+The export's form, the check's numbers, the optional dependencies: docs/code.md#onnx_exportpy.
 Neighbours: utils/export.py (the PyTorch exports), utils/runtime.py (writing: a failure stops every rank).
 """
 import argparse
@@ -74,8 +59,7 @@ def check_onnx_args(parser, args):
 
 
 def check_batches(batches, samples):
-    """The first `samples` samples of `batches` (an iterable of ({input name: (B, ...) tensor}, labels (B,))), in
-    those batches, the last one cut to fit."""
+    """The first `samples` samples of `batches` (({input name: (B, ...) tensor}, labels (B,)) pairs), the last cut."""
     kept, count = [], 0
     for inputs, labels in batches:
         take = min(len(labels), samples - count)
@@ -87,10 +71,9 @@ def check_batches(batches, samples):
 
 
 def export_and_check(model, batches, out_dir, int8, sequence_axis, say=print):
-    """--export_onnx (main process): `model` (any device and precision; left as it is) exported as fp32 ONNX to
-    out_dir/model.onnx (and model_int8.onnx with `int8`), checked in a second process on `batches` (check_batches);
-    returns the results, each key prefixed `onnx_`. The inputs are passed in their order, as the forward's positional
-    arguments, and keep their names in the ONNX file; sequence_axis: they have a dynamic axis 1 (text)."""
+    """--export_onnx (main process): an fp32 copy of `model` as out_dir/model.onnx (and model_int8.onnx), checked
+    on `batches` (check_batches) in a second process; returns the `onnx_*` results. sequence_axis: inputs' axis 1
+    is dynamic (text)."""
     import torch
 
     out_dir = Path(out_dir)

@@ -1,34 +1,9 @@
 """The tokenised data cache of the text classifier: the training, validation and test files read, checked and
-tokenised once, into memory-mapped Arrow files (`datasets`' format) that every rank and every later start reads: the
-other ranks, a resume, a requeue, an elastic restart, the next run on the same files.
+tokenised once, by one process, into memory-mapped Arrow files that every rank and every later start reads.
+Owns the entry's key (`DataCache.key`, the tokenizer's `tokenizer_sha256`), who writes an entry and how the other ranks
+wait for it (`DataCache.open`), and reading a split back (`read_split`).
 
-Where: --data_cache_dir, by default `text_classification/` in `datasets`' own cache (HF_DATASETS_CACHE, normally
-~/.cache/huggingface/datasets), beside the cache of transformers' way (load_dataset + map), so that one variable
-moves both and a second run in another --output_dir finds the data already tokenised.
-
-An entry is a directory named by the SHA-256 of everything that determines its content (`DataCache.key` over
-`inputs`): the SHA-256 of each file read (the training, validation and test files and --labels_file) and their paths
-(the notes kept with an entry name them), the text format flags, the cuts (--max_*_samples, --shuffle_train_dataset),
-the modes (which splits are read), the trained model's labels when it is evaluated, the tokenizer (its vocabulary and
-rules: `tokenizer_sha256`), --max_seq_len and how long texts are cut (--truncation, --head_tokens, --doc_stride;
---pool only pools an evaluation's windows and is not in it).
-The files are hashed on every start, at disk speed (about 1 s per GB, a small part of what tokenising them costs),
-rather than trusted by size and modification time: an edit that keeps both, or a copy over the file, is noticed too.
-An entry holds <split>.arrow and meta.json (the labels, the notes said while reading, the first text for the model
-card, the training text's [UNK] rate). It is written into a temporary directory and renamed into place: it exists
-whole or not at all, and two runs building it at once keep one.
-
-Who writes: one process, the main one, where every node sees the cache directory; the main process of each node where
-each node has its own disk (utils/checkpoint.py output_dir_is_shared's test). The others wait for the entry outside
-any collective (tokenising a large file may take longer than --ddp_timeout) and read it; a problem in the data (a bad
-line) stops every rank with the writer's one line. The writer streams each file into an Arrow table in the entry's
-temporary directory as it reads it (utils/text_data.py ExampleTable), checks the labels and tokenises from there, and
-deletes the tables: its memory does not grow with the files.
-
-The training data's fingerprint that a resume checks (utils/checkpoint.py DATA_KEY; utils/text_data.py
-fingerprint_examples: the training examples as read, in order) is taken while the entry is built, in the pass that
-reads the training file, and kept in meta.json: a later start reads it there, without a pass over the data.
-
+Where, the key, an entry's content, who writes: docs/code.md#text_cachepy; the user's view: docs/bert.md.
 Neighbours: utils/text_data.py (reading and tokenising), utils/checkpoint.py (what a resume must match).
 """
 import hashlib
@@ -69,8 +44,7 @@ def file_sha256(path):
 
 
 def tokenizer_sha256(tokenizer):
-    """What decides a tokenizer's output: a fast tokenizer's whole pipeline (vocabulary, normalizer, pre-tokenizer,
-    [CLS]/[SEP] template) without the truncation and padding a call sets; a slow one's class and vocabulary."""
+    """The SHA-256 of what decides a tokenizer's output, without a call's truncation and padding."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         state = json.loads(backend.to_str())
@@ -99,8 +73,7 @@ class DataCache:
         self.token = self._agree(lambda: secrets.token_hex(8))  # names this launch's failure notes
 
     def _agree(self, compute):
-        """compute() on the main process, its result on every rank, or its UserError raised on every rank (a
-        collective)."""
+        """compute() on the main process; its result, or its UserError raised, on every rank (a collective)."""
         outcome = [None]
         if self.accelerator.is_main_process:
             try:
@@ -115,8 +88,7 @@ class DataCache:
         return value
 
     def key(self, inputs):
-        """The entry's name for `inputs()` (a JSON-able record of what determines the data), computed once, on the main
-        process (reading the files to hash them), and shared with every rank."""
+        """The entry's name for `inputs()` (a JSON-able record of what determines the data); a collective."""
         return self._agree(lambda: digest({"format": CACHE_FORMAT, **inputs()}))
 
     def open(self, key, build, say=print):
@@ -151,7 +123,7 @@ class DataCache:
 
     @staticmethod
     def _rename(tmp, entry):
-        """Put the finished entry in place; if another run put the same entry there first, keep that one."""
+        # if another run put the same entry in place first, keep that one
         try:
             os.rename(tmp, entry)
         except OSError:
@@ -160,7 +132,7 @@ class DataCache:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _note_failure(self, note, line):
-        """Leave `line` for the waiting ranks; on a full disk they stop when the launcher stops this process's job."""
+        # on a full disk the waiting ranks stop when the launcher stops this process's job
         try:
             note.write_text(json.dumps({"token": self.token, "line": line}))
         except OSError:
@@ -170,7 +142,7 @@ class DataCache:
         return entry.with_name(f".{entry.name}.failed")
 
     def _wait(self, entry):
-        """Until the writer has put the entry in place; its one line if it failed in this launch."""
+        # until the writer has put the entry in place; its one line if it failed in this launch
         note = self._failure_note(entry)
         while not (entry / META).is_file():
             problem = self._read_failure(note)

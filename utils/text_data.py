@@ -1,64 +1,11 @@
-"""The text classifier's data: reading labelled text files or a `datasets` dataset, the label list, the quick-try
-cuts, tokenising once, padding per batch, and the length-grouped training order.
-
-Files: cnews `label<TAB>text` (.txt/.tsv), CSV and JSON (lines or one array) with named columns (`TextFormat`):
-one text or a sentence pair (LCQMC, AFQMC, OCNLI), one label or several (multi-label, separated by
-`label_separator`) or a number (regression), in any ASCII-compatible encoding. Every problem is a UserError that
-names the file and the line, so a bad line in a 50k-line file is found in seconds instead of surfacing as a shape
-error three layers down. Each file is read as the program that wrote it meant it:
-- lines end in \n, \r\n or a lone \r, numbered as a text editor shows them; a record is named by its first line;
-- CSV goes to the csv module as raw text (quoted commas, quotes, line breaks, long fields: pandas' and Excel's
-  files), and a record whose field count differs from the header's, or an unclosed quote, is an error;
-- a .txt/.tsv whose first line is a header row (pandas' `to_csv(sep="\t")`, with or without its index) is a
-  tab-separated table read the same way, never a class named "label";
-- predict files (`read_predict_file`) keep one record per input line, blank ones marked `skipped`, so that
-  predictions.jsonl row N is input record N; cnews lines whose labels the model knows are recognised as labelled;
-- labels are strings: one number spelt two ways ('1', '1.0') or a list without multi-label is refused.
-`--data_dir` (`split_files`) finds train/dev/val/validation/test in every supported type and says which it chose.
-
-Datasets (`--dataset_name`, run_classification.py's flags): a directory written by `save_to_disk` is read with
-`datasets.load_from_disk`, anything else (a hub id, a directory of parquet/csv/json files) with
-`datasets.load_dataset`. Its rows become the same `Example`s as a file's lines, read through the same column flags,
-so every check downstream is shared; a bad row names the dataset, the split and the row index. A ClassLabel column
-gives the label list (its names, in its order), an integer column its integers in numeric order.
-
-Padding is chosen per device, because it only pays where the hardware wants it:
-- CPU: none beyond the longest text of the batch (a multiple of 8 only adds tokens: up to a quarter more work on
-  ~25-token headlines);
-- CUDA: multiples of 8 (tensor-core friendly shapes);
-- under torch.compile (the launcher's dynamo backend): multiples of COMPILE_PAD_MULTIPLE, so the compiler sees a
-  bounded number of sequence lengths instead of recompiling for each new one.
-`--pad_to_multiple_of N` and `--pad_to_max_length` override it.
-
-Length-grouped order (`--group_by_length`, `LengthGroupedSampler`): transformers' idea (megabatches of 50 batches,
-each sorted by length), made to fit this project's exactness rules:
-- The order is a pure function of (seed, epoch): `set_epoch` is called by the prepared loader (Accelerate's
-  seedable-sampler recipe), every process computes the same order, and `skip_first_batches` on resume skips
-  exactly the batches already trained.
-- It is a sampler of indices, batched by the DataLoader with the GLOBAL batch size (split_batches=True): a global
-  batch is the same set of samples on any number of processes; each process then takes its consecutive slice of
-  that batch (the longer half on rank 0), so per-process padding stays tight.
-A batch then holds samples of similar length drawn from one megabatch (50 global batches of the shuffled data)
-instead of a uniform random draw; the batches' order is shuffled again, so long and short batches alternate.
-
-Long texts (`--truncation`, `--doc_stride`; `LongText`): a text longer than --max_seq_len keeps its first tokens
-(head, the default), its last ones (tail), or --head_tokens first and the rest last (head_tail; Sun et al., How to
-Fine-Tune BERT for Text Classification, 2019: 128 + 382 of 512 best, so the head is a quarter of the text tokens by
-default, at any --max_seq_len: `resolve_head_tokens`); or it becomes sliding windows of --max_seq_len
-tokens overlapping by --doc_stride tokens (the tokenizer's own `stride` and `return_overflowing_tokens`). Each window
-of a training text is a training sample with the text's label; an evaluated or predicted text's windows carry its
-index (`doc`), gathered with the logits, so that its windows are pooled into one prediction (utils/text_metrics.py
-pool_windows) on any number of processes. Single texts only: a sentence pair is cut longest_first.
-
-The data cache's build (utils/text_cache.py) reads each file into an `ExampleTable`, an Arrow file written as the file
-streams, rather than a list of Examples: the label checks, the cuts, the fingerprint and the tokenising read it back a
-batch at a time, so the build's memory does not grow with the file.
-
-The training file's fingerprint (`fingerprint_examples`: the examples as read, hashed in order) goes into every
-checkpoint, so that a resume on changed data is refused (utils/checkpoint.py); for files it is computed once, when the
-tokenised data cache is built, and kept there (utils/text_cache.py).
-
-Neighbours: utils/text_model.py (the model and tokenizer), utils/text_metrics.py (loss, metrics, predictions).
+"""The text classifier's data: reading labelled text files (cnews `label<TAB>text`, CSV, JSON; `TextFormat`) or a
+`datasets` dataset into `Example`s, each problem one line naming the file and the line; the label list and its checks;
+predict files; the quick-try cuts; the streamed `ExampleTable` the data cache builds from; the training data's
+fingerprint; cutting long texts (`LongText`) and tokenising once; padding per device; the length-grouped order
+(`LengthGroupedSampler`).
+Why each works as it does: docs/code.md#text_datapy; the formats as users see them: docs/bert_data_formats.md.
+Neighbours: utils/text_cache.py (the tokenised data cache), utils/text_model.py (the model and tokenizer),
+utils/text_metrics.py (loss, metrics, predictions).
 """
 import ast
 import codecs
@@ -189,7 +136,8 @@ def check_text_format_args(args):
         raise runtime.UserError("--text_column_delimiter joins several --text_column_names (comma-separated); here "
                                 "there is nothing to join")
     if args.do_regression and args.multi_label:
-        raise runtime.UserError("--do_regression predicts one number per text; it cannot be combined with --multi_label")
+        raise runtime.UserError("--do_regression predicts one number per text; it cannot be combined with "
+                                "--multi_label")
 
 
 def text_format(args):
@@ -206,10 +154,8 @@ def text_format(args):
 
 
 def resolve_text_column(args, columns, source, say=print):
-    """--text_column where neither it nor --text_column_names is given: `text`, or `sentence` where the data
-    (`columns`, the fields of `source`) have that and no `text`, as run_classification.py reads them by default (said
-    once). It is then set on args like a given one: the cache key, the training data's fingerprint and
-    run_config.json hold it."""
+    """--text_column where neither it nor --text_column_names is given: `text`, or `sentence` where the data's
+    `columns` (of `source`) have that and no `text` (said once); set on args like a given one."""
     if args.text_column is not None or args.text_column_names:
         return
     sentence = "sentence" in columns and DEFAULT_FORMAT.text_column not in columns
@@ -341,9 +287,8 @@ def _decoded_lines(path, encoding="utf-8"):
 
 
 def _table_records(path, codec, delimiter):
-    """Yield (line, fields) of each record of a CSV (or tab-separated) file, read by the csv module from the raw file
-    as pandas and Excel write it: quoted delimiters, doubled quotes, line breaks inside quotes, fields of any length.
-    `line` is where the record starts; a blank line is a record with no fields."""
+    """Yield (line, fields) of each record of a CSV (or tab-separated) file, read by the csv module from the raw
+    file; `line` is where the record starts; a blank line is a record with no fields."""
     csv.field_size_limit(CSV_FIELD_LIMIT)
     with _open_text(path, codec, newline="") as f:
         reader, start = csv.reader(f, delimiter=delimiter, strict=True), 1
@@ -414,7 +359,8 @@ def _json_array_items(path, text):
         position = space.match(text, position).end()
         closed = text.startswith("]", position)
         if not closed and not text.startswith(",", position):
-            raise runtime.UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (expected ',' or ']')")
+            raise runtime.UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON "
+                                    f"(expected ',' or ']')")
         position = position if closed else space.match(text, position + 1).end()
     if text[position + 1:].strip():
         raise runtime.UserError(f"{path}:{text.count(chr(10), 0, position) + 1}: invalid JSON (data after the array)")
@@ -422,9 +368,8 @@ def _json_array_items(path, text):
 
 
 def _header_row(path, fmt):
-    """(line, fields) of a .txt/.tsv file's first non-blank line if it is a header row, else None: two or more
-    TAB-separated fields, one of them the text or label column's name, as pandas' `to_csv(sep="\\t")` writes
-    (`label<TAB>text`, or `<TAB>label<TAB>text` with its index)."""
+    """(line, fields) of a .txt/.tsv file's first non-blank line if it is a header row (two or more TAB-separated
+    fields, one of them the text or label column's name), else None."""
     for number, line in _decoded_lines(path, fmt.encoding):
         if line.strip():
             fields = line.split("\t")
@@ -434,9 +379,8 @@ def _header_row(path, fmt):
 
 
 def _rows(path, fmt, say, plain_lines, labelled=True):
-    """Yield (line, row) of each record of a supported file: row maps column names to values, None for a blank
-    line. A .txt/.tsv whose first line is a header row is a tab-separated table; otherwise `plain_lines(path, fmt)`
-    reads its lines."""
+    """Yield (line, row) of each record of a supported file (row: column name -> value, None for a blank line);
+    `plain_lines(path, fmt)` reads a .txt/.tsv without a header row."""
     suffix = path.suffix.lower()
     if suffix in CSV_SUFFIXES:
         return _table_rows(path, fmt, labelled, ",")
@@ -490,11 +434,8 @@ def _list_items(label):
 
 
 def _check_label(label, where, fmt=DEFAULT_FORMAT):
-    """One label, or with multi-label a sorted tuple of labels (a list, or a field split on the separator), or with
-    regression a finite number.
-
-    An empty multi-label field is an example with none of the labels, as in most multi-label corpora. A list without
-    --multi_label is an error: it would become one class named after the whole list."""
+    """One label; with multi-label a sorted tuple of labels (a list, or a field split on the separator; empty: none);
+    with regression a finite number. A list without --multi_label: a UserError."""
     if fmt.regression:
         return _check_number(label, where)
     if isinstance(label, dict):
@@ -571,9 +512,8 @@ def _example(row, where, fmt, line, labelled=True):
 
 
 def iter_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
-    """The examples of a labelled file one at a time, as they are read: .txt/.tsv `label<TAB>text` lines (or a table
-    with a header row), .csv, or .json/.jsonl with the `fmt` columns (labelled=False: a .csv/.json(l) file's labels
-    are not read). `say` prints one-line notes (a header row skipped). A file without examples is an error."""
+    """The examples of a labelled file one at a time, as they are read (labelled=False: a .csv/.json(l) file's labels
+    are not read); `say` prints one-line notes. A file without examples is a UserError."""
     path = Path(path)
     found = False
     for line, row in _rows(path, fmt, say, _cnews_lines, labelled):
@@ -590,12 +530,8 @@ def read_examples(path, labelled=True, fmt=DEFAULT_FORMAT, say=print):
 
 
 class ExampleTable:
-    """A split's examples in an Arrow file, written as the file is read (`write`) and memory-mapped from there: what
-    the data cache's build reads instead of a list of Examples, so that its memory does not grow with the file. It
-    reads back as Examples a batch at a time (iterating), is cut and shuffled by index (`select`, slices) and
-    tokenised from its columns (`columns`). What the checks need of the whole file, its labels' first lines
-    (`first_seen`) and its fingerprint (`fingerprint`), is taken while it is written: no second pass for a file used
-    whole and in order."""
+    """A split's examples in an Arrow file, written as the file is read (`write`) and memory-mapped; iterated, cut
+    (`select`, slices) and tokenised (`columns`) a batch at a time (docs/code.md#text_datapy)."""
 
     BATCH = 10_000  # examples per Arrow record batch
 
@@ -653,10 +589,8 @@ class ExampleTable:
 
 
 def read_predict_file(path, fmt=DEFAULT_FORMAT, labels=(), say=print):
-    """One Example per record of a --predict_file, so that predictions.jsonl has one row per input line: blank lines
-    and empty texts included, marked `skipped`. .csv/.json(l) (and a .tsv with a header row) give the `fmt` text
-    (and pair) columns, and the label column's value as `label` where there is one. Other .txt/.tsv files hold one
-    text per line, or `label<TAB>text` lines when every line starts with one of the model's `labels` and a TAB."""
+    """One Example per record of a --predict_file, blank lines and empty texts marked `skipped`; `labels` (the
+    model's) recognise `label<TAB>text` lines (docs/bert_data_formats.md#predict-files-and-predictionsjsonl)."""
     path = Path(path)
     rows = _rows(path, fmt, say, functools.partial(_predict_lines, labels=set(labels), say=say), labelled=False)
     examples = [_predict_example(row, f"{path}:{line}", fmt, line) for line, row in rows]
@@ -716,9 +650,8 @@ def _predict_example(row, where, fmt, line):
 
 @dataclass
 class Splits:
-    """What a run reads: {"train"|"validation"|"test"|"predict": examples}, the label list the data defines (a
-    ClassLabel's names, a column's integers; None: the sorted labels of the training examples) and the lines that
-    say what was read for what."""
+    """What a run reads: {"train"|"validation"|"test"|"predict": examples}, the label list the data defines (None:
+    the training examples' sorted labels) and the lines that say what was read for what."""
     examples: dict
     labels: list[str] | None = None
     notes: list[str] = field(default_factory=list)
@@ -731,8 +664,7 @@ TEST_FOR_EVAL = ("; run_classification.py would evaluate on the test split inste
 
 
 def read_file_splits(args, fmt, say=print, tables=None):
-    """The files of --train_file/--validation_file/--test_file (or --data_dir's) this run needs; the ones found in
-    --data_dir are set on args, so that run_config.json records them. With `tables` (a directory), each file streams
+    """The split files this run needs (--data_dir's set on args); with `tables` (a directory), each file streams
     into an ExampleTable there instead of a list."""
     files = split_files(args.data_dir, {"train": args.train_file, "validation": args.validation_file,
                                         "test": args.test_file}, say)
@@ -809,9 +741,8 @@ def _label_feature(dataset, fmt):
 
 
 def dataset_labels(dataset, fmt, where):
-    """(label list, note) the dataset defines: a ClassLabel's names in its order, or an integer column's values in
-    numeric order; (None, None) for string labels (sorted as a file's) and for regression. A float column needs
-    --do_regression: run_classification.py would silently switch to regression, here the flag says it."""
+    """(label list, note) the dataset defines: a ClassLabel's names, or an integer column's values in numeric order;
+    (None, None) for string labels and for regression. A float column without --do_regression: a UserError."""
     feature = dataset.features.get(fmt.label_column)
     dtype = getattr(feature, "dtype", None)
     class_label = _label_feature(dataset, fmt)
@@ -901,10 +832,8 @@ def read_dataset_splits(args):
 
 
 def select_examples(examples, args):
-    """run_classification.py's quick-try cuts: the training examples in the order of datasets'
-    `Dataset.shuffle(seed)` with --shuffle_train_dataset, then the first --max_train_samples of them, the first
-    --max_eval_samples of the validation and test sets, the first --max_predict_samples texts to predict.
-    Returns (examples, notes)."""
+    """run_classification.py's quick-try cuts (--shuffle_train_dataset, then the first --max_*_samples); returns
+    (examples, notes)."""
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples, "test": args.max_eval_samples,
               "predict": args.max_predict_samples}
     selected, notes = {}, []
@@ -997,10 +926,7 @@ def read_labels_file(path, encoding="utf-8"):
 
 
 def build_label_list(train_examples, labels_file=None, encoding="utf-8"):
-    """Deterministic label order: the labels file if given, else the sorted labels of the train file.
-
-    (The reference built it from a Python set, so ids changed between runs.)
-    One pass over `train_examples` (any iterable: a file read as it streams)."""
+    """The labels file's order if given, else the sorted labels of `train_examples` (any iterable, one pass)."""
     if labels_file:
         labels = read_labels_file(labels_file, encoding)
         check_known_labels(train_examples, labels, source=str(labels_file))
@@ -1022,8 +948,7 @@ def _first_seen(examples):
 
 
 def check_label_spellings(examples):
-    """Labels are strings, so '1' and '1.0' (or a JSON 1 and true) would be two classes: refused, naming the first
-    line of each. (A --labels_file that lists both says they are different classes.)"""
+    """A UserError for one number spelt two ways ('1', '1.0') among the labels, naming the first line of each."""
     _check_spellings(_first_seen(examples))
 
 
@@ -1131,9 +1056,8 @@ def default_head_tokens(max_seq_len):
 
 
 def resolve_head_tokens(args, say=print):
-    """--head_tokens where neither the command line nor the trained model gives one, once --max_seq_len is resolved:
-    with --truncation head_tail, default_head_tokens (said once); with the other cuts it cuts nothing (the export
-    leaves it out) and keeps LongText's 128, the value their checkpoints have always recorded, so that they resume."""
+    """--head_tokens where neither the command line nor the trained model gives one: with --truncation head_tail
+    default_head_tokens (said once), else LongText's 128 (docs/code.md#text_datapy)."""
     if args.head_tokens is not None:
         return
     if args.truncation != "head_tail":
@@ -1193,9 +1117,8 @@ def build_collator(tokenizer, max_seq_len, pad_to_multiple_of=None, pad_to_max_l
 
 
 def label_targets(examples, labels, multi_label, regression=False):
-    """Class ids (single-label) or multi-hot float rows (multi-label) in the id order of `labels`; the numbers
-    themselves for regression. For an ExampleTable, the function that makes them from a batch of its labels (applied
-    as it is tokenised: no list as long as the file)."""
+    """Class ids, multi-hot float rows (multi-label) or the numbers (regression), in the id order of `labels`; for an
+    ExampleTable, the function that makes them from a batch of its labels."""
     label2id = {label: i for i, label in enumerate(labels)}
 
     def targets(values):
@@ -1222,13 +1145,8 @@ def tokenize(tokenizer, texts, targets, max_seq_len, text_pairs=None, cut=LongTe
 
 
 def tokenize_columns(tokenizer, dataset, max_seq_len, cut=LongText(), keep_doc=False, cache_file=None):
-    """Tokenise once, batched with the fast tokenizer; padding happens per batch in the collator. `dataset`: the
-    columns text, text_pair (sentence pairs) and labels (the targets; none for texts to predict). `cache_file`: the
-    Arrow file the tokenised data go to (memory-mapped from there; utils/text_cache.py), else they stay in memory.
-
-    A sentence pair becomes the tokenizer's pair encoding ([CLS] a [SEP] b [SEP], token_type_ids 0/1), truncated
-    longest_first: the longer sentence loses tokens first, so a short question keeps all of its words. A single text
-    is cut as `cut` says (LongText); with windows, `keep_doc` keeps each window's text index in a `doc` column."""
+    """`dataset` (columns text, text_pair, labels) tokenised into `cache_file` (else in memory), a text cut as `cut`
+    says; `keep_doc`: each window's text index in a `doc` column (docs/code.md#text_datapy)."""
     if cut.doc_stride is not None:
         return tokenize_windows(tokenizer, dataset, max_seq_len, cut.doc_stride, keep_doc, cache_file)
     if cut.truncation != "head":
@@ -1262,9 +1180,7 @@ def tokenize_windows(tokenizer, dataset, max_seq_len, doc_stride, keep_doc, cach
 
 
 def check_windows_cover(tokenizer, max_seq_len, doc_stride):
-    """The tokenizer's windows must hold every token of a long text. tokenizers 0.23.2 returns two windows, whatever
-    the length (a 1,536-token text at 512/128: 512 + 132 tokens, the rest dropped), so a probe text of three windows'
-    length is cut here once and its windows' new tokens counted against the whole."""
+    """A UserError where the tokenizer's windows drop tokens of a long text (docs/code.md#text_datapy)."""
     probe = " ".join(["a"] * 3 * max_seq_len)
     whole = len(tokenizer(probe, add_special_tokens=False)["input_ids"])
     windows = tokenizer([probe], truncation=True, max_length=max_seq_len, stride=doc_stride,

@@ -1,28 +1,9 @@
-"""The text classifier's loss, evaluation metrics and predictions, single-label (softmax, cross-entropy),
-multi-label (sigmoid, binary cross-entropy) and regression (one output, mean squared error) chosen in one place by
-`multi_label` / `regression`; the validation metric that selects the best model by default (`default_metric`; the
-others a run may choose are the numbers train_bert_cls.py's evaluate returns); which of an evaluation's entries its
-results record (`recorded`); the confusion matrix files; and `--metric NAME_OR_PATH`, any Hugging Face `evaluate`
-module beside the built-in metrics.
-
-Class weights (--class_weights, single-label only) multiply each sample's cross-entropy by its class's weight, as
-torch's `cross_entropy(weight=...)` with `reduction="none"` does; the training loop then takes the mean over the
-step's samples (utils/loop.py LossScale), which needs no collective and is the same on any number of processes. That
-is the mean of the weighted losses, sum(w_i * l_i) / N, not torch's reduction="mean" (sum(w_i * l_i) / sum(w_i)):
-that denominator would depend on which classes each step drew. With `balanced` weights both agree over an epoch
-(the weights of the training samples sum to N). The evaluation loss stays unweighted, comparable between runs.
-
-Metrics are computed locally (scikit-learn, torch): no metric hub, exact sample counts. Inputs are the outputs of
-`accelerator.gather_for_metrics`, so every sample is counted once on any number of processes (no duplicates padded
-onto the last batch).
-
-`--metric`: a hub id (`matthews_correlation`) needs the hub or its cache; a local path works offline: a metric
-script (`my_metric.py`) or a folder `my_metric/` holding `my_metric.py`. Every module is loaded, and computed once
-on every class id, before training starts, so that a metric that cannot load or cannot take these predictions fails
-in seconds rather than after the run; its number-valued keys are then among evaluate's numbers, which
---metric_for_best_model may name.
-
-Neighbours: utils/text_data.py, utils/text_model.py.
+"""The text classifier's loss, evaluation metrics and predictions, for single-label, multi-label and regression
+models alike: the per-sample loss (`training_loss`), the default selection metric (`default_metric`), what an
+evaluation records (`recorded`), window pooling (`pool_windows`, `StreamedWindows`), predictions.jsonl's rows, the
+confusion matrix files, and `--metric` modules (`load_metrics`, `compute_metrics`).
+Why each works as it does: docs/code.md#text_metricspy.
+Neighbours: utils/text_data.py (the windows' `doc` index), utils/text_model.py, utils/loop.py (LossScale).
 """
 import csv
 import math
@@ -37,9 +18,8 @@ from . import outputs, runtime
 
 
 def training_loss(logits, targets, multi_label, label_smoothing=0.0, class_weights=None, regression=False):
-    """Loss per sample, (B,), of this process's share of the batch (logits (B, C); targets (B,) ids, (B, C)
-    multi-hot or (B,) numbers; multi-label: the mean over the C labels' binary cross-entropies; regression: the
-    squared error; class_weights (C,): each sample's cross-entropy times its class's weight)."""
+    """Loss per sample (B,) of logits (B, C) and targets: (B,) ids, (B, C) multi-hot or (B,) numbers;
+    class_weights (C,) multiply each sample's cross-entropy (docs/code.md#text_metricspy)."""
     if regression:
         return F.mse_loss(logits.float().squeeze(-1), targets.float(), reduction="none")
     if multi_label:
@@ -49,16 +29,12 @@ def training_loss(logits, targets, multi_label, label_smoothing=0.0, class_weigh
 
 
 def default_metric(regression):
-    """Classification: macro-F1 (rare classes count as much as frequent ones). Regression: the mean squared error,
-    the training loss itself and run_classification.py's default regression metric (Pearson and Spearman ignore the
-    predictions' scale and offset, so a model they prefer can be off by a constant)."""
+    """The metric that selects the best model by default: macro-F1, or for regression the mean squared error."""
     return "mse" if regression else "macro_f1"
 
 
 def recorded(metrics):
-    """What an evaluation's result (train_bert_cls.py evaluate) gives metrics.jsonl, all_results.json and the model
-    card, in its order: its numbers, and the lists a --metric module may return (one number per class); the per-class
-    report and the confusion matrix are written as files."""
+    """The entries of an evaluation's result that its records keep, in its order: its numbers and lists."""
     return {**outputs.number_entries(metrics), **{key: value for key, value in metrics.items() if isinstance(value,
                                                                                                              list)}}
 
@@ -90,8 +66,7 @@ MULTI_LABEL_BUILTINS = {"f1": "micro_f1"}
 
 
 def take_multi_label_builtins(args):
-    """--metric with --multi_label: run_classification.py's `f1` is the built-in micro_f1 (said once); any other
-    module is refused, since an evaluate module is passed one class id per sample here."""
+    """--metric with --multi_label: `f1` becomes the built-in micro_f1 (said once), any other module a UserError."""
     others = [name for name in args.metric if name not in MULTI_LABEL_BUILTINS]
     if others:
         raise runtime.UserError(f"--metric {others[0]} passes one class id per sample to the evaluate module; with "
@@ -103,8 +78,7 @@ def take_multi_label_builtins(args):
 
 
 def regression_metrics(predictions, targets):
-    """Mean squared and absolute error, and the Pearson and Spearman correlations (scipy.stats; NaN when either
-    side is constant) of (N,) predictions and targets."""
+    """mse, rmse, mae, Pearson and Spearman (NaN when either side is constant) of (N,) predictions and targets."""
     from scipy.stats import pearsonr, spearmanr
 
     predictions, targets = predictions.double().numpy(), targets.double().numpy()
@@ -117,12 +91,8 @@ def regression_metrics(predictions, targets):
 
 
 def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5, regression=False):
-    """Accuracy, micro/macro F1, mean loss, the per-class report and the confusion matrix of gathered logits and
-    targets; for regression `regression_metrics` of the single output.
-
-    Multi-label: a label is predicted when its sigmoid probability is at least `threshold`; `accuracy` is the
-    exact-match (subset) accuracy, F1 is over every (sample, label) decision (micro) or averaged per label (macro);
-    no confusion matrix (None)."""
+    """Accuracy, micro/macro F1, mean loss, the per-class report and the confusion matrix (None for multi-label) of
+    gathered logits and targets; for regression `regression_metrics` of the single output."""
     if regression:
         return regression_metrics(logits.squeeze(-1), targets)
     if multi_label:
@@ -136,10 +106,8 @@ def evaluation_metrics(logits, targets, labels, multi_label, threshold=0.5, regr
 
 
 def pool_windows(logits, targets, docs, how="mean"):
-    """One row per text from the rows of its windows (utils/text_data.py tokenize_windows): logits (W, C) pooled by
-    their mean or maximum, the text's target (every window carries it) taken from its first window. docs (W,): each
-    window's text index, in order (an evaluation's windows come in dataset order), with gaps where texts are left out
-    (the one batch of utils/loop.py validation_names: N texts numbered 0..N-1 again). Returns (N, C), (N, ...)."""
+    """(N, C) logits and (N, ...) targets of N texts, from the (W, C) logits of their windows, pooled by `how`;
+    docs (W,): each window's text index, in order, gaps allowed (docs/code.md#text_metricspy)."""
     docs = torch.unique_consecutive(docs, return_inverse=True)[1]
     count = int(docs[-1]) + 1
     rows = docs.view(-1, 1).expand_as(logits)
@@ -154,8 +122,7 @@ def pool_windows(logits, targets, docs, how="mean"):
 
 
 class StreamedWindows:
-    """pool_windows a gathered batch of window logits at a time (predictions streamed): the texts whose windows all
-    came are pooled; the last text of a batch, whose windows may go on in the next one, is held until they end."""
+    """pool_windows a gathered batch at a time; the last text of a batch is held until its windows end."""
 
     def __init__(self, how="mean"):
         self.how = how
@@ -181,10 +148,8 @@ class StreamedWindows:
 
 
 def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regression=False):
-    """predictions.jsonl rows, one per input record in file order: its `line` (a file's; a dataset's rows are in
-    its order), the input, the label(s) the file gave (`label_given`), the predicted label(s) with their probability,
-    every probability; for regression the predicted number (`score`, as `pipeline()` names it). A skipped record (a
-    blank line) has a row saying why and no prediction; `logits` (N, C) are those of the N others, in order."""
+    """predictions.jsonl's rows, one per record of `examples`; `logits` (N, C) are those of the N records not
+    skipped, in order (docs/bert_data_formats.md#predict-files-and-predictionsjsonl)."""
     values = iter(logits.squeeze(-1).tolist() if regression else  # (N,) numbers or (N, C) probabilities
                   (torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)).tolist())
     rows = []
@@ -214,8 +179,7 @@ def prediction_rows(logits, examples, labels, multi_label, threshold=0.5, regres
 
 
 def classification_metrics(y_true, y_pred, labels):
-    """Accuracy, micro/macro F1, the per-class report and the confusion matrix for label ids 0..len(labels)-1;
-    y_true and y_pred are (N,) ids, or (N, C) 0/1 rows for multi-label (exact-match accuracy, no confusion matrix)."""
+    """evaluation_metrics' numbers of (N,) ids, or of (N, C) 0/1 rows for multi-label, for ids 0..len(labels)-1."""
     from sklearn.metrics import accuracy_score, classification_report, confusion_matrix, f1_score
 
     ids = list(range(len(labels)))
@@ -265,8 +229,7 @@ def save_confusion_matrix(matrix, labels, csv_path, png_path, title="confusion m
 
 
 def load_metrics(names_or_paths, num_labels, cache_dir=None):
-    """The loaded modules, each checked on predictions = references = 0..num_labels-1; hub modules are kept in
-    cache_dir (--cache_dir) when given."""
+    """The loaded modules, each checked on predictions = references = 0..num_labels-1 (a UserError if one fails)."""
     if not names_or_paths:
         return []
     import evaluate  # a second of start-up, only for runs that ask for it
@@ -290,8 +253,7 @@ def flat_metrics(metrics, prefix):
 
 
 def compute_metrics(modules, predictions, references, reserved):
-    """{key: number or list} of every module; a key already in `reserved` (or another module's) becomes
-    `<module name>_<key>`, so that `--metric accuracy` cannot overwrite the built-in accuracy."""
+    """{key: number or list} of every module; a key in `reserved` or another module's becomes `<module>_<key>`."""
     results = {}
     for module in modules:
         try:
@@ -306,7 +268,7 @@ def compute_metrics(modules, predictions, references, reserved):
 
 
 def plain(value):
-    """JSON-ready: metrics often return numpy scalars and arrays."""
+    # JSON-ready: metrics often return numpy scalars and arrays
     return value.tolist() if hasattr(value, "tolist") else value
 
 

@@ -1,32 +1,9 @@
 """Around the text classifier's model (train_bert_cls.py's adaptation section builds and loads it; nothing here names
 a model class): where its files come from (run_classification.py's --config_name, --tokenizer_name, --cache_dir,
---model_revision, --token), the checks that a checkpoint of any layout users bring fits it, the text and the task,
-the reference repository's best.pt, gradient checkpointing, the attention mask built without a device sync, AdamW's
-parameter groups, and what its model card says (best_model/README.md: labels, settings, data, a pipeline() call).
-
-transformers reads every layout users bring (pytorch_model.bin with the Google conversions' LayerNorm
-`gamma`/`beta`, safetensors, sharded safetensors with an index, MLM/NSP/discriminator heads that the classifier
-drops) and maps the names; what it cannot map it initialises at random and only warns. A classifier whose encoder
-starts from random weights trains to a poor model without any error, so here a missing encoder weight is an error
-(a missing pooler is allowed: BertForMaskedLM saves have none).
-
-The tokenizer check counts the share of real tokens mapped to [UNK]. It caught a real failure (transformers 5
-ignoring `vocab_file=` and mapping every Chinese character to [UNK]), so it stays, at the cost it should have: one
-vectorised pass over the tokenised column, once, when the data are tokenised (utils/text_cache.py keeps the rate with
-the data), and every process stops with the same verdict.
-
-Hub id or path (`check_hub_ids_or_paths`, for --model_name_or_path, --config_name, --tokenizer_name, --dataset_name
-and --metric): a value that names nothing on the local disk is a hub id only if it has
-the hub's form (NAME or ORG/NAME, huggingface_hub's validate_repo_id) and ORG is not a local directory; anything else
-(`./x`, `../x`, `~/x`, `/x`, `a/b/c`, `d/modle` where `d/` is a local directory) is a path that does not exist: one
-line, before transformers could go to the hub for it.
-
-What a trained model carries (`TRAINED_WITH`, beside the exported weights; the tokenizer's model_max_length too):
-the flags the script's FLAG_ROLES mark `.recorded()` (max_seq_len, the label mode and, for multi-label, the
-threshold, how long texts are cut), which evaluation-only runs use unless given (`use_model_settings`, utils/export.py settings_from_model). A small JSON beside the weights rather than config.json:
-the config describes the architecture, and transformers copies it into every model built from this one, where a
-training's settings would then pass for that model's own.
-
+--model_revision, --token), the checks that a checkpoint of any layout fits the model, the text and the task, the
+reference repository's best.pt, gradient checkpointing, attention without a device sync, the optimizer and its
+parameter groups, the settings a trained model carries (TRAINED_WITH) and its model card.
+Why each works as it does: docs/code.md#text_modelpy.
 Neighbours: utils/text_data.py (tokenising), utils/text_metrics.py, utils/export.py (the export and checkpoint files).
 """
 import json
@@ -97,8 +74,8 @@ def loading(source, what):
 
 
 def check_custom_code(source, trust_remote_code):
-    """A local model whose type only its own code defines (config.json `auto_map`, a model_type transformers does not
-    know) needs --trust_remote_code; without it transformers reports the tokenizer as failing to load."""
+    """A UserError for a local model of a type only its own code defines (config.json `auto_map`) without
+    --trust_remote_code."""
     config_file = Path(source) / "config.json"
     if trust_remote_code or not config_file.is_file():
         return
@@ -124,15 +101,13 @@ def check_weight_files(model_name_or_path):
 
 
 def new_weight_names(loading_info):
-    """The weights from_pretrained(output_loading_info=True) started new: missing from the checkpoint, or of another
-    shape there (ignore_mismatched_sizes)."""
+    """The weights from_pretrained(output_loading_info=True) started new: missing, or of another shape."""
     mismatched = {key[0] if isinstance(key, tuple) else key for key in loading_info.get("mismatched_keys", ())}
     return sorted(set(loading_info.get("missing_keys", ())) | mismatched)
 
 
 def check_starting_weights(model, new_weights, source):
-    """Stop when a weight of the model's encoder (`base_model_prefix`, transformers' name for the part a checkpoint
-    of another head shares) is among `new_weights` and would start from random; its pooler alone may be new."""
+    """A UserError when a weight of the model's encoder (not its pooler) is among `new_weights`."""
     encoder = model.base_model_prefix + "."
     random_encoder = [key for key in new_weights if key.startswith(encoder)
                       and not key[len(encoder):].startswith(ALLOWED_NEW_IN_ENCODER)]
@@ -143,9 +118,8 @@ def check_starting_weights(model, new_weights, source):
 
 
 def head_by_name(model, source, labels, say=print):
-    """A trained classifier (its config.json id2label) trained on further with this run's `labels`: its head rows
-    follow the labels by name. The same names in another order: the rows are reordered, said in one line; other
-    names with as many labels: refused in one line (by position each label would start as another's)."""
+    """A trained classifier trained on further with this run's `labels`: its head rows reordered to follow them by
+    name (said in one line); other names with as many labels: a UserError."""
     trained = saved_labels(source) if Path(source).is_dir() else None
     if not trained or trained == labels or len(trained) != len(labels):  # another count: a new head
         return
@@ -168,8 +142,7 @@ MAX_UNK_RATE = 0.5  # above this the vocabulary does not fit the text (cnews_100
 
 
 def unk_rate(tokenizer, dataset, column="input_ids", rows=100_000):
-    """[UNK] tokens / all tokens that are not special tokens ([CLS], [SEP], [PAD], ...), over a tokenised dataset,
-    counted `rows` rows at a time (memory flat for any size)."""
+    """[UNK] tokens / all tokens that are not special tokens, over a tokenised dataset, `rows` rows at a time."""
     special = np.fromiter(set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}, dtype=np.int64)
     unknown = counted = 0
     for batch in dataset.with_format("arrow").iter(batch_size=rows):  # in the dataset's row order and selection
@@ -181,8 +154,7 @@ def unk_rate(tokenizer, dataset, column="input_ids", rows=100_000):
 
 
 def check_unk_rate(rate, source, limit=MAX_UNK_RATE):
-    """The training text's [UNK] rate (`unk_rate`, counted once when the data were tokenised); above `limit` a
-    UserError, on every rank alike (each holds the same rate)."""
+    """The training text's [UNK] rate (`unk_rate`); above `limit` a UserError, on every rank alike."""
     if rate > limit:
         raise runtime.UserError(f"{source}: the tokenizer maps {rate:.0%} of the training text to [UNK]; its vocab.txt "
                                 f"does not fit this text")
@@ -200,9 +172,8 @@ UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def read_model_json(path, bom_allowed=False):
-    """A JSON file of a model directory, whose problems are one line naming it: cut short or otherwise not JSON, or
-    starting with a UTF-8 byte-order mark (a re-save in Windows Notepad), which transformers cannot read in
-    config.json; our own files (`bom_allowed`) are read with or without one."""
+    """A JSON file of a model directory; not JSON, or starting with a UTF-8 byte-order mark unless `bom_allowed`
+    (our own files), a UserError naming it."""
     data = Path(path).read_bytes()
     if data.startswith(UTF8_BOM) and not bom_allowed:
         raise runtime.UserError(f"{path}: starts with a UTF-8 byte-order mark (a re-save in Windows Notepad?), which "
@@ -210,7 +181,8 @@ def read_model_json(path, bom_allowed=False):
     try:
         return json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise runtime.UserError(f"{path}: not a readable JSON file (cut short by a copy or a full disk?): {err}") from None
+        raise runtime.UserError(f"{path}: not a readable JSON file (cut short by a copy or a full disk?): "
+                                f"{err}") from None
 
 
 def check_problem_type(model_name_or_path, multi_label, regression=False):
@@ -262,8 +234,7 @@ def load_legacy_bert(path, model):
 
 
 def enable_gradient_checkpointing(model, source):
-    """--gradient_checkpointing: transformers' own, non-reentrant (the variant that works under DDP). It replays the
-    forward's random state when it recomputes a layer, so dropout draws the same masks: the training is the same."""
+    """--gradient_checkpointing: transformers' own, non-reentrant (docs/code.md#text_modelpy)."""
     if not model.supports_gradient_checkpointing:
         raise runtime.UserError(f"{source}: {type(model).__name__} does not support gradient checkpointing")
     kwargs = {"use_reentrant": False}
@@ -277,14 +248,8 @@ SDPA_WITH_MASK = "sdpa_with_mask"  # the name sync_free_attention registers
 
 
 def sync_free_attention(model):
-    """A model that attends with PyTorch's SDPA (transformers' default) through transformers' masks asks the device, in
-    every forward pass, whether the batch has any padding (masking_utils' `padding_mask.all()`, read on the host: a
-    device sync), so as to leave the mask out when it has none. Here it attends with the same SDPA function and always
-    builds the mask: the same attention, without the host waiting for the device. (Without padding, SDPA could then
-    have used a kernel that takes no mask; with padding, the usual case on a batch cut to the longest text or to
-    --max_seq_len, the mask is built either way.) Registered under its own name, which config.json never records:
-    saved models load with the default attention. Each transformers model in `model` (itself, or one a user's module
-    wraps) that attends with SDPA is switched; other attention implementations are left as they are."""
+    """Every SDPA model in `model` switched to SDPA with a mask always built: no device sync per forward pass
+    (docs/code.md#text_modelpy)."""
     from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -314,10 +279,8 @@ NO_DECAY = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight")
 
 
 def optimizer_groups(model, weight_decay, learning_rate=None, layer_decay=1.0, head_learning_rate=None):
-    """Parameter groups: no weight decay on biases and LayerNorm weights. With `layer_decay` < 1 (layer-wise
-    learning-rate decay) or a `head_learning_rate`, one group per depth and decay: the classification head (and the
-    pooler) at head_learning_rate (default learning_rate), encoder layer i of L at learning_rate x layer_decay^(L - i),
-    the embeddings at learning_rate x layer_decay^(L + 1)."""
+    """Parameter groups without weight decay on biases and LayerNorm weights, and with `layer_decay` < 1 or a
+    `head_learning_rate` one per depth and decay (docs/code.md#text_modelpy)."""
     named = list(model.named_parameters())
     if layer_decay == 1.0 and head_learning_rate is None:
         return [
@@ -362,8 +325,7 @@ HUB_OR_PATH_FLAGS = ("--model_name_or_path", "--config_name", "--tokenizer_name"
 
 
 def check_scheduler_args(args):
-    """--lr_scheduler_type with its --lr_scheduler_kwargs, built once on a stand-in optimizer, so that a schedule that
-    lacks an argument (cosine_with_min_lr's min_lr) or gets a wrong one stops here, not after the data is read."""
+    """A UserError for a --lr_scheduler_type its --lr_scheduler_kwargs do not fit, by building it on a stand-in."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     try:
         get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
@@ -374,8 +336,7 @@ def check_scheduler_args(args):
 
 
 def check_hub_ids_or_paths(args, flags=HUB_OR_PATH_FLAGS):
-    """The values of the hub-or-path flags that name nothing local and are no hub id: one line, without any network
-    access (header). A flag not given (None, or an empty list) has nothing to check."""
+    """A UserError for a hub-or-path flag's value that names nothing local and is no hub id, without the network."""
     for flag in flags:
         value = getattr(args, flag[2:])
         for item in value if isinstance(value, list) else [value] if value is not None else []:
@@ -405,9 +366,8 @@ def _check_hub_id_or_path(flag, value):
 
 
 def position_limit(model):
-    """The most tokens `model` takes: the rows of its learned position table, less the rows before the first position
-    of models that number positions after the padding index (RoBERTa); None for a model without such a table
-    (relative or rotary positions). `model` may be built on the meta device (on_meta_device): no weights, no memory."""
+    """The most tokens `model` (may be on the meta device) takes by its learned position table; None without one
+    (relative or rotary positions)."""
     for name, module in model.named_modules():
         if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
             return module.num_embeddings - (module.padding_idx + 1 if module.padding_idx is not None else 0)
@@ -415,10 +375,8 @@ def position_limit(model):
 
 
 def fit_max_seq_len(max_seq_len, empty_model, source, say):
-    """--max_seq_len for this model, before any text is tokenised: a value given (or the trained model's) above the
-    model's positions is refused (a longer batch would stop training with a tensor-size error at the first long
-    text); none given, DEFAULT_MAX_SEQ_LEN, or the model's limit where it is lower (said in one line).
-    `empty_model`: the model to train, built on the meta device."""
+    """--max_seq_len for `empty_model` (built on the meta device): a UserError above its positions; none given,
+    DEFAULT_MAX_SEQ_LEN or the model's lower limit (said in one line)."""
     limit = position_limit(empty_model)
     if max_seq_len is None:
         if limit is not None and limit < DEFAULT_MAX_SEQ_LEN:
@@ -443,25 +401,22 @@ def recorded_settings(model_name_or_path):
 
 
 def use_model_settings(args, say, roles):
-    """The settings a trained model records (`roles`: the script's FlagRoles, whose `exported` ones are --max_seq_len,
-    --multi_label, --threshold, the long-text cut): given, else (a run without --do_train, which evaluates or predicts
-    with a trained model) the model's, else the defaults (--max_seq_len's once the config is read: fit_max_seq_len;
-    --head_tokens' once --max_seq_len is: utils/text_data.py resolve_head_tokens). The label mode first: the others'
-    meaning depends on it. Returns settings_from_model's results tag."""
+    """The settings `roles` (the script's FlagRoles) mark as recorded: given, else the trained model's (without
+    --do_train), else the defaults; returns settings_from_model's results tag (docs/code.md#text_modelpy)."""
     settings = roles.exported()
     recorded = {} if args.do_train else roles.model_settings(recorded_settings(args.model_name_or_path))
     if args.multi_label is None:
         args.multi_label = bool(recorded.get("multi_label", settings["multi_label"]))
         if args.multi_label and args.metric:
             raise runtime.UserError(f"--metric: {args.model_name_or_path} is a multi-label model, and --metric passes "
-                                    f"one class id per sample; use the built-in exact-match accuracy and micro/macro F1")
+                                    f"one class id per sample; use the built-in exact-match accuracy and "
+                                    f"micro/macro F1")
     others = {dest: default for dest, default in settings.items() if dest != "multi_label"}
     return export.settings_from_model(args, others, recorded, args.model_name_or_path, say)
 
 
 def long_text_usage(args):
-    """The model card's lines telling pipeline() users how to cut long texts as the training did, where pipeline()'s
-    own truncation (the head) differs; none for --truncation head."""
+    """The model card's lines that cut long texts as the training did; none for --truncation head."""
     room = args.max_seq_len - 2
     if args.doc_stride is not None:
         pooled = "logits.mean(0)" if args.pool == "mean" else "logits.max(0).values"
@@ -490,22 +445,39 @@ def long_text_usage(args):
     return []
 
 
-def model_card(args, labels, data, run):
-    """best_model/README.md's fixed part (utils/outputs.py ModelCard): the labels, the key settings (`run`:
-    run_info's), the data files, and how to load the model: a pipeline() call on the first validation text, offline,
-    truncated as in training."""
+def own_type_import(model_type, script, trust_remote_code=False):
+    """The model card's import of the script that registers `model_type` where transformers does not ship it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES or trust_remote_code:  # remote code: config.json's auto_map names it
+        return []
+    module = Path(script).stem
+    line = f"import {module}" if module.isidentifier() else f"importlib.import_module({json.dumps(module)})"
+    return [*([] if module.isidentifier() else ["import importlib"]),
+            f"{line}  # registers the model type {json.dumps(model_type)} (below)"]
+
+
+def model_card(args, labels, data, run, model_type="bert", script="train_bert_cls.py"):
+    """best_model/README.md's fixed part (utils/outputs.py ModelCard); `run`: run_info's settings
+    (docs/code.md#text_modelpy)."""
     best_dir = Path(args.output_dir) / "best_model"
     first_text, first_pair = data.first_text  # of the validation set, else the training set
     literal = json.dumps({"text": first_text, "text_pair": first_pair}, ensure_ascii=False)
     text = json.dumps(first_text, ensure_ascii=False) if first_pair is None else literal
     options = f"truncation=True, max_length={args.max_seq_len}" + (", top_k=None" if args.multi_label else "")
+    registers = own_type_import(model_type, script, args.trust_remote_code)
+    script = Path(script).name
     usage = "\n".join([
-        "```python", "from transformers import pipeline", "",
+        "```python", *registers, "from transformers import pipeline", "",
         f"classifier = pipeline(\"text-classification\", model={json.dumps(str(best_dir))})",
         f"# truncated at {args.max_seq_len} tokens, as in training"
         + ("; top_k=None: every label's probability (multi-label)" if args.multi_label else ""),
         f"print(classifier({text}, {options}))", "```", "",
-        f"Or with this script: `python train_bert_cls.py --model_name_or_path {best_dir} --do_predict --predict_file "
+        *([f"`{model_type}` is {script}'s own model type, which transformers knows once the script has registered it "
+           f"(its ADAPTATION SECTION, at import): run this where `{script}` and its `utils/` can be imported (its "
+           f"directory), or register the model's classes as that section does before `pipeline()`.", ""]
+          if registers else []),
+        f"Or with this script: `python {script} --model_name_or_path {best_dir} --do_predict --predict_file "
         + (f"texts.jsonl --text_column {args.text_column} --text_pair_column {args.text_pair_column}"
            if first_pair is not None else "texts.txt")
         + f" --max_seq_len {args.max_seq_len}{' --multi_label' if args.multi_label else ''} --output_dir OUT` "
