@@ -67,8 +67,8 @@ def timm_name(arch):
 
 
 def check_model_args(parser, args):
-    """What the model flags can be checked for before anything starts (parser errors; -a is a known name); sets
-    args.weights from --pretrained: "DEFAULT" or its PATH."""
+    """The model flags' checks before anything starts (parser errors); sets args.weights from --pretrained. Without
+    -a (-e: the evaluated model's), check_arch waits until the architecture is known."""
     if args.pretrained and args.weights:
         parser.error("--pretrained [PATH] and --weights both name the starting weights: pass one of them")
     if args.pretrained not in (None, "DEFAULT") and not is_weights_file(args.pretrained):
@@ -77,28 +77,38 @@ def check_model_args(parser, args):
         if rate is not None and not 0 <= rate < 1:  # a probability; timm and torchvision take any float silently
             parser.error(f"{flag} {rate}: must be in [0, 1)")
     args.weights = args.pretrained or args.weights
+    if args.arch is not None:
+        try:
+            check_arch(args)
+        except runtime.UserError as err:
+            parser.error(str(err))
+
+
+def check_arch(args):
+    """A one-line UserError where -a cannot take the other model flags (timm's models and weights, gradient
+    checkpointing, --drop_path/--drop)."""
     weights_file = args.weights is not None and is_weights_file(args.weights)
     if args.arch.startswith("timm:"):
         try:
             import timm
         except ImportError:
-            parser.error(f"-a {args.arch}: timm is not installed (pip install timm)")
+            raise runtime.UserError(f"-a {args.arch}: timm is not installed (pip install timm)") from None
         if not timm.is_model(timm_name(args.arch)):
-            parser.error(f"-a {args.arch}: not a timm model (timm.list_models())")
+            raise runtime.UserError(f"-a {args.arch}: not a timm model (timm.list_models())")
         if args.weights not in (None, "DEFAULT") and not weights_file:
-            parser.error(f"-a {args.arch}: --weights {args.weights} names torchvision weights; for a timm model pass "
-                         f"--pretrained (timm's default weights) or a weights file")
+            raise runtime.UserError(f"-a {args.arch}: --weights {args.weights} names torchvision weights; for a timm "
+                                    f"model pass --pretrained (timm's default weights) or a weights file")
         return
     if args.gradient_checkpointing and not builder(args.arch).__module__.endswith(".resnet"):
-        parser.error(f"--gradient_checkpointing: covers torchvision's ResNet family (resnet*, resnext*, wide_resnet*) "
-                     f"and timm models, not {args.arch}")
+        raise runtime.UserError(f"--gradient_checkpointing: covers torchvision's ResNet family (resnet*, resnext*, "
+                                f"wide_resnet*) and timm models, not {args.arch}")
     wanted = regularisation_kwargs(args)
     try:  # on the meta device: nothing is allocated or initialised
         if wanted:
             export.on_meta_device(lambda: torchvision.models.get_model(args.arch, **wanted))
     except TypeError:
-        parser.error(f"-a {args.arch}: torchvision's {args.arch} takes no {' or '.join(wanted)} (--drop_path, --drop); "
-                     f"timm models take both (-a timm:NAME)")
+        raise runtime.UserError(f"-a {args.arch}: torchvision's {args.arch} takes no {' or '.join(wanted)} "
+                                f"(--drop_path, --drop); timm models take both (-a timm:NAME)") from None
 
 
 def builder(arch):
