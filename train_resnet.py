@@ -83,6 +83,7 @@ def unknown_arch(arch):
 #                               random step resumes exactly; --decode_on_device replays the steps on the device and
 #                               refuses at start-up, in one line, a step it cannot replay, saying how to make it
 #                               replayable (utils/image_device_decode.py; v2.RandomApply: its ReplayableRandomApply)
+#   train_sampler               the training images' order: None (shuffled) or one global order from (seed, epoch)
 #   training_loss               the loss of one (micro-)batch: a mean over its readable images
 #   evaluate                    the validation's numbers, {name: number} (`samples`: the images counted), each
 #                               printed in the console's line after each epoch, logged (metrics.jsonl's `eval`
@@ -140,6 +141,15 @@ def val_transform(args):
                                  antialias=True),
                        v2.CenterCrop(args.val_crop_size), v2.ToDtype(torch.float32, scale=True),
                        v2.Normalize(image_data.IMAGENET_MEAN, image_data.IMAGENET_STD)])
+
+
+def train_sampler(args, train_set):
+    """The training images' order, or None for accelerate's seedable shuffling. A sampler here yields ONE global
+    order (split over the processes), drawn from --seed and the epoch of set_epoch(epoch) alone; len(): the samples
+    of an epoch; items: indices, or (index, repeat) for an image drawn again (docs/resnet.md#the-training-sampler)."""
+    if args.ra_sampler:
+        return image_augment.RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps, args.seed)
+    return None
 
 
 def classification_loss(logits, targets, label_smoothing=0.0, class_weights=None):
@@ -218,7 +228,7 @@ def build_parser():
     model = parser.add_argument_group("model")
     model.add_argument("-a", "--arch", "--model", default=None,
                        help="any torchvision classification model name, or timm:NAME for a timm model (default: "
-                       "resnet18; --predict: the model's)")
+                       "resnet18; -e, --predict: the model's)")
     image_model.add_model_args(model)  # --pretrained [PATH], --weights NAME|PATH, --drop_path, --drop
     model.add_argument("--sync_bn", "--sync-bn", action="store_true", help="BatchNorm statistics over all processes")
     model.add_argument("--channels_last", "--channels-last", action="store_true",
@@ -297,8 +307,8 @@ def parse_args(argv=None):
             setattr(args, dest, default if getattr(args, dest) is None else getattr(args, dest))
     if args.predict:  # the architecture, when not given, and the sizes come from the export
         return args
-    args.arch = args.arch or "resnet18"
-    if not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
+    args.arch = args.arch or (None if args.evaluate else "resnet18")  # -e: the evaluated model's, read in main
+    if args.arch and not args.arch.startswith("timm:") and args.arch not in MODEL_NAMES:
         parser.error(unknown_arch(args.arch))
     image_model.check_model_args(parser, args)  # and --weights from --pretrained
     if args.evaluate and args.model_ema:
@@ -399,12 +409,20 @@ def exported_model(path, args=None, say=print):
     if not class_to_idx:
         raise runtime.UserError(f"{path}: records no class names (a main.py or torchvision file?); the model is "
                                 f"rebuilt from this script's export, model_best.pth or checkpoint.pth")
-    image_references.check_legacy_compatible(saved, {"arch": args.arch} if args.arch else {}, path)
-    args.arch = args.arch or saved.get("arch", "resnet18")
-    image_augment.use_recorded_settings(args, flag_roles(), saved, path, say)
+    use_trained_settings(args, saved, path, say)
     model = build_model(args, len(class_to_idx), say)
     export.load_weights(model, saved["state_dict"], path)
     return model, saved
+
+
+def use_trained_settings(args, record, source, say):
+    """-e, --predict, exported_model: the architecture and every .recorded() flag from the trained model's `record`
+    (an export's fields, a checkpoint's training_state.json) where the command line gives none; an -a that differs is
+    refused naming both, other sizes are used and named (docs/resnet.md#evaluating-later). Returns the results tag."""
+    image_references.check_legacy_compatible(record, {"arch": args.arch} if args.arch else {}, source)
+    args.arch = args.arch or record.get("arch") or "resnet18"
+    image_model.check_arch(args)
+    return image_augment.use_recorded_settings(args, flag_roles(), record, source, say)
 
 
 @dataclass
@@ -428,10 +446,9 @@ def build_dataloaders(accelerator, args):
         folder = image_device_decode.EncodedImageFolder if args.decode_on_device else image_data.RGBImageFolder
         train_set, val_set = image_data.build_datasets(args.data, args.seed, transforms, folder, accelerator.print)
     common = dict(batch_size=args.batch_size, **runtime.loader_settings(args.workers))
-    # a sampler seeded by (seed, epoch) itself; otherwise accelerate's seedable sampler shuffles
-    order = (dict(sampler=image_augment.RepeatedAugmentationSampler(train_set, args.batch_size, args.ra_reps,
-                                                                    args.seed))
-             if args.ra_sampler else dict(shuffle=True))
+    sampler = train_sampler(args, train_set)
+    # None: shuffled by accelerate's seedable sampler
+    order = dict(shuffle=True) if sampler is None else dict(sampler=sampler)
     # drop_last: a last batch of 1 image per process breaks BatchNorm at small resolutions (timm drops it too)
     train_loader = DataLoader(train_set, drop_last=True, generator=runtime.loader_generator(args.seed), **order,
                               **common,
@@ -747,28 +764,25 @@ def train(args, accelerator, model, data, log, task, attempt):
     samples = outputs.SampleLog(accelerator, args.output_dir, training.train_loader, args.gradient_accumulation_steps,
                                 enabled=args.log_sample_indices)
     model, optimizer, scheduler, state = training.model, training.optimizer, training.scheduler, training.state
-    ema, mixer, cadence, selection = training.ema, training.mixer, training.cadence, task.selection
+    ema, mixer, cadence = training.ema, training.mixer, training.cadence
     guard = loop.PreemptionGuard(accelerator, training.checkpoints.latest)
     meter = loop.LossMeter(accelerator.device)
     speed = loop.Throughput(data_wait=True)  # images/s of training alone: evaluation and epoch starts apart
-    counts = image_data.ImageCounts(accelerator, data.train_set,
-                                    args.skip_bad_images)  # top-1/top-5 and unreadable images
+    counts = image_data.ImageCounts(accelerator, data.train_set, args.skip_bad_images)  # top-1/top-5, unreadable
     health = loop.HealthCheck(accelerator, meter, model, training.checkpoints.latest, "--lr",
                               also=[counts.check_unreadable])
     # every batch is full: only an epoch's last accumulation window is short
-    loss_scale = loop.LossScale(accelerator, len(data.train_set), args.batch_size, args.gradient_accumulation_steps,
-                                drop_last=True)
+    loss_scale = loop.LossScale(accelerator, len(data.train_loader.sampler), args.batch_size,
+                                args.gradient_accumulation_steps, drop_last=True)
     completed_steps = state["completed_steps"]
     images_seen = 0
     preempted = False
     last_metrics = None  # the last validation's
     stopped_at = None  # the step of an early stop
     bar = outputs.progress(accelerator, total=cadence.total_steps, initial=completed_steps)
-    state["start_time"] = start_time = time.perf_counter()
+    state["start_time"] = time.perf_counter()
     model.train()
-    # a stop abandoned the validation of the epoch this checkpoint ends: it comes first
-    if state[checkpoint.VALIDATION_DUE]:
-        # (stopped again during it, the run leaves that checkpoint as it was: the latest, with its validation due)
+    if state[checkpoint.VALIDATION_DUE]:  # a stop abandoned the validation of the epoch this checkpoint ends
         last_metrics, stopped_at, preempted = validate_and_stop(accelerator, training, args, log, task, guard,
                                                                 state["epoch"], completed_steps)
     for epoch in range(state["epoch"], args.epochs):
@@ -809,9 +823,8 @@ def train(args, accelerator, model, data, log, task, attempt):
             window = None
             completed_steps += 1
             samples.step(completed_steps, epoch, batches_in_epoch)
-            image_optim.update_ema(ema, accelerator.unwrap_model(model),
-                                   completed_steps - 1 - epoch * cadence.steps_per_epoch,
-                                   epoch, args, accelerator)
+            step_in_epoch = completed_steps - 1 - epoch * cadence.steps_per_epoch
+            image_optim.update_ema(ema, accelerator.unwrap_model(model), step_in_epoch, epoch, args, accelerator)
             speed.step(args.batch_size * loss_scale.window_batches(batches_in_epoch - 1))
             bar.update(1)
             due = cadence.after_step(completed_steps, batches_in_epoch)
@@ -840,12 +853,19 @@ def train(args, accelerator, model, data, log, task, attempt):
         training.checkpoints.finish()
     if last_metrics is None and not preempted:  # resumed with no epoch left to train
         last_metrics = validate(accelerator, model, ema, training.val_loader, args)
-    seconds = time.perf_counter() - start_time
-    results = {"startup_seconds": speed.startup_seconds, "train_runtime": seconds, "train_steps": completed_steps,
-               "launches": training.checkpoints.launches,
-               "train_images_per_second": images_seen / seconds, "train_skipped_images": counts.skipped_total,
-               selection.best_key: selection.best(state), **selection.results(state, stopped_at, ema=bool(ema))}
+    results = train_results(training, speed, counts, completed_steps, images_seen, stopped_at)
     return TrainResult(model, last_metrics, results, preempted)
+
+
+def train_results(training, speed, counts, completed_steps, images_seen, stopped_at):
+    """all_results.json's training entries: start-up and training time, steps, images/s, the launches, what the
+    selection of model_best.pth (and early stopping) recorded."""
+    seconds = time.perf_counter() - training.state["start_time"]
+    selection, state = training.selection, training.state
+    return {"startup_seconds": speed.startup_seconds, "train_runtime": seconds, "train_steps": completed_steps,
+            "launches": training.checkpoints.launches, "train_images_per_second": images_seen / seconds,
+            "train_skipped_images": counts.skipped_total, selection.best_key: selection.best(state),
+            **selection.results(state, stopped_at, ema=bool(training.ema))}
 
 
 def main(args):
@@ -878,11 +898,11 @@ def main(args):
         outputs.check_output_dir(args.output_dir, args.overwrite_output_dir,
                                  args.resume if resuming or continues_run else None)
     legacy = export.load_torch_checkpoint(args.resume) if legacy_file else None
-    if args.evaluate:  # at the sizes the model was trained with, unless given; the tag names other ones
+    if args.evaluate:  # the model as it was trained, unless given; the tag names other sizes
         fields = legacy or (checkpoint.read_training_state(resume_dir) if resume_dir
                             else image_model.weights_file_fields(args.weights))
-        results_tag = image_augment.use_recorded_settings(args, flag_roles(), fields, args.resume if legacy_file else
-                                                          resume_dir or args.weights, accelerator.print)
+        results_tag = use_trained_settings(args, fields, args.resume if legacy_file else resume_dir or args.weights,
+                                           accelerator.print)
     data = build_dataloaders(accelerator, args)
     class_to_idx = data.train_set.class_to_idx
     class_weights = loop.load_class_weights(args.class_weights, list(class_to_idx), getattr(data.train_set, "targets",

@@ -253,16 +253,35 @@ def test_evaluate_reproduces_reported_accuracy(trained, digits_model, digits_mod
                                                                                               abs=1e-9)
 
 
+def test_evaluate_takes_the_architecture_from_the_model(small_digits, tmp_path, monkeypatch):
+    """`-e --resume model_best.pth` (or a checkpoint) without -a: the architecture comes from the file, as the sizes
+    do (resnet34, not the default resnet18), and the accuracy is the training's; an -a that differs is one line
+    naming both."""
+    monkeypatch.setattr("utils.outputs.plot_training_curves", lambda *args, **kwargs: None)  # half the training time
+    out = tmp_path / "resnet34"
+    run_here(SCRIPT, small_args(small_digits, out, "-a", "resnet34", "--checkpointing_steps", "3"))  # 3 steps
+    best_acc1 = read_json(out / "all_results.json")["best_acc1"]
+    for resume, evaluated in ((out / "model_best.pth", tmp_path / "eval"), ("latest", out)):
+        proc = run_here(SCRIPT, ["--cpu", small_digits, "-j", "0", "-e", "--resume", resume, "--output_dir", evaluated])
+        assert "was trained with --image_size 16, --val_resize 16" in proc.stdout
+        assert read_json(evaluated / "eval_results.json")["eval_acc1"] == pytest.approx(best_acc1, abs=1e-9)
+    proc = run_here(SCRIPT, ["--cpu", small_digits, "-j", "0", "-e", "--resume", out / "model_best.pth", "-a",
+                             "resnet18", "--output_dir", tmp_path / "other"], check=False)
+    assert_one_line_error(proc, f"{out / 'model_best.pth'}: checkpoint's arch: 'resnet34'; this run's: 'resnet18'")
+
+
 def script_with_a_head_flag(folder):
     """train_resnet.py as a user adapts it: a --head_hidden flag in build_parser, its role line in FLAG_ROLES (a
     shape the exports record), and build_model putting a hidden layer into the head. Returns its path."""
     text = (Path(train_resnet.__file__)).read_text(encoding="utf-8")
     edits = {
-        "    add_model_args(model)  #": "    model.add_argument(\"--head_hidden\", type=positive_int, default=None, "
-                                      "help=\"a hidden layer of this width in the head\")\n    add_model_args(model)  #",
-        '    "-a": keep_as("arch"),': '    "--head_hidden": MUST_KEEP.recorded(0),\n    "-a": keep_as("arch"),',
-        "    return build(args, num_classes, print_fn, class_to_idx)\n":
-            "    model = build(args, num_classes, print_fn, class_to_idx)\n"
+        "    image_model.add_model_args(model)  #":
+            "    model.add_argument(\"--head_hidden\", type=runtime.positive_int, default=None, "
+            "help=\"a hidden layer of this width in the head\")\n    image_model.add_model_args(model)  #",
+        '    "-a": checkpoint.keep_as("arch"),':
+            '    "--head_hidden": checkpoint.MUST_KEEP.recorded(0),\n    "-a": checkpoint.keep_as("arch"),',
+        "    return image_model.build(args, num_classes, print_fn, class_to_idx)\n":
+            "    model = image_model.build(args, num_classes, print_fn, class_to_idx)\n"
             "    if args.head_hidden:\n"
             "        model.fc = torch.nn.Sequential(torch.nn.Linear(model.fc.in_features, args.head_hidden), "
             "torch.nn.ReLU(), torch.nn.Linear(args.head_hidden, num_classes))\n"

@@ -1,25 +1,9 @@
 """The augmentation flags and image sizes of train_resnet.py's transforms (its adaptation section builds the
-pipelines, in torchvision's ClassificationPresetTrain/Eval order), the repeated-augmentation sampler (DeiT's /
-torchvision's RASampler) in a form that splits over any number of processes, and MixUp / CutMix on training batches.
-
-Randomness: RGBImageFolder (utils/image_data.py) seeds every sample from (seed, epoch, index[, repeat]) before these
-transforms run, so flips, crops, auto-augment and erasing are the same for any number of processes, workers or
-resumes.
-
-MixUp / CutMix (torchvision.transforms.v2): torchvision mixes each process's whole batch with one lambda (what a run
-gets depends on the process count). Here the batch is cut into groups at fixed positions of the GLOBAL batch, and
-each group is mixed on its own, its randomness drawn from (seed, epoch, batch, position of the group): timm's
-`--mixup-mode pair` (groups of 2, the default, exact for every process count) or `batch` (the whole share of a
-process, torchvision's; exact only for the same process count). With both alphas set, v2.RandomChoice picks MixUp
-or CutMix per group. Unreadable-image placeholders (target < 0) are never mixed into anything: a group holding one
-stays unmixed, and the placeholder's target row is all zeros, which the loss and the accuracy skip.
-
-Image sizes: a model is evaluated at the sizes it was trained with. Its exports and checkpoints record them (their
-roles are `.recorded()`: AUGMENT_ROLES), and `-e` takes them from the model it evaluates unless --image_size,
---val_crop_size, --val_resize or --interpolation are given (`resolve_image_sizes`); training runs use the flags and
-torchvision's defaults (224 and 256 pixels, bilinear).
-
-Neighbours: utils/image_data.py, utils/image_optim.py.
+pipelines, in torchvision's ClassificationPresetTrain/Eval order), the sizes -e and --predict take from the model
+they evaluate, the repeated-augmentation sampler (torchvision's RASampler) as one global order, and MixUp / CutMix
+mixed in groups at fixed positions of the GLOBAL batch, so that any process count trains alike
+(docs/code.md#image_augmentpy).
+Neighbours: utils/image_data.py (seeds each sample's augmentation), utils/image_optim.py.
 """
 import argparse
 import importlib.util
@@ -200,9 +184,8 @@ def posterize_any_bits(image, bits_to_keep, **_):
 
 
 class TimmAugment(torch.nn.Module):
-    """A timm auto-augment op (it works on PIL images and draws from Python's and numpy's generators) on a (3, H, W)
-    uint8 tensor, its draws seeded from torch's generator, which the dataset seeds per image: the same for any number
-    of processes, workers or resumes."""
+    """A timm auto-augment op (PIL, Python's and numpy's generators) on a (3, H, W) uint8 tensor, its draws seeded from
+    torch's generator, which the dataset seeds per image: the same for any number of processes, workers or resumes."""
 
     def __init__(self, op):
         super().__init__()
@@ -224,10 +207,8 @@ class TimmAugment(torch.nn.Module):
 
 
 def resolve_image_sizes(args, recorded, source, say, others=None, flags=None):
-    """-e, --predict: the validation sizes and resampling given, else those the evaluated model `recorded` ({args
-    attribute: value}), else the defaults; the same, in the same lines, for `others` ({args attribute: default}: the
-    script's other recorded flags, such as a head's shape; `flags`: {args attribute: flag} for their names). Returns
-    the results tag (utils/export.py settings_from_model) naming the given values that differ."""
+    """-e, --predict: each validation size, the resampling and `others` ({args attribute: default}; `flags` names them)
+    as given, else as the model `recorded` them, else defaults. Returns the results tag of those given that differ."""
     flags = {**(flags or {}), "val_crop_size": "--val_crop_size" if args.val_crop_size else "--image_size"}
     args.val_crop_size = args.val_crop_size or args.image_size
     defaults = {**{key: IMAGE_DEFAULTS[key] for key in EVAL_IMAGE_FLAGS.values()}, **(others or {})}
@@ -239,11 +220,8 @@ def resolve_image_sizes(args, recorded, source, say, others=None, flags=None):
 
 
 def use_recorded_settings(args, roles, record, source, say):
-    """-e, --predict: every flag that `roles` (the script's FlagRoles) marks .recorded() (the image sizes, a head's
-    shape) as given, else as the trained model's `record` holds it (an export's fields, a checkpoint's
-    training_state.json), else its default (resolve_image_sizes). A record that holds some of them but not all (an
-    export of the script before it recorded a flag) gets the others' defaults, named in one line. Returns the results
-    tag."""
+    """-e, --predict: every flag `roles` marks .recorded() as given, else as the trained model's `record` holds it,
+    else its default, named in one line (docs/resnet.md#evaluating-later). Returns the results tag."""
     recorded = roles.recorded_in(record)
     flags = {dest: flag for flag, dest in roles.dests.items() if roles.table[flag].exported}
     absent = [dest for dest in flags if dest not in recorded and getattr(args, dest) is None
@@ -258,14 +236,8 @@ def use_recorded_settings(args, roles, record, source, say):
 
 
 class RepeatedAugmentationSampler(Sampler):
-    """torchvision's RASampler as ONE global order that accelerate splits over the processes (split_batches).
-
-    Each global batch holds batch_size / reps distinct images, each `reps` times, laid out copy-major
-    ([a0 b0 c0 .. a1 b1 c1 ..]) so that, as in torchvision, the copies of an image land on different processes
-    whenever there are at most `reps` of them. An epoch is len(dataset) samples, as torchvision's (it drops the
-    rest), so it sees len(dataset) / reps distinct images. Items are (index, repeat): the dataset seeds each copy
-    differently. The order depends on (seed, epoch) only, so resuming and any process count give the same run.
-    """
+    """torchvision's RASampler as ONE global order from (seed, epoch), which accelerate splits over the processes;
+    items (index, repeat), copy-major so copies land on different processes (docs/code.md#image_augmentpy)."""
 
     def __init__(self, dataset, batch_size, reps, seed):
         if batch_size % reps:
@@ -367,9 +339,8 @@ class BatchMixer:
 
 
 def soft_cross_entropy(logits, soft_targets, label_smoothing=0.0, class_weights=None):
-    """Mean cross-entropy over rows whose target weights sum to > 0 (placeholders are all-zero rows). class_weights
-    (C,): torch's weighting of probability targets, -sum_c w_c * t_c * log p_c, so a mixed row weighs each of its
-    classes by its share."""
+    """Mean cross-entropy over rows whose target weights sum to > 0 (placeholders: all-zero rows); class_weights
+    (C,): -sum_c w_c * t_c * log p_c, torch's weighting of soft targets: a mixed row weighs its classes by share."""
     losses = F.cross_entropy(logits, soft_targets, weight=class_weights, label_smoothing=label_smoothing,
                              reduction="none")
     readable = (soft_targets.sum(dim=1) > 0).float()

@@ -1,34 +1,8 @@
-"""The image classifier's data: ImageFolder data as pytorch/examples imagenet/main.py reads it, with the failures
-made explicit, main.py's --dummy data, and what the training loop counts of its images.
-
-- Every image decodes to 3-channel uint8 RGB (grayscale, palette, RGBA, CMYK alike), with TorchCodec's image
-  decoders (torchcodec.decoders, which supersede torchvision.io's, deprecated since torchvision 0.29), with
-  torchvision.io where TorchCodec is absent or cannot load, and PIL for the formats neither reads. The pixels do not
-  depend on which is installed: stored orientation (EXIF not applied, as main.py's PIL loader), 16-bit images scaled
-  to 8 bits, float images refused (decode_rgb).
-- An unreadable file never raises inside a DataLoader worker (where one rank failing leaves the others
-  hanging in a collective): the sample comes back as a placeholder with target `-1 - index`, which the
-  training loop turns into a one-line error naming the file, or skips and counts (`--skip_bad_images`).
-- Augmentation randomness depends only on (seed, epoch, index), so a resumed run, any number of
-  processes and any number of workers see the same crops and flips (the epoch reaches persistent workers through
-  `EpochValue`).
-- The images are listed once, by ImageFolder's walk of each class folder (`list_images`), which also finds a class
-  folder without an image; the class scan reads only the root's top level.
-- The sample list is held in numpy arrays (`SampleArrays`), not as ImageFolder's list of tuples, so that DataLoader
-  workers do not grow over an epoch by copying on read the pages of the Python objects they touch. The listing
-  builds the arrays and the fingerprint folder by folder: no Python object per image outlives its folder.
-- `ImageCounts`: the top-1/top-5 hits of the training images between two log lines, and the unreadable ones. The
-  counts stay on the device (no `.item()` per step, which is a device sync) until a log line reads them; reading and
-  checking are collectives: every rank calls them at the same points.
-- Prediction (`--predict`): `files_to_predict` lists the images to label in input order, `PredictImages` decodes them
-  as the validation images are (an unreadable one marked as above, never raised), `prediction_rows` turns one gathered
-  batch's top-k classes into predictions.jsonl's rows, one per input, in input order (a batch at a time: memory
-  bounded for any number of inputs).
-- `fingerprint_images`: what a checkpoint records of the training images, for a resume to check (utils/checkpoint.py
-  data_fingerprint): the ImageFolder's sorted (path relative to the root, class) list and its count, hashed by the
-  listing. Hashing every image's bytes would read all of ImageNet (~140 GB) at every start; files added, removed,
-  renamed or moved between classes change the list, an image edited in place under its own name does not.
-
+"""The image classifier's data: ImageFolder data as pytorch/examples imagenet/main.py reads it, decoded to RGB with the
+same pixels whichever decoder is installed, an unreadable file marked (target -1 - index) rather than raised in a
+worker, augmentation seeded per (seed, epoch, index), the listing held in numpy arrays, main.py's --dummy data, the
+training images' top-1/top-5 and unreadable counts (ImageCounts), --predict's inputs and rows, and the training
+set's fingerprint for a resume to check (docs/code.md#image_datapy).
 Neighbours: utils/image_augment.py (the transforms), utils/image_device_decode.py (decoding on the training device).
 """
 import functools
@@ -68,11 +42,7 @@ IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES = 1_281_167, 50_000
 
 @functools.cache
 def torchcodec_decoder():
-    """torchcodec.decoders.decode_image if TorchCodec imports and decodes a JPEG here, else None.
-
-    Decoding a probe once per process tells a working install from one whose native libraries do not match this
-    torch: that would otherwise fail on every image, and every image would be reported unreadable.
-    """
+    """torchcodec.decoders.decode_image if TorchCodec imports and decodes a probe JPEG here, else None."""
     try:
         from torchcodec.decoders import decode_image as decode
         probe = io.BytesIO()
@@ -84,8 +54,7 @@ def torchcodec_decoder():
 
 
 def torchvision_decode(data):
-    """torchvision.io's decoder on a file's bytes, the fallback where TorchCodec is absent (torchvision < 0.29 has no
-    deprecation)."""
+    """torchvision.io's decoder on a file's bytes, where TorchCodec is absent."""
     with warnings.catch_warnings():
         # the deprecation points users to TorchCodec, which this module already prefers when it is installed
         warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
@@ -99,15 +68,8 @@ def stored_orientation(image):
 
 
 def decode_rgb(path):
-    """The image at `path` as a (3, H, W) uint8 RGB tensor, the same pixels whichever decoder is installed; raises one
-    of DECODE_ERRORS if unreadable.
-
-    - Pixels as stored: an EXIF orientation is not applied, as main.py's and ImageFolder's PIL loader and
-      torchvision.io do not apply it. TorchCodec always applies it, so PIL decodes such files.
-    - 16 bits per channel (PNG, TIFF, PGM) become 8 as torchvision's to_dtype scales them (value >> 8), from every
-      decoder; PIL's own conversion would clip them at 255 (a 16-bit photo comes out almost white).
-    - Float and 32-bit integer pixels have no defined range: such a file is unreadable, and says why.
-    """
+    """The image at `path` as (3, H, W) uint8 RGB, the same pixels whichever decoder is installed (stored orientation,
+    16 bits scaled to 8, float refused: docs/resnet.md); raises one of DECODE_ERRORS if unreadable."""
     with open(path, "rb") as file:
         data = file.read()
     with Image.open(io.BytesIO(data)) as header:  # parses the header; the pixels only if PIL decodes them
@@ -124,8 +86,7 @@ def decode_rgb(path):
 
 
 def pil_rgb(image):
-    """An opened PIL image as (3, H, W) RGB: PIL's own conversion, but 16-bit grayscale kept as uint16 to be scaled
-    (Pillow reads a 16-bit PGM as mode I, scaled to 0..65535)."""
+    """An opened PIL image as (3, H, W) RGB; 16-bit grayscale kept as uint16 (Pillow's mode I) to be scaled."""
     if image.mode in SIXTEEN_BIT_MODES or (image.mode == "I" and image.format == "PPM"):
         gray = torch.from_numpy(np.asarray(image).astype(np.uint16))  # (H, W)
         return gray.expand(3, *gray.shape).contiguous()
@@ -153,8 +114,7 @@ MACOS_METADATA = "__MACOSX"  # a folder that macOS's Archive Utility adds to a z
 
 
 class RGBImageFolder(datasets.ImageFolder):
-    """ImageFolder that decodes to RGB tensors, marks unreadable files, and seeds augmentation per sample. Class
-    folders and images as image_classes and ImageFiles find them (macOS metadata left out)."""
+    """ImageFolder that decodes to RGB tensors, marks unreadable files, and seeds augmentation per sample."""
 
     def __init__(self, root, transform, image_size, seed=0):
         # ImageFolder's attributes, set here rather than by its __init__, which would copy the samples' classes into
@@ -176,8 +136,7 @@ class RGBImageFolder(datasets.ImageFolder):
 
     @staticmethod
     def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
-        """ImageFolder's one listing of the folder (`list_images`), which also finds the class folders without an
-        image; ImageFiles decides which files are images whatever `extensions` says."""
+        """ImageFolder's one listing (`list_images`), finding empty class folders too; ImageFiles picks the images."""
         files = is_valid_file if isinstance(is_valid_file, ImageFiles) else ImageFiles(directory)
         samples, empty = list_images(directory, class_to_idx, files)
         if empty:
@@ -207,11 +166,8 @@ class RGBImageFolder(datasets.ImageFolder):
 
 
 class SampleArrays(Sequence):
-    """ImageFolder's (path, class) list, read as that list is, held in numpy arrays: the paths' bytes in one array
-    with each path's end offset, the classes in an int64 array. Nothing per sample is a Python object, so a DataLoader
-    worker reading it touches no reference counts and its copy-on-write pages stay shared with the main process
-    (a list of tuples grows every worker by ~160 B per image per epoch). `fingerprint`: the list's, as
-    fingerprint_images records it."""
+    """ImageFolder's (path, class) list held in numpy arrays (paths' bytes with end offsets, int64 classes), so that
+    workers' copy-on-write pages stay shared (docs/code.md#image_datapy). `fingerprint`: fingerprint_images'."""
 
     def __init__(self, paths, ends, targets, fingerprint):
         self.paths, self.ends, self.targets, self.fingerprint = paths, ends, targets, fingerprint
@@ -234,11 +190,8 @@ class SampleArrays(Sequence):
 
 
 def list_images(directory, class_to_idx, files):
-    """torchvision's make_dataset walk (each class folder in name order, its subfolders too, links followed, sorted)
-    done once and held in arrays: (SampleArrays, the names of the class folders with no image). Folder by folder: each
-    file costs ImageFiles' filter of its name and no Python object of its own; the fingerprint (what
-    fingerprint_images records: the SHA-256 of every `path relative to the root<TAB>class` line) is hashed on the way.
-    """
+    """torchvision's make_dataset walk done once, folder by folder, into arrays and the fingerprint's hash:
+    (SampleArrays, the class folders with no image)."""
     directory = os.path.expanduser(os.fspath(directory))
     skip = len(os.path.join(directory, ""))
     blobs, lengths, targets, empty = [], [], [], []
@@ -269,15 +222,13 @@ def list_images(directory, class_to_idx, files):
 
 
 def sample_key(seed, epoch, item):
-    """(augmentation seed, index) of a dataset item: an index, or (index, repeat) from the repeated-augmentation
-    sampler, whose copies of one image must be augmented differently. Repeat 0 seeds as a plain index does."""
+    """(augmentation seed, index) of an item: an index, or (index, repeat) seeded apart; repeat 0 as the index."""
     index, repeat = item if isinstance(item, tuple) else (item, 0)
     return hash((seed, epoch, index) if repeat == 0 else (seed, epoch, index, repeat)), index
 
 
 def image_classes(root):
-    """Sorted class folder names of an ImageFolder root (its top level only: the images are listed once, by
-    `RGBImageFolder.make_dataset`, which refuses an empty class folder); a missing root or no class is an error."""
+    """Sorted class folder names of an ImageFolder root (its top level only); a missing root or no class is an error."""
     root = Path(root)
     if not root.is_dir():
         raise runtime.UserError(f"{root}: no such directory; the data argument must be an ImageFolder root holding "
@@ -289,9 +240,8 @@ def image_classes(root):
 
 
 class ImageFiles:
-    """ImageFolder's is_valid_file over its one listing of the class folders: the images of a type the decoders read;
-    macOS archive metadata (AppleDouble `._NAME` files, anything under __MACOSX/) and files of other types are
-    counted for one note each."""
+    """ImageFolder's is_valid_file: the images of a type the decoders read; macOS metadata (`._NAME`, __MACOSX/) and
+    other files counted for one note each."""
 
     def __init__(self, root):
         self.root = Path(root)
@@ -357,11 +307,8 @@ def _few(names, limit=5):
 
 
 def build_datasets(data, seed, transforms, folder=RGBImageFolder, say=print):
-    """(train, val) RGBImageFolder datasets of `data`/train and `data`/val, checked to share their classes.
-
-    transforms: (train, val, train_crop, val_crop) from utils/image_augment.py.
-    folder: the dataset class, RGBImageFolder or a subclass (utils/image_device_decode.py EncodedImageFolder).
-    say: prints what the listing left out (ImageFiles)."""
+    """(train, val) datasets of `data`/train and `data`/val sharing their classes; transforms: (train, val, train_crop,
+    val_crop); folder: RGBImageFolder or a subclass; say: prints what the listing left out."""
     train_root, val_root = Path(data) / "train", Path(data) / "val"
     check_same_classes(image_classes(train_root), image_classes(val_root), train_root, val_root)
     train = folder(train_root, transforms[0], transforms[2], seed)
@@ -397,9 +344,7 @@ def build_dummy_datasets(train_images, image_size, val_image_size=None):
 
 
 class EpochValue:
-    """An epoch number that DataLoader workers see change: kept in shared memory, so `set` in the main process
-    reaches the dataset copies of persistent workers (a plain attribute would stay at its value when they started).
-    The loader hands out the next epoch's indices only when its iterator is (re)started, after `set`."""
+    """An epoch in shared memory: `set` reaches persistent workers' dataset copies (docs/code.md#image_datapy)."""
 
     def __init__(self, epoch=0):
         self.value = torch.tensor(epoch, dtype=torch.long).share_memory_()
@@ -419,9 +364,8 @@ def bad_image_error(dataset, target):
 
 
 class ImageCounts:
-    """Top-1/top-5 hits of the readable training images between two log lines, and the unreadable ones (marked by
-    RGBImageFolder with a target `-1 - index`): one stops the run with a line naming the file, or, with
-    --skip_bad_images, is reported once and counted."""
+    """Top-1/top-5 hits of the readable training images between two log lines, and the unreadable ones: one stops the
+    run naming the file, or with --skip_bad_images is reported once and counted. Kept on the device until read."""
 
     def __init__(self, accelerator, dataset, skip_bad_images):
         self.accelerator, self.dataset, self.skip_bad_images = accelerator, dataset, skip_bad_images
@@ -458,16 +402,14 @@ class ImageCounts:
 
 
 def topk_hits(logits, targets, ks=(1, 5)):
-    """(len(ks),) tensor on the logits' device: how many samples have their target among the k highest logits, for
-    each k (k capped at the class count). No `.item()`: the training loop's counts stay on the device."""
+    """(len(ks),) tensor on the logits' device: the samples whose target is among the k highest logits, per k."""
     maxk = min(max(ks), logits.shape[1])
     hits = logits.topk(maxk, dim=1).indices.eq(targets.view(-1, 1))  # (N, maxk)
     return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in ks])
 
 
 def fingerprint_images(dataset):
-    """The training set's fingerprint for its checkpoints (module header): an ImageFolder's (relative path, class)
-    list, or --dummy's image count."""
+    """The training set's fingerprint for its checkpoints: its (relative path, class) list, or --dummy's image count."""
     if not hasattr(dataset, "samples"):  # FakeImages: each image a function of its index
         return checkpoint.data_fingerprint("--dummy", (str(index) for index in range(len(dataset))))
     return dataset.samples.fingerprint  # hashed by the listing (list_images)
@@ -477,10 +419,8 @@ LIST_SUFFIX = ".txt"  # a --predict file with this suffix lists image paths, one
 
 
 def files_to_predict(paths):
-    """The images --predict names, in input order: each folder's image files (searched recursively, sorted by path),
-    each image file, and each .txt file's lines (one image path a line, relative to the current directory, as on the
-    command line; blank lines skipped). A listed file that is missing or not an image keeps its place: its row says
-    why. A folder or file given on the command line that does not exist, or a folder with no images, is an error."""
+    """The images --predict names, in input order: folders (recursively, sorted), image files, .txt lists
+    (docs/resnet.md); a listed file missing or not an image keeps its place; a missing path or empty folder: error."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -500,8 +440,7 @@ def files_to_predict(paths):
 
 
 class PredictImages(torch.utils.data.Dataset):
-    """Image files to label: item i is (image, i), or (placeholder, -1 - i) for an unreadable file, as
-    RGBImageFolder marks them; `transform`: the validation transform at the model's sizes."""
+    """Files to label: item i is (image, i), or (placeholder, -1 - i) unreadable; `transform`: the validation's."""
 
     def __init__(self, files, transform, image_size):
         self.files, self.transform = files, transform
@@ -522,11 +461,9 @@ class PredictImages(torch.utils.data.Dataset):
 
 
 def prediction_rows(dataset, first, items, probabilities, classes, labels):
-    """predictions.jsonl's rows of one gathered batch, files `first`, `first + 1`, ... of `dataset` (PredictImages):
-    the file, its most probable label and `score`, and `topk` [{label, score}] (the shape of transformers'
-    image-classification pipeline); an unreadable file's row has `skipped` with the reason. items (B,): the gathered
-    dataset items (index, or -1 - index if unreadable); probabilities, classes (B, k): each image's k highest
-    probabilities and their class ids. Items out of input order are an error, not rows in another order."""
+    """predictions.jsonl's rows of one gathered batch, files `first`, `first + 1`, ... of `dataset` (docs/resnet.md).
+    items (B,): the gathered items (index, or -1 - index); probabilities, classes (B, k): each image's top k. Items out
+    of input order are an error."""
     positions = [_position(item) for item in items]
     if positions != list(range(first, first + len(items))):
         raise RuntimeError(f"predictions gathered for files {positions}, expected files {first} to "

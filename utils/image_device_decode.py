@@ -1,36 +1,9 @@
-"""--decode_on_device: ResNet's JPEGs decoded and augmented on the training device, a batch at a time.
-
-The CPU loader (utils/image_data.py) decodes and augments every image in a DataLoader worker. With this option a
-worker only reads the file's bytes and draws what the image's random steps draw (crop box, flip, erasing box), seeded
-by sample_key exactly as the CPU loader seeds them, so any number of processes, workers or resumes see the same
-crops. The training process then decodes the whole batch on its device in one call (TorchCodec's decode_jpeg:
-nvJPEG on a GPU, libjpeg on the CPU; torchvision.io's where TorchCodec is unusable) and replays the same transform
-objects there with the drawn parameters.
-
-The loader's batches are EncodedBatch objects, which accelerate's prepared loader hands on as they are (they have
-no `.to`). The training and validation loops take their batches through `decode_on_device(batches, device)`, which
-decodes and augments each EncodedBatch on the device and gives (images (B, 3, S, S) float, targets): what the CPU
-loader gives, whose batches it passes through unchanged.
-
-- The device decodes RGB and grayscale JPEGs. Other files (PNG and the other formats, CMYK JPEGs, which
-  nvJPEG does not decode, JPEGs with an EXIF orientation, which TorchCodec would rotate where decode_rgb keeps the
-  stored pixels) are decoded in the worker with decode_rgb, as the CPU loader decodes them, and travel as pixels.
-  A JPEG that fails on the device is decoded again with decode_rgb in the training process; a file that fails
-  there too is unreadable, as in the CPU loader (target -1 - index).
-- The same images: on the CPU this path gives the CPU loader's pixels bitwise (the same libjpeg, the same resize
-  kernels; tests/test_device_decode.py). On a GPU, nvJPEG and the float resize kernels round differently:
-  benchmarks/bench_gpu.py measures the difference and the GPU check bounds its mean as torchvision's nvJPEG test
-  does (below 2 levels of 255).
-- What is replayed follows from the pipeline itself, not from a list: a transforms.v2 step whose forward is v2's own
-  (draw with `make_params`, then `transform(image, params)`; a `p` checked first for the random-apply kind) has its
-  draws made in the worker on a stand-in of the image's shape and dtype on the meta device (no pixels, which the draws
-  do not read), the stand-in followed through every step, and is replayed on the device with those draws. A step that
-  draws inside a forward of its own (AutoAugment, RandAugment, TrivialAugmentWide, AugMix; RandomApply, RandomChoice,
-  a nested Compose) cannot be replayed: `check_decode_on_device` refuses it before anything starts, in one line naming
-  it and the way to make it replayable (`check_replayable`), as it refuses --dummy (no files). The way is v2's own:
-  a Transform subclass that draws every random choice in make_params(flat_inputs) and applies them in
-  transform(inpt, params), with no forward of its own. `ReplayableRandomApply` is v2.RandomApply written so: the same
-  draws in the same order, so the same images, on the CPU loader and on the device.
+"""--decode_on_device: JPEGs decoded and augmented on the training device, a batch at a time. A DataLoader worker
+reads each file's bytes and draws what each random v2 step draws (seeded as utils/image_data.py seeds the CPU
+loader); `decode_on_device(batches, device)` decodes the batch there in one call and replays the same steps with those
+draws, giving what the CPU loader gives. A step that draws inside a forward of its own is refused at start-up, in
+one line saying how to make it replayable (docs/code.md#image_device_decodepy, docs/resnet.md).
+Neighbours: utils/image_data.py (decode_rgb, RGBImageFolder), train_resnet.py's train_transform/val_transform.
 """
 import functools
 import io
@@ -54,8 +27,7 @@ STAND_IN_SHAPE = (3, 64, 48)  # any image shape: the start-up check draws once f
 
 
 def check_decode_on_device(args, transforms):
-    """Refuse, before anything starts, what --decode_on_device cannot do as the CPU loader does it: --dummy, and a
-    step of `transforms` (the training and validation v2.Compose) that cannot be replayed (header)."""
+    """Refuse, before anything starts, --dummy and a step of `transforms` (the v2.Compose pair) it cannot replay."""
     if not args.decode_on_device:
         return
     if args.dummy is not None:
@@ -65,8 +37,7 @@ def check_decode_on_device(args, transforms):
 
 
 def check_replayable(transform):
-    """A one-line UserError naming the first step of `transform` (a v2.Compose) that the device cannot replay, and
-    how to make it replayable."""
+    """A one-line UserError naming the first step of `transform` the device cannot replay, and how to make it so."""
     for step in transform.transforms:
         if type(step).forward not in REPLAYABLE_FORWARDS:
             raise runtime.UserError(f"--decode_on_device: {not_replayable(step)}")
@@ -93,9 +64,8 @@ def not_replayable(step):
 
 
 class ReplayableRandomApply(v2.Transform):
-    """v2.RandomApply(transforms, p) with its draws in make_params, so that --decode_on_device replays it: whether it
-    applies (`torch.rand(1) < p`, drawn first), then what each step draws (draw_steps), in v2.RandomApply's order, so
-    the same images as v2.RandomApply's for the same seed. Its steps must be replayable themselves."""
+    """v2.RandomApply(transforms, p) drawing in make_params, so --decode_on_device replays it: `torch.rand(1) < p`
+    first, then each step's draws, in v2.RandomApply's order (the same images). Its steps must be replayable."""
 
     def __init__(self, transforms, p=0.5):
         super().__init__()
@@ -133,8 +103,7 @@ def failing_step(transform):
 @dataclass
 class EncodedImage:
     """One sample as a worker leaves it: the JPEG's bytes, or pixels where the device does not decode the file.
-    params: per step of the transform, what it drew (None: nothing drawn, or a random step that is skipped);
-    None instead of a list: the file is unreadable."""
+    params: per step, what it drew (None: nothing, or a skipped random step); None for the list: unreadable."""
     path: str
     index: int
     jpeg: bytes = None
@@ -171,8 +140,7 @@ def collate_for(dataset):
 
 
 def read_encoded(path):
-    """(jpeg bytes, None, shape) for a JPEG the device decodes, else (None, pixels, shape) decoded here by
-    decode_rgb; shape (3, H, W) as decoded. Raises one of DECODE_ERRORS for an unreadable file."""
+    """(jpeg bytes, None, shape) for a JPEG the device decodes, else (None, pixels, shape); raises DECODE_ERRORS."""
     with open(path, "rb") as file:
         data = file.read()
     try:
@@ -186,12 +154,8 @@ def read_encoded(path):
 
 
 def draw_params(transform, shape, dtype):
-    """What each step of `transform` draws for an image of `shape` and `dtype`, in the order the steps draw on the
-    CPU: per step, its make_params' dict, or None where a random-apply step's `torch.rand(1) >= p` skipped it.
-
-    The draws are made on a stand-in on the meta device, which each step transforms to the shape and dtype it gives
-    the next (no pixels: the draws read only those). Tensors drawn travel as numpy arrays: a tensor per sample would
-    cost a worker a shared-memory segment each on its way to the training process."""
+    """Per step of `transform`, what it draws for an image of `shape` and `dtype` (make_params' dict, None where a
+    random-apply step is skipped), in the CPU's order, on a meta stand-in (docs/code.md#image_device_decodepy)."""
     return draw_steps(transform.transforms, torch.empty(shape, dtype=dtype, device="meta"))
 
 
@@ -212,10 +176,8 @@ _SAME_EVERY_TIME = weakref.WeakKeyDictionary()  # {step: {(shape, dtype): stand-
 
 
 def followed(step, stand_in, drawn):
-    """The stand-in `step` makes of `stand_in` with `drawn`. Transforming even a meta tensor costs v2's dispatch
-    (most of a draw), so where the result is known it is not computed: a step that drew nothing gives the same for
-    the same shape and dtype every time (kept), and RandomResizedCrop, the first step of most pipelines, gives its
-    size."""
+    """The stand-in `step` makes of `stand_in` with `drawn`, not computed where known: a step that drew nothing (kept),
+    and RandomResizedCrop (its size); v2's dispatch is most of a draw's cost."""
     if type(step) is v2.RandomResizedCrop:
         return torch.empty((stand_in.shape[0], *step.size), dtype=stand_in.dtype, device="meta")
     if drawn:
@@ -252,16 +214,14 @@ class EncodedBatch:
 
 
 def decode_on_device(batches, device):
-    """The loader's batches as (images, targets): an EncodedBatch (--decode_on_device) is decoded and augmented on
-    `device` here, as the loop takes it; any other batch passes through as the loader made it."""
+    """The loader's batches as (images, targets): an EncodedBatch decoded and augmented on `device`, others as made."""
     for batch in batches:
         yield batch.decode(device) if isinstance(batch, EncodedBatch) else batch
 
 
 @functools.cache
 def jpeg_decoder():
-    """decode(list of JPEG bytes, device) -> list of (3, H, W) uint8 RGB on `device`, one call per batch:
-    TorchCodec's decode_jpeg, or torchvision.io's where TorchCodec is unusable here (utils/image_data.py)."""
+    """decode(JPEG bytes list, device) -> (3, H, W) uint8 list on `device`: TorchCodec's, else torchvision.io's."""
     if image_data.torchcodec_decoder() is not None:
         from torchcodec.decoders import decode_jpeg as torchcodec_decode_jpeg
         return lambda jpegs, device: torchcodec_decode_jpeg(jpegs, mode="RGB", device=device)
@@ -301,9 +261,8 @@ def decode_one(item, decode, device):
 
 
 def replay(transform, images, params):
-    """`transform` on decoded images (list of (3, H, W) uint8 on the device), each step with what the worker drew
-    for that image: per image for the geometry and erasing, on the stacked batch for ToDtype and Normalize.
-    Returns (B, 3, S, S) float."""
+    """`transform` on decoded images ((3, H, W) uint8 each), each step with the worker's draws: per image for geometry
+    and erasing, on the stacked batch for ToDtype and Normalize. Returns (B, 3, S, S) float."""
     batch = images  # a list until the first batched step stacks it
     for k, step in enumerate(transform.transforms):
         if isinstance(step, BATCHED_STEPS):

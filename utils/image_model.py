@@ -1,27 +1,8 @@
-"""The image classifier train_resnet.py trains: a torchvision or timm model, the weights it starts from, a new head
-for the data's classes, regularisation inside the model (drop path, dropout) and gradient checkpointing.
-
-Starting weights (--pretrained [PATH], --weights NAME|PATH):
-- torchvision weights by enum name (`ResNet50_Weights.IMAGENET1K_V2`, `DEFAULT`): torchvision downloads them once
-  into torch.hub's directory;
-- `-a timm:NAME --pretrained`: timm's default weights for NAME (its pretrained tag), through timm from the Hugging
-  Face hub cache (HF_HUB_CACHE); offline they must be there already;
-- a local file, for either kind of model: `.safetensors` (safetensors) or a PyTorch state dict (`.pth`, `.pt`, `.bin`,
-  also main.py's checkpoint layout and this script's exports), read with torch.load(weights_only=True) so that no
-  code in it runs. It is loaded strictly: a file of another architecture is an error naming the file, never a model
-  that silently keeps random weights (timm's own file loading turns strict off when the head changes, so it is not
-  used for files).
-A head trained for another number of classes is replaced by a new one for the data's classes, said in one line; with
--e that would evaluate a random head, so it is refused. `-e --weights OUT/model_best.pth` evaluates at the image
-sizes that export records (weights_file_fields), as `-e --resume` does.
-
-Gradient checkpointing keeps only each block's input in the forward pass and recomputes the rest in the backward
-pass (torch.utils.checkpoint, non-reentrant: the variant that works under DDP, and it replays the forward's random
-state, so drop path draws the same). torchvision's ResNet family (resnet*, resnext*, wide_resnet*): each residual
-block (the block classes are the script's); timm models: timm's own set_grad_checkpointing. A BatchNorm layer must
-not update its running statistics a second time when its block is recomputed: while the backward pass runs (what
-torch.utils.module_tracker calls `is_bw`) it updates copies, so a run with checkpointing trains and evaluates as one
-without.
+"""The image classifier train_resnet.py trains: a torchvision or timm model, the weights it starts from (--pretrained
+[PATH], --weights NAME|PATH: torchvision's by name, timm's default, or a local file loaded strictly and without
+running code), a new head for the data's classes (matched by class name where the file names them), regularisation
+inside the model (--drop_path, --drop) and gradient checkpointing that leaves BatchNorm's running statistics as
+without it (docs/code.md#image_modelpy).
 
 Neighbours: utils/image_references.py (main.py's .pth files), utils/export.py (reading PyTorch files safely).
 """
@@ -67,8 +48,8 @@ def timm_name(arch):
 
 
 def check_model_args(parser, args):
-    """What the model flags can be checked for before anything starts (parser errors; -a is a known name); sets
-    args.weights from --pretrained: "DEFAULT" or its PATH."""
+    """The model flags' parser errors, before anything starts; sets args.weights from --pretrained. Without -a (-e: the
+    evaluated model's), check_arch waits until the architecture is known."""
     if args.pretrained and args.weights:
         parser.error("--pretrained [PATH] and --weights both name the starting weights: pass one of them")
     if args.pretrained not in (None, "DEFAULT") and not is_weights_file(args.pretrained):
@@ -77,28 +58,38 @@ def check_model_args(parser, args):
         if rate is not None and not 0 <= rate < 1:  # a probability; timm and torchvision take any float silently
             parser.error(f"{flag} {rate}: must be in [0, 1)")
     args.weights = args.pretrained or args.weights
+    if args.arch is not None:
+        try:
+            check_arch(args)
+        except runtime.UserError as err:
+            parser.error(str(err))
+
+
+def check_arch(args):
+    """A one-line UserError where -a cannot take the other model flags (timm's models and weights, gradient
+    checkpointing, --drop_path/--drop)."""
     weights_file = args.weights is not None and is_weights_file(args.weights)
     if args.arch.startswith("timm:"):
         try:
             import timm
         except ImportError:
-            parser.error(f"-a {args.arch}: timm is not installed (pip install timm)")
+            raise runtime.UserError(f"-a {args.arch}: timm is not installed (pip install timm)") from None
         if not timm.is_model(timm_name(args.arch)):
-            parser.error(f"-a {args.arch}: not a timm model (timm.list_models())")
+            raise runtime.UserError(f"-a {args.arch}: not a timm model (timm.list_models())")
         if args.weights not in (None, "DEFAULT") and not weights_file:
-            parser.error(f"-a {args.arch}: --weights {args.weights} names torchvision weights; for a timm model pass "
-                         f"--pretrained (timm's default weights) or a weights file")
+            raise runtime.UserError(f"-a {args.arch}: --weights {args.weights} names torchvision weights; for a timm "
+                                    f"model pass --pretrained (timm's default weights) or a weights file")
         return
     if args.gradient_checkpointing and not builder(args.arch).__module__.endswith(".resnet"):
-        parser.error(f"--gradient_checkpointing: covers torchvision's ResNet family (resnet*, resnext*, wide_resnet*) "
-                     f"and timm models, not {args.arch}")
+        raise runtime.UserError(f"--gradient_checkpointing: covers torchvision's ResNet family (resnet*, resnext*, "
+                                f"wide_resnet*) and timm models, not {args.arch}")
     wanted = regularisation_kwargs(args)
     try:  # on the meta device: nothing is allocated or initialised
         if wanted:
             export.on_meta_device(lambda: torchvision.models.get_model(args.arch, **wanted))
     except TypeError:
-        parser.error(f"-a {args.arch}: torchvision's {args.arch} takes no {' or '.join(wanted)} (--drop_path, --drop); "
-                     f"timm models take both (-a timm:NAME)")
+        raise runtime.UserError(f"-a {args.arch}: torchvision's {args.arch} takes no {' or '.join(wanted)} "
+                                f"(--drop_path, --drop); timm models take both (-a timm:NAME)") from None
 
 
 def builder(arch):
@@ -112,9 +103,8 @@ def regularisation_kwargs(args):
 
 
 def build(args, num_classes, print_fn=print, class_to_idx=None):
-    """The model of -a, with the weights of --weights/--pretrained, a head for `num_classes` classes and the
-    regularisation of --drop_path/--drop; `print_fn` says when the head starts new. `class_to_idx`: the data's
-    classes, which a weights file's head is matched with by name (classes_by_name)."""
+    """The model of -a, with the weights of --weights/--pretrained, a head for `num_classes` classes matched with
+    `class_to_idx` by name (classes_by_name), and --drop_path/--drop; `print_fn` says when the head starts new."""
     if args.arch.startswith("timm:"):
         return timm_model(args, num_classes, print_fn, class_to_idx)
     return torchvision_model(args, num_classes, print_fn, class_to_idx)
@@ -189,8 +179,7 @@ def check_new_head(source, trained_classes, num_classes, evaluate, print_fn):
 
 
 def read_weights_file(path):
-    """A state dict from a .safetensors file or a PyTorch file (torch.load(weights_only=True), main.py's layout or a
-    bare state dict, `module.` prefixes dropped); one-line errors naming the file."""
+    """A state dict from .safetensors or a PyTorch file (weights_only; main.py's layout too, `module.` dropped)."""
     if not Path(path).is_file():
         raise runtime.UserError(f"{path}: no such weights file")
     if str(path).endswith(".safetensors"):
@@ -204,17 +193,15 @@ def read_weights_file(path):
 
 
 def weights_file_fields(weights):
-    """What a PyTorch weights file of --weights/--pretrained records beside its weights (this script's exports: the
-    image sizes it was trained with, which -e repeats); {} for safetensors files, weights names and none."""
+    """What a PyTorch weights file records beside its weights (an export's image sizes, which -e repeats), else {}."""
     if weights is None or not is_weights_file(weights) or str(weights).endswith(".safetensors"):
         return {}
     return export.load_torch_checkpoint(weights) if Path(weights).is_file() else {}  # a missing one: build_model's error
 
 
 def load_weights_file(model, path, heads, num_classes, evaluate, print_fn, class_to_idx=None):
-    """The weights of `path` into `model`, strictly, but for the `heads` (module names) when the file's were trained
-    for another number of classes: those keep the model's new head. A file that names its classes (this script's
-    exports) has its head matched with the data's `class_to_idx` by name (classes_by_name)."""
+    """The weights of `path` into `model`, strictly but for the `heads` (module names) of a file trained for another
+    class count: those keep the new head. A file that names its classes has its head reordered by classes_by_name."""
     state_dict, own = read_weights_file(path), model.state_dict()
     head_keys = [key for head in heads for key in (f"{head}.weight", f"{head}.bias") if key in own]
     different = [key for key in head_keys if key in state_dict and state_dict[key].shape != own[key].shape]
@@ -228,10 +215,8 @@ def load_weights_file(model, path, heads, num_classes, evaluate, print_fn, class
 
 
 def classes_by_name(path, trained, class_to_idx, evaluate, print_fn):
-    """The head rows of a file trained on classes `trained` ({name: index}; None: it does not say) in the order of
-    the data's `class_to_idx`: the identity when they agree or the file does not name them, the file's rows
-    reordered when the names are the same set in another order, None (a new head, said in one line) when the names
-    differ; evaluating with other names is refused, as it would score one class as another."""
+    """The head rows of a file trained on `trained` ({name: index}, None: unnamed) in `class_to_idx`'s order: identity,
+    the rows reordered (the same names), or None (other names: a new head; -e refuses it)."""
     identity = list(range(len(class_to_idx)))
     if not trained or trained == class_to_idx:
         return identity
@@ -268,14 +253,12 @@ def enable_gradient_checkpointing(model, arch, blocks):
 
 
 def checkpointed_forward(block, forward, x):
-    """`forward(block, x)` with its activations recomputed in the backward pass (an instance's forward: the block's
-    parameter names, and so every checkpoint and export, stay as they are)."""
+    """`forward(block, x)` recomputed in the backward pass; the block's parameter names stay as they are."""
     return torch.utils.checkpoint.checkpoint(forward, block, x, use_reentrant=False)
 
 
 def _in_backward_pass():
-    """Whether autograd is running a backward pass now (torch.utils.module_tracker's `is_bw`), i.e. a checkpointed
-    block is being recomputed."""
+    """Whether autograd runs a backward pass now (module_tracker's `is_bw`): a checkpointed block is recomputed."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -283,8 +266,7 @@ BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _batchnorm_recomputed_pre(norm, args):
-    """A recomputed BatchNorm normalises with the batch's statistics, as in the forward pass, but updates copies of
-    its running statistics (and batch count), not the model's: those were updated once, in the forward pass."""
+    """A recomputed BatchNorm uses the batch's statistics but updates copies of its running ones (updated once)."""
     if norm.training and norm.track_running_stats and _in_backward_pass():
         norm.kept_statistics = {name: getattr(norm, name) for name in BATCHNORM_STATISTICS}
         for name, buffer in norm.kept_statistics.items():

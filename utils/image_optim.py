@@ -1,12 +1,7 @@
-"""The image classifier's optimisation recipe, torchvision's references/classification/train.py: optimizer,
-weight-decay groups (utils.set_weight_decay, --opt, --lr-warmup-*, --lr-min) and learning-rate schedule, stepped per
-optimizer step instead of per epoch; and the model EMA.
-
-EMA: exactly torchvision's (utils.ExponentialMovingAverage and the decay adjustment in train.py), with this project's
-GLOBAL batch. torchvision: adjust = world_size * batch_size_per_gpu * model_ema_steps / epochs;
-alpha = min(1, (1 - model_ema_decay) * adjust); the average moves by alpha every model_ema_steps steps; during warmup
-epochs it copies the weights instead. world_size * batch_size_per_gpu is our global batch (times
---gradient_accumulation_steps: the images behind one optimizer step).
+"""The image classifier's optimisation recipe, torchvision's references/classification/train.py: the optimizer and its
+weight-decay groups (--opt, --norm_weight_decay, --bias_weight_decay), the learning-rate schedule (--lr_warmup_*,
+--lr_min), stepped per optimizer step rather than per epoch, and the model EMA with torchvision's decay adjustment
+computed on the GLOBAL batch (docs/code.md#image_optimpy).
 
 Neighbours: utils/image_augment.py, utils/image_references.py.
 """

@@ -1,27 +1,7 @@
-"""What users bring from the scripts train_resnet.py replaces, pytorch/examples imagenet/main.py and torchvision's
-references/classification/train.py: their flags, their batch-size convention and their checkpoint files.
-
-- main.py's distribution flags are replaced by the launcher, and a few torchvision and timm flags have no
-  counterpart: passing one prints, in one line, what replaces it (MAIN_PY_FLAGS, TORCHVISION_FLAGS, TIMM_FLAGS,
-  refused by utils/flags.py Parser).
-- -b/--batch-size is always the GLOBAL batch (main.py's "total batch size of all GPUs on the current node", on every
-  node together here); torchvision's and timm's per-process -b is --per_device_batch_size (BATCH_RULE).
-- torchvision's checkpoint.pth ({model, optimizer, lr_scheduler, epoch, args}) is read in main.py's layout
-  (utils/export.py from_torchvision_layout).
-- main.py's `.pth.tar` checkpoints ({state_dict, optimizer, epoch, best_acc1, arch}, with or without the `module.`
-  prefix of DataParallel/DDP) load with `weights_only=True` (utils/export.py), and the exports written here have
-  the same layout minus the prefix, so main.py, torchvision and this project read each other's files. Ours add the
-  settings they were trained with (the flags the script's FLAG_ROLES mark `.recorded()`: the image sizes, a head's
-  shape), which `-e` and `--predict` rebuild the model and evaluate at.
-- The exports also carry what torchvision's references/classification/train.py reads with `--resume FILE
-  --test-only`: `model` (the same dict as `state_dict`: torch.save pickles it once, so the file does not grow) and
-  `epoch`, and checkpoint.pth's `model_ema` is its ExponentialMovingAverage's state (`module.*`, `n_averaged`).
-  `epoch` keeps main.py's meaning, the epochs done, which main.py and this script resume after; torchvision reads it
-  as the index of the last epoch done and would resume one epoch later (it resumes training only from its own
-  checkpoints anyway: these hold no `optimizer` and `lr_scheduler`).
-- model_card.md beside model_best.pth says how to load it into plain torchvision (or timm) with the training's
-  validation transform (model_card).
-
+"""What users bring from the scripts train_resnet.py replaces (pytorch/examples imagenet/main.py, torchvision's
+references/classification/train.py): their flags (MAIN_PY_FLAGS, TORCHVISION_FLAGS, TIMM_FLAGS: one line says what
+replaces each), the GLOBAL -b (BATCH_RULE), their checkpoint files, read and written in main.py's layout with
+torchvision's keys, and model_card.md (docs/code.md#image_referencespy).
 Neighbours: utils/image_optim.py, utils/export.py.
 """
 import os
@@ -80,8 +60,7 @@ def check_legacy_compatible(checkpoint, expected, path):
 
 
 def exported_step(path, steps_per_epoch):
-    """The optimizer step whose weights the export `path` (model_best.pth) holds, None without the file: its `step`,
-    or, in a file that records only its epoch, that epoch's last step."""
+    """The optimizer step model_best.pth at `path` holds (its `step`, else its epoch's last step); None without it."""
     if not Path(path).is_file():
         return None
     fields = export.load_torch_checkpoint(path)
@@ -89,15 +68,13 @@ def exported_step(path, steps_per_epoch):
 
 
 def start_epoch_of(checkpoint, start_epoch):
-    """The epochs done before this run: a checkpoint's `epoch` (main.py's: it overrides --start-epoch), or
-    --start-epoch."""
+    """Epochs done before this run: the file's `epoch` (it wins, main.py's rule), else --start-epoch."""
     return checkpoint.get("epoch", start_epoch) if checkpoint else start_epoch
 
 
 def continuation_line(args, checkpoint, start_step, total_steps, lr):
-    """One line for a run that starts inside the schedule (--resume FILE.pth, --start-epoch): where, and what does not
-    carry on. A file without optimizer state (this project's .pth exports, a bare state_dict) restarts the optimizer's
-    momentum; --start-epoch alone starts from the starting weights, not trained ones."""
+    """One line for a run starting inside the schedule (--resume FILE.pth, --start-epoch): where, and what does not
+    carry over (momentum, from a file without optimizer state; trained weights, with --start-epoch alone)."""
     epoch = start_epoch_of(checkpoint, args.start_epoch)
     done = "epoch 1 counts" if epoch == 1 else f"epochs 1-{epoch} count"
     where = (f"{done} as done: training starts at epoch {epoch + 1}, step {start_step} of {total_steps} of the "
@@ -112,8 +89,7 @@ def continuation_line(args, checkpoint, start_step, total_steps, lr):
 
 
 def selection_from_file(checkpoint, selection):
-    """The best-model selection a file of this project records (its best value and epoch) when the run that wrote it
-    goes on: model_best.pth beside it holds that epoch. Nothing (select afresh) when it records neither."""
+    """The best value and epoch a file of this project records, for the run it continues; {} (select afresh) without."""
     if not checkpoint or checkpoint.get("best_epoch") is None or checkpoint.get(selection.best_key) is None:
         return {}
     return {selection.best_key: checkpoint[selection.best_key], selection.position_key: checkpoint["best_epoch"]}
@@ -127,8 +103,8 @@ def _describe(value):
 
 
 def save_exported_checkpoint(path, state_dict, **fields):
-    """main.py's layout ({state_dict, **fields}) with CPU tensors and no prefix, and torchvision's `model` key for the
-    same dict (pickled once: the file holds each tensor once), swapped in atomically."""
+    """main.py's layout ({state_dict, **fields}; CPU tensors, no prefix) with torchvision's `model` key for the same
+    dict (pickled once), swapped in atomically."""
     path = Path(path)
     state_dict = cpu_tensors(export.strip_module_prefix(state_dict))
     tmp = path.with_name(f".{path.name}.tmp")
@@ -145,12 +121,9 @@ def cpu_tensors(state_dict):
 
 
 def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, fields, ema_state=None, suffix=""):
-    """checkpoint{suffix}.pth, and model_best{suffix}.pth when `is_best`, in main.py's layout ({state_dict, **fields}),
-    with torchvision's keys (`model`, `epoch`); checkpoint.pth also holds `ema_state`, the state dict of the
-    ExponentialMovingAverage (`module.*` and `n_averaged`), under torchvision's `model_ema` key. `fresh`: a model of
-    the architecture (on the meta device) whose names the weights must have, so that plain torchvision loads them.
-    Every rank calls it: under FSDP/DeepSpeed, gathering the weights is a collective, and a failure to write (a full
-    disk) stops every rank with one line, the previous files kept."""
+    """checkpoint{suffix}.pth, and model_best{suffix}.pth when `is_best`, in main.py's layout with torchvision's keys
+    (docs/code.md#image_referencespy); `fresh`: a meta-device model whose names the weights must have. A collective: a
+    failure to write stops every rank with one line, the previous files kept."""
     state_dict = export.full_state_dict(accelerator, model, fresh)
     if ema_state is not None:
         export.check_same_keys(export.averaged_weights(ema_state), fresh)
@@ -164,11 +137,8 @@ def export_main_py_checkpoints(accelerator, model, fresh, output_dir, is_best, f
 
 
 def model_card(args, class_to_idx, train_set, val_set, run, script, model_flags):
-    """model_card.md's fixed part (utils/outputs.py ModelCard) for model_best.pth: the classes, the key settings
-    (`run`: run_info's), the image folders, and how to load the file: into a plain torchvision (or timm) model with
-    the validation transform of the training, or, when `model_flags` ({flag: value}, recorded beside the image sizes)
-    shaped the model, through `script`'s exported_model, which rebuilds it from the file alone; and evaluated by
-    `script` (`-e --resume`), which takes those settings from the file too."""
+    """model_card.md's fixed part for model_best.pth (utils/outputs.py ModelCard): classes, settings (`run`), folders,
+    how to load and evaluate it; through `script`'s exported_model where `model_flags` ({flag: value}) shape it."""
     best = Path(args.output_dir) / "model_best.pth"
     timm_name = args.arch[len("timm:"):] if args.arch.startswith("timm:") else None
     build = (f"timm.create_model({timm_name!r}, num_classes={len(class_to_idx)})" if timm_name else
