@@ -19,7 +19,6 @@ run's checks agreeing about every utils/loop.py AGREEMENT_SECONDS.
 import argparse
 import datetime
 import json
-import math
 import os
 import random
 import statistics

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from conftest import (FEW_DIGITS_TRAIN, assert_job_left_in_grace, assert_same_curve, assert_same_weights, descendants,
-                      end_all, launch, launch_cmd, read_json, run_here, start, stop_job, wait_for, workers)
+                      end_all, launch, launch_cmd, read_json, run_here, start, stop_job, wait_for)
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.long, pytest.mark.alone]
