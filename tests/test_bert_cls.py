@@ -172,19 +172,19 @@ def test_labelled_predict_file_predicts_on_its_texts(trained, text_data, tmp_pat
 def test_predictions_are_made_and_written_a_batch_at_a_time(trained, text_data, tmp_path, monkeypatch):
     """Memory bounded for any number of texts: the rows are made from one batch of logits at a time (never all of
     them at once), in input order, the skipped records before, between and after the texts included."""
-    import train_bert_cls
-
     out, _ = trained[1]
     texts = [line.split("\t", 1)[1] for line in (text_data / "test.txt").read_text(encoding="utf-8").splitlines()]
     lines = ["", *texts[:20], "", *texts[20:40], "", ""]
     predict_file = tmp_path / "texts.txt"
     predict_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    sizes, real = [], train_bert_cls.prediction_rows
+    from utils import text_metrics
+
+    sizes, real = [], text_metrics.prediction_rows
 
     def counted(logits, examples, *args):
         sizes.append(len(logits))
         return real(logits, examples, *args)
-    monkeypatch.setattr(train_bert_cls, "prediction_rows", counted)
+    monkeypatch.setattr(text_metrics, "prediction_rows", counted)
     run_here(SCRIPT, ["--cpu", "--model_name_or_path", out / "best_model", "--do_predict", "--predict_file",
                       predict_file, "--eval_batch_size", "16", "--output_dir", tmp_path / "pred"])
     assert sizes == [16, 16, 8, 0]  # 40 texts in batches of 16, then the blank lines after the last one

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import train_bert_cls
 import train_resnet
 from utils.runtime import DETERMINISTIC_CUBLAS, NONDETERMINISTIC_GPU, choose_kernels
+from utils import image_model
 
 SPELLINGS = ("--use_deterministic_algorithms", "--use-deterministic-algorithms", "--full_determinism")
 LINE = ("deterministic kernels (--use_deterministic_algorithms): torch.use_deterministic_algorithms(True), cuDNN "
@@ -116,7 +117,7 @@ def test_an_op_without_a_deterministic_kernel_stops_the_run_in_one_line(few_digi
     """A model changed as a user changes it (build_model, in the adaptation section), with an op torch has no
     deterministic kernel for: the run stops at the op's first use, in one line naming it and what to do."""
     def build_model(args, num_classes, print_fn=print, class_to_idx=None):
-        model = train_resnet.build(args, num_classes, print_fn, class_to_idx)
+        model = image_model.build(args, num_classes, print_fn, class_to_idx)
         model.maxpool = torch.nn.Sequential(Unpooling(), model.maxpool)  # no parameters: the same names
         return model
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import train_bert_cls
 from utils.outputs import RunLog
+from utils import text_model
 from utils.runtime import UserError
 from utils.text_model import check_hub_ids_or_paths
 
@@ -254,7 +255,7 @@ def test_another_model_class_is_a_change_in_the_adaptation_section_alone(layouts
     def load_model(path, config, trust_remote_code=False, hub=None):
         model, info = model_class.from_pretrained(path, config=as_pooling(config), output_loading_info=True)
         started_new.extend(info["missing_keys"])
-        return model, train_bert_cls.new_weight_names(info)
+        return model, text_model.new_weight_names(info)
 
     monkeypatch.setattr(train_bert_cls, "new_model", new_model)
     monkeypatch.setattr(train_bert_cls, "load_model", load_model)

@@ -86,15 +86,15 @@ def test_predict_rows_in_input_order_match_the_models_forward(model_best, inputs
 def test_predictions_stream_a_batch_at_a_time(model_best, inputs, tmp_path, monkeypatch):
     """Memory bounded for any number of images: the rows are made from one gathered batch at a time (never from
     every image's top-k at once), in input order."""
-    import train_resnet
-
     args, files, _ = inputs
-    sizes, real = [], train_resnet.prediction_rows
+    from utils import image_data
+
+    sizes, real = [], image_data.prediction_rows
 
     def counted(dataset, first, items, *rest):
         sizes.append(len(items))
         return real(dataset, first, items, *rest)
-    monkeypatch.setattr(train_resnet, "prediction_rows", counted)
+    monkeypatch.setattr(image_data, "prediction_rows", counted)
     run_here(SCRIPT, ["--predict", *args, "--resume", model_best, "--topk", "1", "-b", "64", "-j", "0",
                       "--output_dir", tmp_path / "out"])
     assert sizes == [64] * 7 + [6]  # 454 files in batches of 64
