@@ -518,8 +518,9 @@ def two_process_part(bench):
             per_step = {group: sum(sum(step["collectives"][group].values()) for step in steady) / max(1, len(steady))
                         for group in ("training", "host")}
             shutil.rmtree(out, ignore_errors=True)
+            in_run = sum(sum(step["collectives"]["host"].values()) for step in report["steps"])
             return {"rate": 1000 * batch / ms, "ms_per_step": ms, "steady_steps": len(steady),
-                    "collectives_per_steady_step": per_step}
+                    "collectives_per_steady_step": per_step, "host_collectives_in_run": in_run}
         return measure
 
     host, device = (Arm("host channel", arm(False), s.command_limit),

@@ -70,17 +70,10 @@ def test_a_low_soft_limit_on_open_files_is_raised_with_one_line(uninterrupted):
     assert "each rank of this 4-process launch may hold about" in said[0], said
 
 
-def test_the_uninterrupted_runs_own_checkpoint_resumes_bitwise_on_4_processes(uninterrupted, text_data, tmp_path):
-    """The core of bitwise at any process count: a fresh 4-process launch from the uninterrupted run's mid-epoch
-    checkpoint ends with its weights. Then the same checkpoint on 3 processes, which its global batches (16) do not
-    divide: one line listing the counts that can continue it, before anything is written."""
-    out = tmp_path / "resumed"
-    later = [f"step_{step}" for step in range(30, STEPS + 1, 10)]
-    shutil.copytree(uninterrupted[4], out, ignore=shutil.ignore_patterns(*later))
-    (out / "all_results.json").unlink()
-    launch(SCRIPT, resume_args(text_data, out, "--resume_from_checkpoint", "latest"), num_processes=4)
-    assert_same_run(uninterrupted[4], out)
-
+def test_a_checkpoint_its_batches_do_not_divide_over_3_processes_is_refused_in_one_line(uninterrupted, text_data,
+                                                                                        tmp_path):
+    """The uninterrupted 4-process run's checkpoint on 3 processes, which its global batches (16) do not divide: one
+    line listing the counts that can continue it, before anything is written."""
     three = tmp_path / "three"
     (three / "checkpoints").mkdir(parents=True)
     shutil.copytree(uninterrupted[4] / "checkpoints" / "step_20", three / "checkpoints" / "step_20")
@@ -199,15 +192,20 @@ def test_two_c10d_machines_restart_a_killed_rank_from_the_latest_checkpoint(firs
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_cleanly(uninterrupted, text_data, tmp_path):
-    """Slurm's time limit and scancel: SIGTERM to the launcher, the ranks and their DataLoader workers at once. The
-    ranks save at one step and leave before the launcher's grace ends, no process of the job is left, and the
-    4-process resume ends exactly as the uninterrupted run (which loaded its batches without workers)."""
+    """The core of bitwise at any process count, then Slurm's time limit and scancel: a fresh 4-process launch
+    resumes the uninterrupted run's own mid-epoch checkpoint; SIGTERM to the launcher, the ranks and their DataLoader
+    workers at once; the ranks save at one step and leave before the launcher's grace ends, no process of the job is
+    left, and the 4-process resume ends exactly as the uninterrupted run (which loaded its batches without
+    workers)."""
     out = tmp_path / "preempted"
-    job = start(launch_cmd(SCRIPT, resume_args(text_data, out, "--num_workers", "2"), num_processes=4),
+    later = [f"step_{step}" for step in range(30, STEPS + 1, 10)]
+    shutil.copytree(uninterrupted[4], out, ignore=shutil.ignore_patterns(*later, "all_results.json", "stdout.txt"))
+    job = start(launch_cmd(SCRIPT, resume_args(text_data, out, "--num_workers", "2", "--resume_from_checkpoint",
+                                               "latest"), num_processes=4),
                 tmp_path / "preempted.log")
     processes = []
     try:
-        wait_for(complete(out, 20), job)
+        wait_for(complete(out, 30), job)
         wait_for(lambda: len(workers(job, out)) >= 4 + 4 * 2, job)  # the ranks and each one's 2 loader workers
         # a second run on the directory, started while the job holds it: one line naming the holder, nothing written
         # (the curve and the weights below are exactly the uninterrupted run's); the job is paused meanwhile, so
