@@ -281,37 +281,37 @@ def parse_args(argv=None):
 FLAG_ROLES = {
     # data: the training data and its cuts are part of the checkpoint; the validation set may change (named)
     "--data_dir": checkpoint.kept_by(checkpoint.DATA_KEY), "--train_file": checkpoint.kept_by(checkpoint.DATA_KEY),
-              "--validation_file": checkpoint.MAY_CHANGE,
+    "--validation_file": checkpoint.MAY_CHANGE,
     "--test_file": checkpoint.THIS_LAUNCH, "--predict_file": checkpoint.THIS_LAUNCH,
-              "--labels_file": checkpoint.kept_by("labels"),
+    "--labels_file": checkpoint.kept_by("labels"),
     "--data_cache_dir": checkpoint.THIS_LAUNCH,  # where the tokenised data are kept, not what they are
     "--max_seq_len": checkpoint.MUST_KEEP.recorded(),  # another length changes the inputs themselves
     **text_data.DATASET_ROLES, **text_data.TEXT_FORMAT_ROLES, **text_data.PADDING_ROLES,
     "--group_by_length": checkpoint.MUST_KEEP,  # the sampler: which samples each step sees
     # model: its shape must match; the starting weights matter to a fresh run only
     "--model_name_or_path": checkpoint.kept_by("model"), "--from_scratch": checkpoint.FRESH_START,
-              "--config_overrides": checkpoint.kept_by("model"),
+    "--config_overrides": checkpoint.kept_by("model"),
     "--init_from_legacy": checkpoint.FRESH_START, "--trust_remote_code": checkpoint.THIS_LAUNCH,
-              **text_model.MODEL_SOURCE_ROLES,
+    **text_model.MODEL_SOURCE_ROLES,
     **checkpoint.this_launch("--do_train", "--do_eval", "--do_test", "--do_predict"),
     # training: the global batch, its accumulation and the seed decide which samples each step sees; the optimizer's
     # hyperparameters, the schedule's length and the loss's smoothing apply from the resumed step on
     "--train_batch_size": checkpoint.MUST_KEEP, "--eval_batch_size": checkpoint.THIS_LAUNCH,
-              "--learning_rate": checkpoint.MAY_CHANGE,
+    "--learning_rate": checkpoint.MAY_CHANGE,
     "--per_device_train_batch_size": checkpoint.keep_as("--train_batch_size"),
-              "--per_device_eval_batch_size": checkpoint.THIS_LAUNCH,
+    "--per_device_eval_batch_size": checkpoint.THIS_LAUNCH,
     # the optimizer's state and its parameter groups are the checkpoint's; the schedule may change
     "--optim": checkpoint.MUST_KEEP, "--adam_beta1": checkpoint.MUST_KEEP, "--adam_beta2": checkpoint.MUST_KEEP,
-              "--adam_epsilon": checkpoint.MUST_KEEP,
+    "--adam_epsilon": checkpoint.MUST_KEEP,
     "--layerwise_lr_decay": checkpoint.MUST_KEEP, "--head_learning_rate": checkpoint.MUST_KEEP,
     "--lr_scheduler_type": checkpoint.MAY_CHANGE, "--lr_scheduler_kwargs": checkpoint.MAY_CHANGE,
-              "--warmup_steps": checkpoint.MAY_CHANGE,
+    "--warmup_steps": checkpoint.MAY_CHANGE,
     "--weight_decay": checkpoint.MAY_CHANGE, "--warmup_ratio": checkpoint.MAY_CHANGE,
-              "--num_train_epochs": checkpoint.MAY_CHANGE,
+    "--num_train_epochs": checkpoint.MAY_CHANGE,
     "--max_train_steps": checkpoint.MAY_CHANGE, "--max_grad_norm": checkpoint.MAY_CHANGE,
-              "--label_smoothing": checkpoint.MAY_CHANGE,
+    "--label_smoothing": checkpoint.MAY_CHANGE,
     "--class_weights": checkpoint.kept_by("class_weights"), "--gradient_accumulation_steps": checkpoint.MUST_KEEP,
-              "--seed": checkpoint.MUST_KEEP,
+    "--seed": checkpoint.MUST_KEEP,
     "--num_workers": checkpoint.THIS_LAUNCH,
     # output: when to validate may change (named: early stopping counts validations); the rest is this launch's
     "--eval_steps": checkpoint.MAY_CHANGE,

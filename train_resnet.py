@@ -347,17 +347,17 @@ FLAG_ROLES = {
     **image_optim.OPTIM_ROLES, "--epochs": checkpoint.MAY_CHANGE,  # the schedule is recomputed at the restored step
     # data: the training images are part of the checkpoint (their list's fingerprint)
     "data": checkpoint.kept_by(checkpoint.DATA_KEY), "--data-path": checkpoint.kept_by(checkpoint.DATA_KEY),
-              "--dummy": checkpoint.kept_by(checkpoint.DATA_KEY),
+    "--dummy": checkpoint.kept_by(checkpoint.DATA_KEY),
     **checkpoint.this_launch("-j", "--skip_bad_images", "--decode_on_device"),
     # model: the architecture must match; the starting weights matter to a fresh run only
     "-a": checkpoint.keep_as("arch"), **image_model.MODEL_ROLES, "--sync_bn": checkpoint.MAY_CHANGE,
-              "--channels_last": checkpoint.THIS_LAUNCH,
+    "--channels_last": checkpoint.THIS_LAUNCH,
     # training: the global batch, its accumulation and the seed decide which images (and augmentations) each step
     # sees; the loss's smoothing applies from the resumed step on
     "--start-epoch": checkpoint.FRESH_START, "-b": checkpoint.keep_as("global_batch_size"),
     "--per_device_batch_size": checkpoint.keep_as("global_batch_size"), "--label_smoothing": checkpoint.MAY_CHANGE,
     "--class_weights": checkpoint.kept_by("class_weights"), "--gradient_accumulation_steps": checkpoint.MUST_KEEP,
-              "--seed": checkpoint.MUST_KEEP,
+    "--seed": checkpoint.MUST_KEEP,
     **checkpoint.this_launch("--output_dir", "--overwrite_output_dir", "-p", "--checkpointing_steps",
                              "--save_total_limit",
                              "--resume", "-e", "--allow_data_change", "--predict", "--topk"),
